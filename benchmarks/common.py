@@ -1,0 +1,167 @@
+"""Shared benchmark helpers: the real model through transformers, its KV caches
+as ``[num_layers, L, kv_heads, head_dim]`` tensors, batched suffix evaluation
+and a CacheBlend-style partial-recompute forward.
+
+Everything here runs the model's own modules (no re-implementation of the
+weights); the partial forward re-uses each decoder layer's projections,
+norms, RoPE and MLP and only replaces the attention call, so it can take a
+mixed cache and a subset of query tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from sglang_kvshare.correction import merge_rows, select_tokens, token_deviation
+
+
+def set_threads(n: int = 2) -> None:
+    torch.set_num_threads(n)
+    torch.set_num_interop_threads(1) if torch.get_num_interop_threads() != 1 else None
+
+
+def load_model(name: str = "smollm2-135m"):
+    """(model, tokenizer, path) of a prepared model, fp32, eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sglang_kvshare.models import prepare
+
+    path = prepare(name)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(path), path
+
+
+@dataclass
+class KV:
+    """A stretch of cache: K, V ``[num_layers, L, kv_heads, head_dim]``."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        return int(self.k.shape[1])
+
+    def cat(self, other: "KV") -> "KV":
+        return KV(torch.cat([self.k, other.k], 1), torch.cat([self.v, other.v], 1))
+
+
+def kv_from_cache(cache) -> KV:
+    """transformers DynamicCache (batch 1) -> KV."""
+    ks = [layer.keys[0].transpose(0, 1) for layer in cache.layers]
+    vs = [layer.values[0].transpose(0, 1) for layer in cache.layers]
+    return KV(torch.stack(ks), torch.stack(vs))
+
+
+def cache_from_kvs(kvs: list[KV]):
+    """Batch of KV (same length) -> DynamicCache with batch ``len(kvs)``."""
+    from transformers import DynamicCache
+
+    nl = kvs[0].k.shape[0]
+    data = []
+    for layer in range(nl):
+        k = torch.stack([kv.k[layer].transpose(0, 1) for kv in kvs])  # [B, H, L, hd]
+        v = torch.stack([kv.v[layer].transpose(0, 1) for kv in kvs])
+        data.append((k.contiguous(), v.contiguous()))
+    return DynamicCache(ddp_cache_data=data)
+
+
+@torch.no_grad()
+def prefill(model, ids: list[int], past: KV | None = None) -> tuple[KV, float]:
+    """Dense prefill of ``ids`` after ``past`` (or from position 0).
+
+    Returns the new tokens' KV only, and the wall seconds of the forward.
+    """
+    x = torch.tensor([ids])
+    cache = cache_from_kvs([past]) if past is not None else None
+    t0 = time.perf_counter()
+    out = model(input_ids=x, past_key_values=cache, use_cache=True)
+    secs = time.perf_counter() - t0
+    full = kv_from_cache(out.past_key_values)
+    start = 0 if past is None else past.length
+    return KV(full.k[:, start:].clone(), full.v[:, start:].clone()), secs
+
+
+@torch.no_grad()
+def suffix_eval(model, contexts: list[KV], suffix: list[int], greedy: int = 0, greedy_rows: int | None = None):
+    """Run ``suffix`` after each context (a batch) and optionally decode greedily.
+
+    Returns (log-probs ``[B, T, vocab]`` float32 at the suffix positions,
+    greedy tokens ``[B', greedy]`` for the first ``greedy_rows`` contexts or None).
+    """
+    b = len(contexts)
+    cache = cache_from_kvs(contexts)
+    out = model(input_ids=torch.tensor([suffix] * b), past_key_values=cache, use_cache=True)
+    logp = torch.log_softmax(out.logits.float(), dim=-1)
+    if not greedy:
+        return logp, None
+    rows = b if greedy_rows is None else greedy_rows
+    if rows < b:  # NOTE: decode only the rows that need it; crop the batch of the cache
+        for layer in out.past_key_values.layers:
+            layer.keys, layer.values = layer.keys[:rows], layer.values[:rows]
+    tok = logp[:rows, -1].argmax(-1, keepdim=True)
+    toks = [tok]
+    past = out.past_key_values
+    for _ in range(greedy - 1):
+        o = model(input_ids=tok, past_key_values=past, use_cache=True)
+        past = o.past_key_values
+        tok = o.logits[:, -1].argmax(-1, keepdim=True)
+        toks.append(tok)
+    return logp, torch.cat(toks, 1)
+
+
+@torch.no_grad()
+def partial_recompute(model, prefix: KV, ids: list[int], reused: KV, check_layer: int = 1, ratio: float = 0.15,
+                      criterion: str = "k") -> tuple[KV, torch.Tensor]:
+    """CacheBlend-style selective recompute of a segment placed after ``prefix``.
+
+    Layers ``0..check_layer`` are recomputed for every token of the segment;
+    at ``check_layer`` the ``ratio`` of tokens whose recomputed K (or V)
+    deviates most from ``reused`` are selected, and only they are recomputed
+    through the later layers (their queries attend to the prefix plus the mixed
+    segment cache). ``reused`` must already be aligned to the segment's
+    positions. Returns (the blended segment KV, the selected token indices).
+    With ``ratio=1`` the result is the exact dense cache.
+    """
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    lm = model.model
+    p, s = prefix.length, len(ids)
+    h = lm.embed_tokens(torch.tensor([ids]))
+    pos = torch.arange(p, p + s)
+    cos, sin = lm.rotary_emb(h, pos[None])
+    sel = torch.arange(s)
+    out_k, out_v = reused.k.clone(), reused.v.clone()
+    key_pos = torch.arange(p + s)
+    chosen = sel
+    for li, layer in enumerate(lm.layers):
+        attn = layer.self_attn
+        hd = attn.head_dim
+        x = layer.input_layernorm(h)
+        n = x.shape[1]
+        q = attn.q_proj(x).view(1, n, -1, hd).transpose(1, 2)
+        k = attn.k_proj(x).view(1, n, -1, hd).transpose(1, 2)
+        v = attn.v_proj(x).view(1, n, -1, hd).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        k_rows, v_rows = k[0].transpose(0, 1), v[0].transpose(0, 1)  # [n, kvh, hd]
+        out_k[li] = merge_rows(out_k[li], k_rows, sel)
+        out_v[li] = merge_rows(out_v[li], v_rows, sel)
+        full_k = torch.cat([prefix.k[li], out_k[li]], 0).transpose(0, 1)[None]  # [1, kvh, P+S, hd]
+        full_v = torch.cat([prefix.v[li], out_v[li]], 0).transpose(0, 1)[None]
+        rep = q.shape[1] // full_k.shape[1]
+        full_k, full_v = full_k.repeat_interleave(rep, 1), full_v.repeat_interleave(rep, 1)
+        mask = key_pos[None, :] <= pos[sel][:, None]  # [n, P+S]
+        o = F.scaled_dot_product_attention(q, full_k, full_v, attn_mask=mask[None, None], scale=attn.scaling)
+        o = attn.o_proj(o.transpose(1, 2).reshape(1, n, -1))
+        h = h + o
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        if li == check_layer and ratio < 1.0:
+            dev = token_deviation(k_rows if criterion == "k" else v_rows,
+                                  (reused.k if criterion == "k" else reused.v)[li])
+            chosen = select_tokens(dev, ratio)
+            h, cos, sin, sel = h[:, chosen], cos[:, chosen], sin[:, chosen], chosen
+    return KV(out_k, out_v), chosen

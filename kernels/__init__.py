@@ -1,0 +1,30 @@
+"""Triton kernels for the correction and the gate, each with a torch reference (installed as sglang_kvshare.kernels).
+
+Layer: below the cache, above nothing; imports torch (and Triton, lazily) only.
+Use the dispatcher functions re-exported here; each op module
+(``align_correct``, ``gate_distances``, ``token_distances``) holds one Triton
+kernel and its launcher, ``reference`` the torch versions with the same
+signatures, ``rope`` the rotation helpers both share.
+"""
+
+from .dispatch import (
+    Backend,
+    align_correct_scatter,
+    align_correct_scatter_layers,
+    gate_from_sq_distances,
+    gate_sq_distances,
+    token_distances,
+    token_weights,
+    triton_available,
+)
+
+__all__ = [
+    "Backend",
+    "align_correct_scatter",
+    "align_correct_scatter_layers",
+    "gate_from_sq_distances",
+    "gate_sq_distances",
+    "token_distances",
+    "token_weights",
+    "triton_available",
+]

@@ -1,0 +1,76 @@
+"""Rotary position alignment shared by the kernels and their references (torch only).
+
+A key cached after RoPE at position ``p`` is needed at ``p + shift``: rotating it
+by ``shift`` is exact because rotations compose. The angle ``shift * inv_freq``
+is computed in float64 and rounded once (ALGORITHM.md section 2); with shifts
+of tens of thousands of positions an fp32 angle would be off by about 1e-3 rad.
+
+Layouts (both pair dimensions ``c1(j)`` and ``c2(j)`` that share ``inv_freq[j]``):
+
+* ``rotate_half`` (Llama, HF default): pairs ``j`` and ``j + rotary_dim / 2``.
+* ``interleaved`` (GPT-J, GGUF-native): pairs ``2 j`` and ``2 j + 1``.
+
+Only the first ``rotary_dim`` dims of each head rotate (partial rotary); the
+rest pass through. For either layout the rotated pair is
+``(x1 cos - x2 sin, x2 cos + x1 sin)``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+Layout = Literal["rotate_half", "interleaved"]
+LAYOUTS: tuple[str, ...] = ("rotate_half", "interleaved")
+
+
+def check_rotary(inv_freq: torch.Tensor, head_dim: int, rotary_dim: int | None, layout: str) -> int:
+    """Validate the rotary settings against a head size and return ``rotary_dim``.
+
+    ``inv_freq``: [rotary_dim / 2], any float dtype, any device.
+    Raises ValueError with what to pass instead.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if inv_freq.dim() != 1:
+        raise ValueError(f"inv_freq must be 1-D [rotary_dim/2], got shape {tuple(inv_freq.shape)}")
+    if rotary_dim is None:
+        rotary_dim = 2 * inv_freq.numel()
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise ValueError(f"rotary_dim must be even and in (0, head_dim={head_dim}], got {rotary_dim}")
+    if inv_freq.numel() != rotary_dim // 2:
+        raise ValueError(f"inv_freq has {inv_freq.numel()} entries, rotary_dim={rotary_dim} needs {rotary_dim // 2}")
+    return rotary_dim
+
+
+def rotation_cos_sin(inv_freq: torch.Tensor, shift: int, device: torch.device | None = None,
+                     dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of ``shift * inv_freq``, computed in float64, returned as ``dtype``: two [rotary_dim/2]."""
+    angle = float(shift) * inv_freq.to(device=device, dtype=torch.float64)
+    return torch.cos(angle).to(dtype), torch.sin(angle).to(dtype)
+
+
+def pair_columns(rotary_dim: int, layout: str, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Column indices (within one head) of the two members of each rotary pair: two Long [rotary_dim/2]."""
+    j = torch.arange(rotary_dim // 2, device=device)
+    if layout == "interleaved":
+        return 2 * j, 2 * j + 1
+    return j, j + rotary_dim // 2
+
+
+def rotate(x: torch.Tensor, shift: int, inv_freq: torch.Tensor, rotary_dim: int | None = None,
+           layout: Layout = "rotate_half") -> torch.Tensor:
+    """Rotate keys ``x`` [..., head_dim] by ``shift`` positions; computed in float64, returns float64.
+
+    Does not mutate ``x``. Dims past ``rotary_dim`` are copied unchanged.
+    """
+    rotary_dim = check_rotary(inv_freq, x.shape[-1], rotary_dim, layout)
+    cos, sin = rotation_cos_sin(inv_freq, shift, x.device, torch.float64)
+    c1, c2 = pair_columns(rotary_dim, layout, x.device)
+    x = x.to(torch.float64)
+    out = x.clone()
+    x1, x2 = x[..., c1], x[..., c2]
+    out[..., c1] = x1 * cos - x2 * sin
+    out[..., c2] = x2 * cos + x1 * sin
+    return out

@@ -1,0 +1,1 @@
+"""sglang-kvshare: cross-agent KV reuse for SGLang."""

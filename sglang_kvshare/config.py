@@ -1,0 +1,87 @@
+"""The one configuration object of kvshare, read once per process.
+
+Why a single frozen dataclass: the launcher parses ``--kvshare-*`` flags in the
+HTTP process, but the cache lives in SGLang's scheduler process, which SGLang
+spawns. The launcher serializes this object to JSON in the environment
+variable ``SGLANG_KVSHARE_CONFIG``; spawned processes inherit it and call
+``KVShareConfig.from_env()``. No other environment switch is read anywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+Mode = Literal["off", "fullshared", "kvcomm", "kvcmas"]
+MODES: tuple[str, ...] = ("off", "fullshared", "kvcomm", "kvcmas")
+ENV_VAR = "SGLANG_KVSHARE_CONFIG"
+
+
+@dataclass(frozen=True)
+class KVShareConfig:
+    """Settings of cross-agent KV reuse (defaults from ALGORITHM.md)."""
+
+    mode: Mode = field(default="kvcmas", metadata={"help": "off = stock radix cache; fullshared = align only; kvcomm = non-chained full-dim anchors; kvcmas = chained low-rank anchors."})
+    tau: float = field(default=0.3, metadata={"help": "Gate threshold on the normalized entropy: accept a correction when H <= tau (0 never accepts)."})
+    capacity: Optional[int] = field(default=None, metadata={"help": "Anchors per slot pool (V); default 10 for kvcmas, 20 for kvcomm."})
+    rank: Optional[int] = field(default=32, metadata={"help": "Rank r of the factors of new anchors; 0 means full dimension."})
+    evict_window: int = field(default=5, metadata={"help": "W: evict the least-activated among the W oldest anchors."})
+    gate_max_tokens: Optional[int] = field(default=None, metadata={"help": "Cap on the comparison length k of the gate (None = whole segment)."})
+    pool_budget_mb: float = field(default=512.0, metadata={"help": "Upper bound on the memory all anchor pools may hold together (MiB)."})
+    max_segments: int = field(default=64, metadata={"help": "Most segments one request may declare."})
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"kvshare mode must be one of {MODES}, got {self.mode!r}")
+        if not 0.0 <= self.tau <= 1.0:
+            raise ValueError(f"tau must lie in [0, 1], got {self.tau}")
+        if self.capacity is not None and self.capacity < 2:
+            raise ValueError(f"capacity must be at least 2 (the gate needs two anchors), got {self.capacity}")
+        if self.rank is not None and self.rank < 0:
+            raise ValueError(f"rank must be >= 0 (0 = full dimension), got {self.rank}")
+        if self.evict_window < 1:
+            raise ValueError(f"evict_window must be >= 1, got {self.evict_window}")
+        if self.pool_budget_mb <= 0:
+            raise ValueError("pool_budget_mb must be positive")
+
+    @property
+    def effective_capacity(self) -> int:
+        if self.capacity is not None:
+            return self.capacity
+        return 20 if self.mode == "kvcomm" else 10
+
+    @property
+    def effective_rank(self) -> Optional[int]:
+        """None means full dimension (kvcomm always stores full-dim anchors)."""
+        if self.mode == "kvcomm" or not self.rank:
+            return None
+        return self.rank
+
+    def replace(self, **changes) -> "KVShareConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "KVShareConfig":
+        data = json.loads(text)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown kvshare settings: {sorted(unknown)}")
+        return cls(**data)
+
+    @classmethod
+    def from_env(cls) -> "KVShareConfig":
+        """The config the launcher exported; ``off`` when none was (plain sglang launch)."""
+        text = os.environ.get(ENV_VAR)
+        if not text:
+            return cls(mode="off")
+        return cls.from_json(text)
+
+    def export_env(self) -> None:
+        os.environ[ENV_VAR] = self.to_json()

@@ -1,0 +1,113 @@
+"""Low-rank storage of per-layer ``L x D`` matrices (ALGORITHM.md section 3.1).
+
+A segment's K or V over all layers, ``[num_layers, L, kv_heads, head_dim]``,
+is viewed as ``num_layers`` matrices ``L x D`` (``D = kv_heads * head_dim``)
+and stored either as truncated-SVD factors ``A [num_layers, L, r]`` and
+``B [num_layers, r, D]`` or, with ``rank=None``, as the matrix itself.
+
+Bytes are exact: ``num_layers * r * (L + D) * itemsize`` for factors and
+``num_layers * L * D * itemsize`` for a full matrix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+__all__ = ["Factors", "factorize", "factor_nbytes"]
+
+
+@dataclass
+class Factors:
+    """One stored matrix stack. Exactly one of (``a``, ``b``) or ``full`` is set.
+
+    Attributes:
+        a: ``[num_layers, L, r]`` or None.
+        b: ``[num_layers, r, D]`` or None.
+        full: ``[num_layers, L, D]`` or None (rank None).
+        head_shape: ``(kv_heads, head_dim)`` to restore the cache layout.
+    """
+
+    a: torch.Tensor | None
+    b: torch.Tensor | None
+    full: torch.Tensor | None
+    head_shape: tuple[int, int]
+
+    @property
+    def rank(self) -> int | None:
+        return None if self.full is not None else int(self.a.shape[-1])
+
+    @property
+    def length(self) -> int:
+        return int((self.full if self.full is not None else self.a).shape[1])
+
+    @property
+    def num_layers(self) -> int:
+        return int((self.full if self.full is not None else self.a).shape[0])
+
+    def nbytes(self) -> int:
+        """Exact bytes held: ``r*(L+D)*itemsize`` per layer, or ``L*D*itemsize``."""
+        if self.full is not None:
+            return self.full.numel() * self.full.element_size()
+        return self.a.numel() * self.a.element_size() + self.b.numel() * self.b.element_size()
+
+    def matrix(self, rows: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Reconstruct the first ``rows`` rows as ``[num_layers, rows, D]``."""
+        rows = self.length if rows is None else min(rows, self.length)
+        if self.full is not None:
+            out = self.full[:, :rows]
+            return out.to(dtype) if dtype is not None else out
+        a = self.a[:, :rows]
+        b = self.b
+        if dtype is not None:
+            a, b = a.to(dtype), b.to(dtype)
+        return torch.bmm(a, b)
+
+    def reconstruct(self, rows: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Reconstruct in cache layout ``[num_layers, rows, kv_heads, head_dim]``."""
+        m = self.matrix(rows, dtype)
+        return m.view(m.shape[0], m.shape[1], *self.head_shape)
+
+
+def factor_nbytes(num_layers: int, length: int, dim: int, rank: int | None, itemsize: int) -> int:
+    """Bytes ``factorize`` would hold for these sizes (rank capped at min(L, D))."""
+    if rank is None:
+        return num_layers * length * dim * itemsize
+    r = min(rank, length, dim)
+    return num_layers * r * (length + dim) * itemsize
+
+
+def factorize(x: torch.Tensor, rank: int | None, method: Literal["svd", "randomized"] = "svd",
+              dtype: torch.dtype | None = None, niter: int = 2) -> Factors:
+    """Truncated-SVD factors of every layer's ``L x D`` matrix.
+
+    Args:
+        x: ``[num_layers, L, kv_heads, head_dim]`` (or ``[num_layers, L, D]``).
+        rank: kept singular directions; ``None`` stores the matrix itself.
+            Capped at ``min(L, D)`` (then the factors are exact).
+        method: ``"svd"`` (exact truncation, float32 math) or ``"randomized"``
+            (``torch.svd_lowrank``, faster for long segments).
+        dtype: storage dtype; defaults to ``x.dtype``.
+    Returns: new ``Factors``; ``x`` is not modified.
+    """
+    head_shape = (x.shape[2], x.shape[3]) if x.dim() == 4 else (1, x.shape[2])
+    nl, length = x.shape[0], x.shape[1]
+    m = x.reshape(nl, length, -1)
+    store = dtype or x.dtype
+    if rank is None:
+        return Factors(None, None, m.to(store).clone(), head_shape)
+    if rank <= 0:
+        raise ValueError(f"rank must be positive or None, got {rank}")
+    r = min(rank, length, m.shape[-1])
+    work = m.float() if m.dtype in (torch.float16, torch.bfloat16) else m
+    if method == "randomized" and r < min(length, m.shape[-1]):
+        u, s, v = torch.svd_lowrank(work, q=min(r + 8, length, m.shape[-1]), niter=niter)
+        a = u[..., :r] * s[..., None, :r]
+        b = v[..., :r].transpose(-1, -2)
+    else:
+        u, s, vh = torch.linalg.svd(work, full_matrices=False)
+        a = u[..., :r] * s[..., None, :r]
+        b = vh[..., :r, :]
+    return Factors(a.to(store).contiguous(), b.to(store).contiguous(), None, head_shape)

@@ -1,0 +1,67 @@
+"""Fixtures of the correction tests: seeded RNG, a tiny random Llama, the real model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    return torch.Generator().manual_seed(1234)
+
+
+def _tiny_llama(**overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    kw = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=8192,
+              rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    kw.update(overrides)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(**kw)
+    model = LlamaForCausalLM(cfg).eval()
+    # NOTE: random init gives tiny weights; larger ones make contexts matter.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(8.0)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    return _tiny_llama()
+
+
+@pytest.fixture(scope="session")
+def make_tiny_llama():
+    return _tiny_llama
+
+
+def cache_of(model, ids: torch.Tensor, position_ids: torch.Tensor | None = None):
+    """Run ``ids`` (1-D LongTensor) and return K, V ``[num_layers, T, kv_heads, head_dim]``."""
+    with torch.no_grad():
+        out = model(input_ids=ids[None], position_ids=None if position_ids is None else position_ids[None],
+                    use_cache=True)
+    layers = out.past_key_values.layers
+    k = torch.stack([layer.keys[0].transpose(0, 1) for layer in layers])
+    v = torch.stack([layer.values[0].transpose(0, 1) for layer in layers])
+    return k, v
+
+
+@pytest.fixture(scope="session")
+def kv_of():
+    return cache_of
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    from transformers import AutoModelForCausalLM
+
+    from sglang_kvshare.models import prepare
+
+    path = prepare("smollm2-135m")
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

@@ -1,0 +1,193 @@
+"""Anchor pool: exactness with exact deltas, chaining, gate, eviction, coverage, memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_kvshare.correction import (AnchorPool, PoolConfig, RopeSpec, SegmentCache, factor_nbytes,
+                                       make_estimator, rotate_keys)
+
+
+@pytest.fixture(scope="module")
+def llama_world(tiny_llama, kv_of):
+    """Three agents (prefixes of 5, 9 and 14 tokens) and two contents of 12 tokens."""
+    g = torch.Generator().manual_seed(7)
+    prefixes = {a: torch.randint(0, 128, (n,), generator=g) for a, n in (("a", 5), ("b", 9), ("c", 14))}
+    contents = [torch.randint(0, 128, (12,), generator=g) for _ in range(2)]
+    spec = RopeSpec.from_hf_config(tiny_llama.config)
+
+    def seg(agent, content):
+        pre = prefixes[agent]
+        k, v = kv_of(tiny_llama, torch.cat([pre, content]))
+        return SegmentCache(k[:, len(pre):], v[:, len(pre):], len(pre), agent)
+
+    return spec, seg, contents
+
+
+def _close(a, b):
+    torch.testing.assert_close(a, b, atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize("rank", [None, 12])  # 12 = min(L, D): factors exact
+def test_exact_deltas_reproduce_exact_target(llama_world, rank):
+    spec, seg, (content, _) = llama_world
+    src, dst = seg("a", content), seg("c", content)
+    assert (src.v - dst.v).abs().max() > 1e-3  # contexts matter: the test can fail
+    pool = AnchorPool(spec, PoolConfig(tau=1.0, rank=rank))
+    for key in ("x", "y"):  # two copies of the same observation: any weights mix equal deltas
+        pool.add_observation(src.k, src.v, src.start_pos, dst.k, dst.v, dst.start_pos, ("a", "c"), key)
+    res = pool.estimate(src.k, src.v, src.start_pos, dst.start_pos, ("a", "c"))
+    assert res.accepted and res.covered == 12
+    _close(res.k, dst.k)
+    _close(res.v, dst.v)
+    # The estimate does not depend on absolute positions: move both ends by +100.
+    moved = pool.estimate(rotate_keys(src.k, 100, spec), src.v, src.start_pos + 100, dst.start_pos + 100,
+                          ("a", "c"))
+    _close(moved.k, rotate_keys(dst.k, 100, spec))
+
+
+def test_chaining_over_three_agents_is_exact(llama_world):
+    spec, seg, (content, _) = llama_world
+    ca, cb, cc = seg("a", content), seg("b", content), seg("c", content)
+    est = make_estimator("kvcmas", spec, tau=1.0, rank=None)
+    for key in ("x", "y"):
+        est.observe("q", ca, cb, content_key=key)
+        est.observe("q", cb, cc, content_key=key)
+    hop1 = est.estimate("q", ca, "b", cb.start_pos)
+    assert hop1.accepted
+    hat_b = SegmentCache(hop1.k, hop1.v, cb.start_pos, "b", exact=False)
+    hop2 = est.estimate("q", hat_b, "c", cc.start_pos)
+    assert hop2.accepted
+    _close(hop2.k, cc.k)
+    _close(hop2.v, cc.v)
+    with pytest.raises(ValueError, match="dense"):
+        est.observe("q", ca, hat_b)
+
+
+def test_identical_anchors_have_max_entropy_and_reject(llama_world):
+    spec, seg, (content, _) = llama_world
+    src, dst = seg("a", content), seg("b", content)
+    pool = AnchorPool(spec, PoolConfig(tau=0.99, rank=None))
+    assert pool.estimate(src.k, src.v, 5, 9, ("a", "b")).reason == "too_few_anchors"
+    for key in range(3):
+        pool.add_observation(src.k, src.v, 5, dst.k, dst.v, 9, ("a", "b"), key)
+    res = pool.estimate(src.k, src.v, 5, 9, ("a", "b"))
+    assert res.entropy == pytest.approx(1.0)
+    assert not res.accepted and res.reason == "gate_rejected" and res.k is None
+    assert pool.estimate(src.k, src.v, 5, 9, ("a", "c")).reason == "no_edge"
+    assert all(a["activations"] == 0 for a in pool.describe())
+
+
+def _rand_seg(g, length=10, nl=2, scale=10.0):
+    return torch.randn(nl, length, 2, 8, generator=g) * scale, torch.randn(nl, length, 2, 8, generator=g) * scale
+
+
+def test_near_identical_anchor_is_accepted_and_returns_its_delta(gen):
+    spec = RopeSpec.default(head_dim=8)
+    pool = AnchorPool(spec, PoolConfig(tau=0.3, rank=None))
+    deltas = []
+    for key in range(4):
+        k, v = _rand_seg(gen)
+        dk, dv = _rand_seg(gen, scale=0.1)
+        pool.add_observation(k, v, 3, rotate_keys(k, 4, spec) + rotate_keys(dk, 7, spec), v + dv, 7, "e", key)
+        deltas.append((k, v, dk, dv))
+    k, v, dk, dv = deltas[2]
+    noisy_k, noisy_v = k + 1e-3 * torch.randn(k.shape, generator=gen), v + 1e-3 * torch.randn(v.shape, generator=gen)
+    res = pool.estimate(noisy_k, noisy_v, 3, 7, "e")
+    assert res.accepted and res.entropy < 0.01
+    assert res.gate_weights.argmax().item() == 2
+    torch.testing.assert_close(res.k, rotate_keys(noisy_k, 4, spec) + rotate_keys(dk, 7, spec), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(res.v, noisy_v + dv, atol=1e-4, rtol=1e-4)
+    assert [a["activations"] for a in pool.describe()] == [0, 0, 1, 0]
+
+
+def test_eviction_drops_least_activated_among_window_oldest(gen):
+    spec = RopeSpec.default(head_dim=8)
+    pool = AnchorPool(spec, PoolConfig(capacity=3, window=2, tau=0.5, rank=None))
+    segs = {}
+
+    def add(name):
+        segs[name] = _rand_seg(gen)
+        k, v = segs[name]
+        pool.add_observation(k, v, 0, k, v, 0, "e", name)
+
+    def activate(name):
+        k, v = segs[name]
+        assert pool.estimate(k, v, 0, 0, "e").accepted
+
+    def keys():
+        return [a["content_key"] for a in pool.describe()]
+
+    for n in ("A0", "A1", "A2"):
+        add(n)
+    activate("A0")
+    add("A3")  # window [A0, A1]: A1 has no activation
+    assert keys() == ["A0", "A2", "A3"]
+    add("A4")  # window [A0, A2]: A2
+    assert keys() == ["A0", "A3", "A4"]
+    activate("A3")
+    activate("A3")
+    add("A5")  # window [A0 (1), A3 (2)]: A0
+    assert keys() == ["A3", "A4", "A5"]
+    add("A6")  # window [A3 (2), A4 (0)]: A4
+    assert keys() == ["A3", "A5", "A6"]
+    pool.set_capacity(1)  # shrinking evicts by the same rule: A5 then A6 (ties -> oldest)
+    assert keys() == ["A3"]
+
+
+def test_longer_segment_is_corrected_only_on_covered_prefix(gen):
+    spec = RopeSpec.default(head_dim=8)
+    pool = AnchorPool(spec, PoolConfig(tau=1.0, rank=None, gate_len=8))
+    for key, length in (("s", 8), ("l", 10)):
+        k, v = _rand_seg(gen, length)
+        pool.add_observation(k, v, 0, k + 1.0, v + 1.0, 0, "e", key)
+    short = _rand_seg(gen, 7)
+    pool_short_gate = AnchorPool(spec, PoolConfig(tau=1.0, rank=None))  # gate_len None: k = S
+    assert pool_short_gate.estimate(*short, 0, 0, "e").reason == "too_few_anchors"
+    k, v = _rand_seg(gen, 16)
+    res = pool.estimate(k, v, 2, 5, "e")
+    assert res.accepted and res.covered == 10
+    aligned = rotate_keys(k, 3, spec)
+    torch.testing.assert_close(res.k[:, 10:], aligned[:, 10:])  # untouched, never extrapolated
+    torch.testing.assert_close(res.v[:, 10:], v[:, 10:])
+    torch.testing.assert_close(res.v[:, :10], v[:, :10] + 1.0)  # every delta is +1
+    assert torch.all(res.token_weights_v[0, 8:] == 0) and torch.all(res.token_weights_v[1, 8:] == 1)
+
+
+def test_memory_report_and_runtime_config(gen):
+    spec = RopeSpec.default(head_dim=8)
+    pool = AnchorPool(spec, PoolConfig(rank=4, tau=0.3))
+    k, v = _rand_seg(gen, 20)
+    pool.add_observation(k, v, 0, k, v, 0, ("a", "b"), "x")
+    pool.add_observation(k, v, 0, k, v, 0, ("b", "c"), "x")  # same content: one base, two deltas
+    one = factor_nbytes(2, 20, 16, 4, 4)
+    assert pool.memory_bytes() == 6 * one and pool.full_dim_bytes() == 6 * 2 * 20 * 16 * 4
+    assert pool.describe()[0]["edges"] == ["('a', 'b')", "('b', 'c')"]
+    pool.set_rank(None)
+    pool.add_observation(k, v, 0, k, v, 0, ("a", "b"), "y")
+    assert [a["rank"] for a in pool.describe()] == [4, None]
+    pool.set_tau(0.0)
+    assert pool.config.tau == 0.0
+    pool.reset()
+    assert len(pool) == 0 and pool.memory_bytes() == 0
+
+
+def test_kvcmas_anchor_memory_4x_below_kvcomm_for_2k_segments(gen):
+    """Equal V, 2048-token segment, D = 3 x 64 (SmolLM2), 4 consuming agents."""
+    spec = RopeSpec.default(head_dim=64)
+    nl, length = 1, 2048  # bytes scale linearly in layers and anchors; one of each keeps the test fast
+    k, v = torch.randn(nl, length, 3, 64, generator=gen), torch.randn(nl, length, 3, 64, generator=gen)
+    comm = make_estimator("kvcomm", spec, capacity=1)
+    mas = make_estimator("kvcmas", spec, capacity=1, svd_method="randomized")
+    agents = ["a0", "a1", "a2", "a3", "a4"]
+    for content in range(1):
+        ref = SegmentCache(k, v, 0, "ref")
+        for prev, agent in zip(agents, agents[1:]):
+            tgt = SegmentCache(k, v, 0, agent)
+            comm.observe("q", ref, tgt, content_key=content)
+            mas.observe("q", SegmentCache(k, v, 0, prev), tgt, content_key=content)
+    ratio = comm.memory_bytes() / mas.memory_bytes()
+    assert comm.memory_bytes() == (2 + 2 * 4) * nl * length * 192 * 4
+    assert mas.memory_bytes() == (2 + 2 * 4) * nl * 32 * (length + 192) * 4
+    assert ratio >= 4.0, ratio
