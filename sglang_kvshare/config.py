@@ -29,9 +29,10 @@ class KVShareConfig:
     capacity: Optional[int] = field(default=None, metadata={"help": "Anchors per slot pool (V); default 10 for kvcmas, 20 for kvcomm."})
     rank: Optional[int] = field(default=32, metadata={"help": "Rank r of the factors of new anchors; 0 means full dimension."})
     evict_window: int = field(default=5, metadata={"help": "W: evict the least-activated among the W oldest anchors."})
-    gate_max_tokens: Optional[int] = field(default=None, metadata={"help": "Cap on the comparison length k of the gate (None = whole segment)."})
+    gate_max_tokens: Optional[int] = field(default=128, metadata={"help": "Cap on the comparison length k of the gate; 0 = the whole segment. The gate only considers anchors at least k tokens long, so without a cap a new content longer than every earlier one always falls back."})
     pool_budget_mb: float = field(default=512.0, metadata={"help": "Upper bound on the memory all anchor pools may hold together (MiB)."})
     max_segments: int = field(default=64, metadata={"help": "Most segments one request may declare."})
+    learn_async: bool = field(default=True, metadata={"help": "Record anchors from dense prefills on a background thread (keeps the SVD out of the scheduler loop); false records them inside checkpoint, deterministic for tests."})
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -44,6 +45,8 @@ class KVShareConfig:
             raise ValueError(f"rank must be >= 0 (0 = full dimension), got {self.rank}")
         if self.evict_window < 1:
             raise ValueError(f"evict_window must be >= 1, got {self.evict_window}")
+        if self.gate_max_tokens is not None and self.gate_max_tokens < 0:
+            raise ValueError("gate_max_tokens must be >= 0 (0 = whole segment)")
         if self.pool_budget_mb <= 0:
             raise ValueError("pool_budget_mb must be positive")
 

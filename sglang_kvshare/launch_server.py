@@ -40,6 +40,15 @@ CPU_DEFAULTS: tuple[tuple[str, str | None], ...] = (
 )
 
 
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
 def add_kvshare_args(parser: argparse.ArgumentParser) -> None:
     """Add one ``--kvshare-<field>`` option per ``KVShareConfig`` field."""
     group = parser.add_argument_group("kvshare", "cross-agent KV reuse (sglang-kvshare)")
@@ -51,6 +60,8 @@ def add_kvshare_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, choices=MODES, default=default, help=f"{help_text} (default: {default})")
         elif f.name in ("capacity", "gate_max_tokens", "rank"):
             group.add_argument(flag, type=int, default=default, help=f"{help_text} (default: {default})")
+        elif f.name == "learn_async":
+            group.add_argument(flag, type=_parse_bool, default=default, help=f"{help_text} (default: {default})")
         elif f.name in ("max_segments", "evict_window"):
             group.add_argument(flag, type=int, default=default, help=f"{help_text} (default: {default})")
         else:
@@ -144,6 +155,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         build_parser().print_help()
         return
     config, sglang_argv = parse_kvshare(argv)
+    if config.mode == "kvcomm":
+        raise SystemExit(
+            "--kvshare-mode kvcomm is not served: it needs a context-free reference prefill of every "
+            "first-seen content. It is measured offline: python -m benchmarks.fidelity (mode 'kvcomm').")
     cpu = not gpu_visible()
     if cpu:
         apply_cpu_thread_env()

@@ -2,7 +2,8 @@
 
 SGLang calls ``load_plugin`` in each of its processes (HTTP, scheduler,
 detokenizer). It registers the ``kvshare`` tree-cache backend, so that
-``--radix-cache-backend kvshare`` selects our cache. It is cheap and
+``--radix-cache-backend kvshare`` selects our cache, and a hook that rejects
+malformed request annotations with an HTTP 400 (``request_validation``). It is cheap and
 idempotent: the cache module is imported only when SGLang builds the cache.
 """
 
@@ -31,4 +32,7 @@ def load_plugin() -> None:
     if BACKEND_NAME in registered_radix_cache_backends():
         return
     register_radix_cache_backend(BACKEND_NAME, _build_cache)
+    from sglang_kvshare import request_validation
+
+    request_validation.register()
     logger.info("sglang-kvshare: registered radix cache backend %r", BACKEND_NAME)

@@ -71,6 +71,7 @@ class ServerProcess:
             os.close(fd)
             self.log_path = Path(name)
         env = dict(os.environ)
+        env.pop("TRITON_INTERPRET", None)  # a test session's interpreter flag must not reach the server
         if not gpu_visible():
             env = {**cpu_thread_env(), **env}
         log = open(self.log_path, "wb")

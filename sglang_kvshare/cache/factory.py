@@ -1,8 +1,8 @@
 """Builds the kvshare tree cache from SGLang's ``TreeCacheBuildContext``.
 
-Why a factory apart from the cache class: it is where the launch-time checks
-live (page size, model support, hybrid models) so that an unsupported setup
-starts with plain radix caching and a warning instead of wrong KV.
+Why a factory apart from the cache class: it holds the launch-time checks, so
+that a setup kvshare cannot serve correctly is refused with a message that
+says what to change, before any request sees wrong KV.
 """
 
 from __future__ import annotations
@@ -14,15 +14,33 @@ from sglang_kvshare.config import KVShareConfig
 logger = logging.getLogger(__name__)
 
 
+class UnsupportedSetupError(ValueError):
+    """The server was launched with options kvshare cannot honour."""
+
+
+def check_setup(ctx, config: KVShareConfig) -> None:
+    if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or ctx.enable_hierarchical_cache:
+        raise UnsupportedSetupError(
+            "--radix-cache-backend kvshare supports full-attention models without hierarchical "
+            "cache; drop the backend flag for hybrid SWA/SSM models or --enable-hierarchical-cache.")
+    if config.mode == "off":
+        return
+    if ctx.params.page_size != 1:
+        raise UnsupportedSetupError(
+            f"--kvshare-mode {config.mode} needs --page-size 1 (got {ctx.params.page_size}): assembled "
+            "segments start at arbitrary token offsets. Use --page-size 1 or --kvshare-mode off.")
+    if ctx.tp_size > 1 and config.mode != "fullshared":
+        raise UnsupportedSetupError(
+            f"--kvshare-mode {config.mode} with --tp-size {ctx.tp_size} is not supported yet: every rank "
+            "must take the same gate decision. Use --tp-size 1, or --kvshare-mode fullshared (no gate).")
+
+
 def build_kvshare_cache(ctx):
     from sglang_kvshare.cache.kvshare_radix_cache import KVShareRadixCache
 
     config = KVShareConfig.from_env()
-    if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or ctx.enable_hierarchical_cache:
-        raise ValueError(
-            "--radix-cache-backend kvshare supports full-attention models without "
-            "hierarchical cache; drop the backend flag for hybrid SWA/SSM models or HiCache."
-        )
+    check_setup(ctx, config)
     cache = KVShareRadixCache(ctx.params, config=config, model_config=ctx.model_config)
-    logger.info("sglang-kvshare: KVShareRadixCache live (mode=%s)", config.mode)
+    logger.info("sglang-kvshare: KVShareRadixCache live (mode=%s%s)", config.mode,
+                f", disabled: {cache.unsupported_reason}" if cache.unsupported_reason else "")
     return cache

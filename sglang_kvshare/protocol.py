@@ -1,0 +1,122 @@
+"""The request annotation protocol: which agent speaks and where its segments lie.
+
+A request declares its agent and segments in ``sampling_params.custom_params``
+under the key ``"kvshare"``, as a JSON string (SGLang requires custom params to
+be flat JSON values; a dict is accepted too)::
+
+    {"sampling_params": {"custom_params": {"kvshare": json.dumps({
+        "agent": "solver",
+        "segments": [
+            {"kind": "private", "start": 0,   "end": 37},
+            {"kind": "shared",  "start": 37,  "end": 420, "slot": "query"},
+            {"kind": "private", "start": 420, "end": 431}
+        ]})}}}
+
+* ``start``/``end`` are token offsets into the request's ``input_ids``
+  (end exclusive). Segments are in order, contiguous, and cover the whole
+  prompt: ``0 = s0.start < s0.end = s1.start < ... < sN.end = len(input_ids)``.
+* ``private`` (PF in the papers): text only this agent puts there (its system
+  prompt, glue, its question). ``shared`` (PH): text many agents see (a
+  question, retrieved passages, another agent's answer), with a ``slot`` name
+  that says what role the text plays (``query``, ``out:analyst``). One slot
+  holds different content on every request; the server learns per slot.
+* A request without the key is served exactly as stock SGLang serves it.
+
+Violations raise ``AnnotationError``; the HTTP server turns it into a 400 with
+the message, and nothing else changes. This module has no SGLang imports: the
+frontend uses it to build annotations and the server to check them.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+CUSTOM_PARAMS_KEY = "kvshare"
+MAX_NAME_CHARS = 128
+DEFAULT_MAX_SEGMENTS = 64
+
+
+class AnnotationError(ValueError):
+    """A malformed kvshare annotation; the message says what to fix."""
+
+
+class Segment(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["private", "shared"]
+    start: int = Field(ge=0)
+    end: int = Field(gt=0)
+    slot: Optional[str] = Field(default=None, min_length=1, max_length=MAX_NAME_CHARS)
+
+    @model_validator(mode="after")
+    def _check(self) -> "Segment":
+        if self.end <= self.start:
+            raise ValueError(f"segment [{self.start}, {self.end}) is empty or reversed")
+        if self.kind == "shared" and self.slot is None:
+            raise ValueError("a shared segment needs a slot name")
+        if self.kind == "private" and self.slot is not None:
+            raise ValueError("a private segment takes no slot name")
+        return self
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+class Annotation(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    agent: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
+    segments: tuple[Segment, ...] = Field(min_length=1)
+
+    def to_custom_params(self) -> dict[str, str]:
+        return {CUSTOM_PARAMS_KEY: self.model_dump_json(exclude_none=True)}
+
+
+def _first_error(exc: ValidationError) -> str:
+    errs = exc.errors()
+    parts = []
+    for e in errs[:3]:
+        loc = ".".join(str(x) for x in e.get("loc", ()))
+        parts.append(f"{loc}: {e.get('msg')}" if loc else str(e.get("msg")))
+    return "; ".join(parts)
+
+
+def parse_annotation(custom_params: Any, num_tokens: int,
+                     max_segments: int = DEFAULT_MAX_SEGMENTS) -> Optional[Annotation]:
+    """The request's annotation, or None when it carries none.
+
+    Raises ``AnnotationError`` when the annotation is present but malformed or
+    does not match ``num_tokens`` (the length of the request's input_ids).
+    """
+    if not isinstance(custom_params, dict) or CUSTOM_PARAMS_KEY not in custom_params:
+        return None
+    raw = custom_params[CUSTOM_PARAMS_KEY]
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise AnnotationError(f"kvshare annotation is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise AnnotationError("kvshare annotation must be a JSON object with 'agent' and 'segments'")
+    segments = raw.get("segments")
+    if isinstance(segments, list) and len(segments) > max_segments:
+        raise AnnotationError(f"kvshare annotation declares {len(segments)} segments; at most {max_segments} allowed")
+    try:
+        ann = Annotation.model_validate(raw)
+    except ValidationError as exc:
+        raise AnnotationError(f"malformed kvshare annotation: {_first_error(exc)}") from None
+    expected = 0
+    for i, seg in enumerate(ann.segments):
+        if seg.start != expected:
+            what = "overlaps the previous one" if seg.start < expected else "leaves a gap after the previous one"
+            raise AnnotationError(f"kvshare segment {i} starts at {seg.start} and {what} (expected start {expected})")
+        expected = seg.end
+    if expected != num_tokens:
+        raise AnnotationError(
+            f"kvshare segments cover [0, {expected}) but the request has {num_tokens} input tokens; "
+            "segments must cover the whole prompt")
+    return ann
