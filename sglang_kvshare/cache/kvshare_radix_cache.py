@@ -514,3 +514,50 @@ class KVShareRadixCache(RadixCache):
             "counters": {k: (round(v, 6) if isinstance(v, float) else v) for k, v in self.counters.items()},
             "slots": slots,
         }
+
+    # ------------------------------------------------------------ admin
+    def kvshare_pools(self, slot: Optional[str] = None) -> dict:
+        """Per slot, each anchor: id, length, age, activations, edges, rank, bytes."""
+        with self._estimator_lock:
+            describe = self.estimator.describe() if self.estimator is not None else {}
+        if slot is not None:
+            if slot not in describe and slot not in self.registry.slots:
+                raise KeyError(slot)
+            return {slot: describe.get(slot, [])}
+        names = set(describe) | set(self.registry.slots)
+        return {name: describe.get(name, []) for name in sorted(names)}
+
+    def kvshare_configure(self, *, tau: Optional[float] = None, capacity: Optional[int] = None,
+                          rank: Optional[int] = None, mode: Optional[str] = None) -> KVShareConfig:
+        """Apply a validated change atomically (all or nothing); returns the new config.
+
+        ``mode`` may switch among ``off``, ``fullshared`` and ``kvcmas`` at runtime;
+        switching between fullshared and kvcmas rebuilds the estimator (pools start empty).
+        """
+        from sglang_kvshare.correction import make_estimator
+
+        changes = {k: v for k, v in dict(tau=tau, capacity=capacity, rank=rank, mode=mode).items() if v is not None}
+        if changes.get("mode") == "kvcomm":
+            raise ValueError("mode kvcomm is not served (it needs reference prefills); use fullshared or kvcmas")
+        new = self.kvshare_config.replace(**changes)  # validates; raises ValueError
+        with self._estimator_lock:
+            rebuild = new.mode != self.kvshare_config.mode and new.mode != "off"
+            self.kvshare_config = new
+            if new.mode != "off" and self.spec is None and self.unsupported_reason is None:
+                self._init_correction(self.model_config)
+            elif rebuild and self.spec is not None:
+                self.estimator = self._make_estimator(make_estimator)
+            elif self.estimator is not None and new.mode == "kvcmas":
+                self.estimator.configure(tau=new.tau, capacity=new.effective_capacity,
+                                         rank=new.effective_rank)
+        return new
+
+    def kvshare_reset(self, slot: Optional[str] = None) -> None:
+        """Empty the anchor pools (and materialization records) of one slot or all."""
+        with self._estimator_lock:
+            if self.estimator is not None:
+                if slot is None:
+                    self.estimator.reset()
+                elif hasattr(self.estimator, "pools") and slot in self.estimator.pools:
+                    self.estimator.pools[slot].reset()
+            self.registry.reset(slot)
