@@ -35,7 +35,7 @@ CPU_DEFAULTS: tuple[tuple[str, str | None], ...] = (
     ("--disable-cuda-graph", None),
     ("--skip-server-warmup", None),
     ("--dtype", "float32"),
-    ("--mem-fraction-static", "0.05"),
+    ("--mem-fraction-static", "0.8"),  # of system RAM; --max-total-tokens bounds the KV pool
     ("--max-total-tokens", "16384"),
 )
 

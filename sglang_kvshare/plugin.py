@@ -3,8 +3,9 @@
 SGLang calls ``load_plugin`` in each of its processes (HTTP, scheduler,
 detokenizer). It registers the ``kvshare`` tree-cache backend, so that
 ``--radix-cache-backend kvshare`` selects our cache, and a hook that rejects
-malformed request annotations with an HTTP 400 (``request_validation``). It is cheap and
-idempotent: the cache module is imported only when SGLang builds the cache.
+malformed request annotations with an HTTP 400 (``request_validation``), and the
+``/kvshare/`` admin routes and metrics (``admin``). It is cheap and idempotent:
+the cache module is imported only when SGLang builds the cache.
 """
 
 from __future__ import annotations
@@ -35,4 +36,7 @@ def load_plugin() -> None:
     from sglang_kvshare import request_validation
 
     request_validation.register()
+    from sglang_kvshare import admin
+
+    admin.register()
     logger.info("sglang-kvshare: registered radix cache backend %r", BACKEND_NAME)

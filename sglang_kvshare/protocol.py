@@ -9,8 +9,8 @@ be flat JSON values; a dict is accepted too)::
         "segments": [
             {"kind": "private", "start": 0,   "end": 37},
             {"kind": "shared",  "start": 37,  "end": 420, "slot": "query"},
-            {"kind": "private", "start": 420, "end": 431}
-        ]})}}}
+            {"kind": "private", "start": 420, "end": 431}],
+        "output_slot": "out:solver"})}}}
 
 * ``start``/``end`` are token offsets into the request's ``input_ids``
   (end exclusive). Segments are in order, contiguous, and cover the whole
@@ -20,6 +20,10 @@ be flat JSON values; a dict is accepted too)::
   question, retrieved passages, another agent's answer), with a ``slot`` name
   that says what role the text plays (``query``, ``out:analyst``). One slot
   holds different content on every request; the server learns per slot.
+* ``output_slot`` (optional): the slot under which this request's own generated
+  tokens are shared with later agents. A consumer that puts the same output ids
+  in a shared segment of that slot reuses the producer's KV (the producer's
+  copy covers every output token whose KV was computed, i.e. all but the last).
 * A request without the key is served exactly as stock SGLang serves it.
 
 Violations raise ``AnnotationError``; the HTTP server turns it into a 400 with
@@ -71,6 +75,10 @@ class Annotation(BaseModel):
 
     agent: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
     segments: tuple[Segment, ...] = Field(min_length=1)
+    output_slot: Optional[str] = Field(default=None, min_length=1, max_length=MAX_NAME_CHARS)
+    """Slot under which this request's generated tokens become shared input of later
+    agents (e.g. ``out:solver``): the consumer that passes the same output ids in a
+    shared segment of that slot can reuse the producer's KV."""
 
     def to_custom_params(self) -> dict[str, str]:
         return {CUSTOM_PARAMS_KEY: self.model_dump_json(exclude_none=True)}

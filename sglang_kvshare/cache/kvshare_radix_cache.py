@@ -60,6 +60,7 @@ class SegmentOutcome:
     slot: Optional[str]
     tokens: int
     resolved_by: str = "dense"  # hit | alignment | correction | dense
+    resolved_tokens: int = 0  # rows served without prefill (a partial source covers fewer)
     reason: Optional[str] = None
     source_agent: Optional[str] = None
     entropy: Optional[float] = None
@@ -94,13 +95,15 @@ class RequestPlan:
     def report(self) -> dict:
         by = defaultdict(int)
         for o in self.outcomes:
-            by[o.resolved_by] += o.tokens
+            if o.resolved_by != "dense":
+                by[o.resolved_by] += o.resolved_tokens
+        total = sum(o.tokens for o in self.outcomes)
         return {
             "agent": self.agent,
             "tokens_exact_hit": by["hit"],
             "tokens_aligned": by["alignment"],
             "tokens_corrected": by["correction"],
-            "tokens_prefilled": by["dense"],
+            "tokens_prefilled": total - by["hit"] - by["alignment"] - by["correction"],
             "shared_tokens": sum(o.tokens for o in self.outcomes if o.kind == "shared"),
             "assembly_seconds": round(self.assembly_seconds, 6),
             "segments": [o.as_dict() for o in self.outcomes],
@@ -207,6 +210,8 @@ class KVShareRadixCache(RadixCache):
                 self._count(plan)
                 plan.counted = True
             self._learn(req, plan, up_to)
+            if plan.annotation.output_slot and req.finished():
+                self._record_output(req, plan, up_to)
         except Exception:  # noqa: BLE001
             logger.exception("sglang-kvshare: learning from a dense prefill failed")
             self.counters["internal_errors"] += 1
@@ -262,7 +267,7 @@ class KVShareRadixCache(RadixCache):
         plan.attempted = True
         for o, seg in zip(plan.outcomes, plan.annotation.segments):
             if seg.end <= plan.exact_len:
-                o.resolved_by = "hit"
+                o.resolved_by, o.resolved_tokens = "hit", o.tokens
             if seg.kind == "shared" and seg.end > m:
                 src = self.registry.slot(seg.slot).latest(plan.hashes[o.index])
                 if src is not None and src.path_tokens != plan.tokens[:seg.end]:
@@ -270,7 +275,7 @@ class KVShareRadixCache(RadixCache):
 
         locks: list[TreeNode] = []
         pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
-        resolved: list[tuple[int, str, Materialization]] = []  # (segment, how, source)
+        resolved: list[tuple[int, bool, Materialization]] = []  # (segment, complete, source)
         pos = m
         self.inc_lock_ref(result.last_device_node)
         locks.append(result.last_device_node)
@@ -280,19 +285,26 @@ class KVShareRadixCache(RadixCache):
                     continue
                 if pos >= limit:
                     break
-                row_end = min(seg.end, limit)
                 try:
                     k, v, how, source = self._resolve(plan, o, seg, locks)
                 except _Unresolved as exc:
                     o.reason = exc.reason
                     o.resolved_by = "dense"
                     break
+                # A source may cover only a prefix of the segment (a producer's output
+                # lacks the KV of its last token): resolve what it covers, then stop.
+                row_end = min(seg.end, limit, seg.start + k.shape[1])
+                if row_end <= pos:
+                    o.reason = "source_too_short"
+                    break
                 lo, hi = pos - seg.start, row_end - seg.start
                 pieces.append((k[:, lo:hi], v[:, lo:hi]))
-                o.resolved_by, o.reason = how, None
-                resolved.append((o.index, how, source))
+                o.resolved_by, o.reason, o.resolved_tokens = how, None, row_end - seg.start
                 pos = row_end
-                if row_end < seg.end:
+                complete = row_end == seg.end
+                resolved.append((o.index, complete, source))
+                if not complete:
+                    o.reason = "partial" if row_end < limit else None
                     break  # the last prompt token is always computed
             if not pieces:
                 plan.assembled_end = m
@@ -300,7 +312,8 @@ class KVShareRadixCache(RadixCache):
             new_idx = self._alloc(pos - m)
             if new_idx is None:
                 for idx, _, _ in resolved:
-                    plan.outcomes[idx].resolved_by, plan.outcomes[idx].reason = "dense", "alloc_failed"
+                    out = plan.outcomes[idx]
+                    out.resolved_by, out.reason, out.resolved_tokens = "dense", "alloc_failed", 0
                 plan.assembled_end = m
                 self.counters["alloc_failed"] += 1
                 return result
@@ -311,8 +324,9 @@ class KVShareRadixCache(RadixCache):
         finally:
             for node in locks:
                 self.dec_lock_ref(node)
-        for idx, _, _ in resolved:
-            self._record_materialization(plan, idx, exact=False)
+        for idx, complete, _ in resolved:
+            if complete:
+                self._record_materialization(plan, idx, exact=False)
         plan.assembled_end = pos
         longer = super().match_prefix(params)
         if longer.device_prefix_len != pos:
@@ -406,13 +420,12 @@ class KVShareRadixCache(RadixCache):
             st.requests += 1
             st.shared_tokens_seen += o.tokens
             if o.resolved_by == "hit":
-                st.resolved_hit += o.tokens
+                st.resolved_hit += o.resolved_tokens
             elif o.resolved_by == "alignment":
-                st.resolved_alignment += o.tokens
+                st.resolved_alignment += o.resolved_tokens
             elif o.resolved_by == "correction":
-                st.resolved_correction += o.tokens
-            else:
-                st.prefilled_dense += o.tokens
+                st.resolved_correction += o.resolved_tokens
+            st.prefilled_dense += o.tokens - o.resolved_tokens
             if o.reason is not None:
                 st.fallbacks[o.reason] += 1
             if o.entropy is not None:
@@ -445,7 +458,7 @@ class KVShareRadixCache(RadixCache):
                 continue
             t0 = time.perf_counter()
             k_src, v_src = read_segment(kvcache, located[0])
-            k_tgt, v_tgt = read_segment(kvcache, row[seg.start:seg.end])
+            k_tgt, v_tgt = read_segment(kvcache, row[seg.start:seg.start + k_src.shape[1]])
             self.counters["observation_copy_seconds"] += time.perf_counter() - t0
             job = (seg.slot, SegmentCache(k_src, v_src, source.start, source.agent, exact=source.exact),
                    SegmentCache(k_tgt, v_tgt, seg.start, plan.agent, exact=True), plan.hashes[o.index])
@@ -454,6 +467,20 @@ class KVShareRadixCache(RadixCache):
                 self._observations.put(job)
             else:
                 self._observe(job)
+
+    def _record_output(self, req, plan: RequestPlan, up_to: int) -> None:
+        """A finished producer's generated tokens become a source for its output slot."""
+        out_ids = tuple(int(t) for t in req.output_ids)
+        in_tree = min(max(up_to - len(plan.tokens), 0), len(out_ids))
+        if not out_ids or in_tree == 0:
+            return
+        mat = Materialization(agent=plan.agent, path_tokens=plan.tokens + out_ids[:in_tree],
+                              extra_key=plan.extra_key, cache_salt=plan.cache_salt, start=len(plan.tokens),
+                              exact=True)
+        node = self.registry.slot(plan.annotation.output_slot)
+        # Consumers may pass the whole output or only what has KV; both find it.
+        for content in {content_hash(out_ids), content_hash(out_ids[:in_tree])}:
+            node.record(content, mat)
 
     def _observe(self, job) -> None:
         slot, source, target, content = job
@@ -504,8 +531,12 @@ class KVShareRadixCache(RadixCache):
             info["anchor_bytes"] = int(sum(a.get("bytes", 0) for a in anchors))
         seen = sum(s["shared_tokens_seen"] for s in slots.values())
         reused = sum(s["resolved_alignment"] + s["resolved_correction"] for s in slots.values())
+        allocator = self.token_to_kv_pool_allocator
         return {
             "mode": self.kvshare_config.mode,
+            "config": dict(self.kvshare_config.__dict__),
+            "kv_pool_tokens": {"available": int(allocator.available_size()), "evictable": int(self.evictable_size()),
+                               "protected": int(self.protected_size()), "total": int(allocator.size)},
             "unsupported_reason": self.unsupported_reason,
             "shared_tokens_seen": seen,
             "reuse_ratio": reused / seen if seen else 0.0,

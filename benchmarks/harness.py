@@ -1,0 +1,125 @@
+"""Shared serving-benchmark harness: servers per mode, streamed requests, stats, output.
+
+Why one module: every serving benchmark must start the same real server the
+same way (one mode at a time on this 2-core machine), time requests the same
+way (TTFT = time to the first streamed chunk), and write JSON that says on
+which machine it was measured.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import requests
+
+from sglang_kvshare.server_process import ServerProcess
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def mode_args(mode: str, extra: Sequence[str] = ()) -> list[str]:
+    args = ["--kvshare-mode", mode]
+    if mode == "kvcmas":
+        args += ["--kvshare-learn-async", "true"]
+    return args + list(extra)
+
+
+def start_server(model_path: str, mode: str, *, kvshare_extra: Sequence[str] = (),
+                 server_extra: Sequence[str] = ()) -> ServerProcess:
+    return ServerProcess(model_path=model_path, kvshare_args=mode_args(mode, kvshare_extra),
+                         extra_args=list(server_extra)).start()
+
+
+@dataclass
+class Timed:
+    ttft: float
+    e2e: float
+    output_ids: list[int]
+    meta: dict
+
+    @property
+    def report(self) -> dict:
+        rep = self.meta.get("kvshare")
+        return rep[0] if rep else {}
+
+
+def stream_generate(url: str, input_ids: list[int], *, custom_params: Optional[dict] = None,
+                    max_new_tokens: int = 128, ignore_eos: bool = False, timeout: float = 600) -> Timed:
+    """Greedy generation, streamed; TTFT is the arrival of the first chunk with output."""
+    sampling = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": ignore_eos}
+    if custom_params:
+        sampling["custom_params"] = custom_params
+    body = {"input_ids": input_ids, "sampling_params": sampling, "stream": True}
+    t0 = time.perf_counter()
+    ttft = None
+    last = None
+    with requests.post(url + "/generate", json=body, stream=True, timeout=timeout) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if not line or not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                break
+            chunk = json.loads(payload)
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            last = chunk
+    e2e = time.perf_counter() - t0
+    if last is None:
+        raise RuntimeError("the server streamed no output")
+    return Timed(ttft=ttft, e2e=e2e, output_ids=list(last.get("output_ids") or []), meta=last["meta_info"])
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    data = sorted(values)
+    if not data:
+        return float("nan")
+    k = (len(data) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(data) - 1)
+    return data[lo] + (data[hi] - data[lo]) * (k - lo)
+
+
+def summary(values: Sequence[float]) -> dict:
+    vals = [float(v) for v in values]
+    if not vals:
+        return {"n": 0}
+    return {"n": len(vals), "p50": percentile(vals, 0.5), "p90": percentile(vals, 0.9),
+            "mean": statistics.fmean(vals), "min": min(vals), "max": max(vals)}
+
+
+def machine() -> dict:
+    info = {"platform": platform.platform(), "python": platform.python_version(),
+            "cpu_count": os.cpu_count(), "processor": platform.processor() or platform.machine()}
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except Exception:  # noqa: BLE001
+        info["gpu"] = None
+    return info
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+
+
+def process_tree_rss_mb(pid: int) -> float:
+    """Resident memory of a server and its children (scheduler, detokenizer)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root] + root.children(recursive=True)
+        return sum(p.memory_info().rss for p in procs if p.is_running()) / 2**20
+    except psutil.Error:
+        return float("nan")

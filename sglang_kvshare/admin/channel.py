@@ -1,0 +1,112 @@
+"""HTTP-process end of the admin channel (the scheduler end is ``scheduler_hooks``).
+
+* ``read()``: SGLang's ``TokenizerManager.get_internal_state()`` (one
+  ``GetInternalStateReq``, answered by every DP rank); our scheduler hook puts
+  the cache's snapshot under ``internal_state["kvshare"]``.
+* ``call(op, **params)``: an ``RpcReqInput(method="kvshare_admin")`` on
+  SGLang's RPC socket (``PortArgs.rpc_ipc_name``). The scheduler side connects
+  a DEALER socket there at start-up; in ``sglang.launch_server`` nothing binds
+  the other end (only the offline ``Engine`` does), so this channel binds it on
+  first use. Calls are serialized by a lock (one outstanding RPC, as in
+  ``Engine.collective_rpc``); each carries a fresh ``rid`` that the scheduler
+  echoes, so a late answer to a call that timed out is recognised and dropped.
+
+Limits: one scheduler answers RPCs (``--dp-size 1``; with data parallelism
+writes reach one rank only), and ``--tokenizer-worker-num 1`` (the default;
+SGLang's API keys need it too).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any, Optional
+
+from sglang_kvshare.admin import ops
+
+logger = logging.getLogger(__name__)
+
+RPC_TIMEOUT_S = 60.0
+
+
+class ChannelError(RuntimeError):
+    """The scheduler did not answer (in time); ``status`` is the HTTP status to return."""
+
+    def __init__(self, message: str, status: int = 503) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class AdminChannel:
+    """Reads and writes the scheduler's kvshare state over SGLang's own IPC."""
+
+    def __init__(self, tokenizer_manager: Any, rpc_endpoint: str, *, timeout: float = RPC_TIMEOUT_S) -> None:
+        self.tokenizer_manager = tokenizer_manager
+        self.rpc_endpoint = rpc_endpoint
+        self.timeout = timeout
+        self._socket = None
+        self._lock: Optional[asyncio.Lock] = None
+
+    async def read(self) -> list[dict]:
+        """One snapshot (``{"config", "stats", "pools"}``) per DP rank.
+
+        Raises ``ChannelError`` (503) when no rank carries one: the scheduler
+        does not run the kvshare cache.
+        """
+        states = await self.tokenizer_manager.get_internal_state()
+        snaps = [s[ops.STATE_KEY] for s in states if isinstance(s, dict) and ops.STATE_KEY in s]
+        if not snaps:
+            raise ChannelError("the scheduler does not run the kvshare cache "
+                               "(start the server with --radix-cache-backend kvshare)")
+        for snap in snaps:
+            if "error" in snap:
+                raise ChannelError(f"reading the kvshare state failed: {snap['error']}", status=500)
+        return snaps
+
+    async def call(self, op: str, **params: Any) -> ops.Reply:
+        """Run ``ops.execute(cache, op, **params)`` in the scheduler; its ``Reply``.
+
+        ``params`` must be flat scalars (SGLang's ``RpcReqInput`` contract).
+        Raises ``ChannelError`` (504) after ``timeout`` seconds without an answer.
+        """
+        from sglang.srt.managers.io_struct import RpcReqInput, RpcReqOutput, async_sock_recv, async_sock_send
+
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            sock = self._ensure_socket()
+            rid = f"kvshare-{uuid.uuid4().hex}"
+            await async_sock_send(sock, RpcReqInput(method=ops.RPC_METHOD, parameters={"op": op, **params},
+                                                    rid=rid))
+            deadline = time.monotonic() + self.timeout
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not await sock.poll(timeout=int(left * 1000)):
+                    raise ChannelError(f"the scheduler did not answer the kvshare {op!r} call within "
+                                       f"{self.timeout:.0f}s; it may still apply it", status=504)
+                out = await async_sock_recv(sock)
+                if not isinstance(out, RpcReqOutput):
+                    logger.warning("sglang-kvshare: unexpected message on the RPC socket: %r", type(out))
+                    continue
+                try:
+                    reply = ops.Reply.from_json(out.message)
+                except (ValueError, KeyError, TypeError):
+                    # Not ours (another RPC's answer) or an error SGLang raised itself.
+                    if getattr(out, "rid", None) == rid:
+                        return ops.Reply(500 if not out.success else 200, out.message)
+                    continue
+                if reply.rid == rid:
+                    return reply
+                logger.warning("sglang-kvshare: dropping a late answer (%s) on the RPC socket", reply.rid)
+
+    def _ensure_socket(self):
+        if self._socket is None:
+            import zmq
+            import zmq.asyncio
+
+            from sglang.srt.utils.network import get_zmq_socket
+
+            self._socket = get_zmq_socket(zmq.asyncio.Context.instance(), zmq.DEALER, self.rpc_endpoint, True)
+        return self._socket

@@ -1,0 +1,128 @@
+"""Prometheus export of the kvshare counters (``sglang_kvshare_*`` on SGLang's ``/metrics``).
+
+Why in the scheduler process: the counters live in the cache there. SGLang
+runs prometheus_client in multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``,
+set before it spawns the scheduler): every process writes its samples to
+files in that folder and the HTTP process's ``/metrics`` merges them. So the
+scheduler only has to create the metrics and keep them current; SGLang
+serves them. ``scheduler_hooks`` calls ``KVShareMetrics.update`` after prefill
+batches and when idle (at most once a second), and after every admin call.
+
+The cache's numbers are cumulative since its last ``/kvshare/reset``;
+Prometheus counters must never go down, so ``update`` adds the increase since
+the previous update and treats a drop as a reset (the new value is all new).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+PREFIX = "sglang_kvshare_"
+MAX_SLOT_LABELS = 64  # slot names come from requests: bound the label cardinality
+OTHER_SLOT = "_other"
+RESOLVED_BY = ("hit", "alignment", "correction", "dense")
+_RESOLVED_FIELD = {"hit": "resolved_hit", "alignment": "resolved_alignment",
+                   "correction": "resolved_correction", "dense": "prefilled_dense"}
+MODES = ("off", "fullshared", "kvcomm", "kvcmas")
+
+
+class KVShareMetrics:
+    """The ``sglang_kvshare_*`` metrics of one scheduler process.
+
+    Create it once per process (prometheus_client refuses duplicate names in
+    one registry; tests pass their own ``registry``) after
+    ``PROMETHEUS_MULTIPROC_DIR`` is set. Not thread-safe:
+    call ``update`` from the scheduler thread only.
+    """
+
+    def __init__(self, registry: Any = None) -> None:
+        from prometheus_client import REGISTRY, Counter, Gauge
+
+        registry = REGISTRY if registry is None else registry
+
+        def counter(name: str, doc: str, labels: tuple[str, ...]) -> Any:
+            return Counter(PREFIX + name, doc, labelnames=labels, registry=registry)
+
+        def gauge(name: str, doc: str, labels: tuple[str, ...] = (), mode: str = "livesum") -> Any:
+            return Gauge(PREFIX + name, doc, labelnames=labels, multiprocess_mode=mode, registry=registry)
+
+        self.requests = counter("requests", "Annotated requests that carried a shared segment of this slot.", ("slot",))
+        self.shared_tokens = counter("shared_tokens", "Shared-segment tokens seen, per slot.", ("slot",))
+        self.resolved_tokens = counter(
+            "resolved_tokens", "Shared-segment tokens by how they were served: exact radix hit, "
+            "re-alignment, correction, or dense prefill.", ("slot", "by"))
+        self.fallbacks = counter("fallbacks", "Shared segments prefilled densely, by reason.", ("slot", "reason"))
+        self.events = counter("events", "Cache-wide events (annotated_requests, observations, "
+                              "internal_errors, alloc_failed, ...).", ("event",))
+        self.seconds = counter("seconds", "Time spent in kvshare work, by phase.", ("phase",))
+        self.anchors = gauge("anchors", "Anchors held in the slot's pool.", ("slot",))
+        self.anchor_bytes = gauge("anchor_bytes", "Bytes held by the slot's anchors.", ("slot",))
+        self.pool_bytes = gauge("pool_bytes", "Bytes held by all anchor pools together.")
+        self.pending = gauge("pending_observations", "Dense prefills queued for anchor learning.")
+        self.gate_entropy = gauge("mean_gate_entropy", "Mean normalized entropy of the slot's gate decisions "
+                                  "(kvcmas; since the last reset).", ("slot",), mode="mostrecent")
+        self.reuse_ratio = gauge("reuse_ratio", "Shared tokens re-aligned or corrected / shared tokens seen "
+                                 "(since the last reset).", mode="mostrecent")
+        self.tau = gauge("tau", "Gate threshold in force.", mode="mostrecent")
+        self.capacity = gauge("capacity", "Anchors per slot pool in force (V).", mode="mostrecent")
+        self.mode = gauge("mode", "1 for the kvshare mode in force, 0 for the others.", ("mode",), mode="mostrecent")
+        self._last: dict[tuple, float] = {}
+        self._slot_labels: dict[str, str] = {}
+        self._gauged_slots: set[str] = set()
+
+    # ------------------------------------------------------------ public
+    def update(self, stats: dict, config: Optional[dict] = None) -> None:
+        """Bring every metric up to ``stats`` (``KVShareRadixCache.kvshare_stats()``)."""
+        slots: dict[str, dict] = stats.get("slots", {})
+        anchors: dict[str, float] = {}
+        anchor_bytes: dict[str, float] = {}
+        for name, s in slots.items():
+            label = self._label(name)
+            self._count(self.requests, (label,), ("req", name), s.get("requests", 0))
+            self._count(self.shared_tokens, (label,), ("tok", name), s.get("shared_tokens_seen", 0))
+            for by in RESOLVED_BY:
+                self._count(self.resolved_tokens, (label, by), ("by", name, by), s.get(_RESOLVED_FIELD[by], 0))
+            for reason, n in (s.get("fallbacks") or {}).items():
+                self._count(self.fallbacks, (label, str(reason)), ("fb", name, reason), n)
+            mean = s.get("mean_gate_entropy")
+            if mean is not None:
+                self.gate_entropy.labels(label).set(mean)
+            anchors[label] = anchors.get(label, 0) + s.get("anchors", 0)
+            anchor_bytes[label] = anchor_bytes.get(label, 0) + s.get("anchor_bytes", 0)
+        for key, value in (stats.get("counters") or {}).items():
+            if key.endswith("_seconds"):
+                self._count(self.seconds, (key[: -len("_seconds")],), ("s", key), value)
+            else:
+                self._count(self.events, (key,), ("ev", key), value)
+        for label in self._gauged_slots - set(anchors):  # slots emptied by a reset
+            self.anchors.labels(label).set(0)
+            self.anchor_bytes.labels(label).set(0)
+        for label, n in anchors.items():
+            self.anchors.labels(label).set(n)
+            self.anchor_bytes.labels(label).set(anchor_bytes[label])
+        self._gauged_slots |= set(anchors)
+        self.pool_bytes.set(stats.get("anchor_bytes", 0))
+        self.pending.set(stats.get("pending_observations", 0))
+        self.reuse_ratio.set(stats.get("reuse_ratio", 0.0))
+        if config is not None:
+            self.tau.set(config.get("tau", 0.0))
+            capacity = config.get("capacity")
+            self.capacity.set(capacity if capacity is not None else (20 if config.get("mode") == "kvcomm" else 10))
+            for m in MODES:
+                self.mode.labels(m).set(1 if config.get("mode") == m else 0)
+
+    # ------------------------------------------------------------ helpers
+    def _label(self, slot: str) -> str:
+        label = self._slot_labels.get(slot)
+        if label is None:
+            label = slot if len(self._slot_labels) < MAX_SLOT_LABELS else OTHER_SLOT
+            self._slot_labels[slot] = label
+        return label
+
+    def _count(self, counter: Any, labels: tuple, key: tuple, value: float) -> None:
+        value = float(value or 0)
+        last = self._last.get(key, 0.0)
+        delta = value - last if value >= last else value  # a drop means the cache was reset
+        self._last[key] = value
+        if delta > 0:
+            counter.labels(*labels).inc(delta)

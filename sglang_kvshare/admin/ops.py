@@ -1,0 +1,102 @@
+"""The admin operations, run in the scheduler process against the live cache.
+
+Why a module without SGLang imports: the wire format between the HTTP
+process (``channel.py``) and the scheduler (``scheduler_hooks.py``) and what
+each operation does to the cache are one contract, testable on its own. The
+cache is duck-typed: anything with ``kvshare_stats``, ``kvshare_pools``,
+``kvshare_configure`` and ``kvshare_reset`` (``KVShareRadixCache``).
+
+Wire format: a write travels as SGLang's ``RpcReqInput(method=RPC_METHOD,
+parameters={"op": ..., ...})`` and comes back as ``RpcReqOutput`` whose
+``message`` is the JSON of a ``Reply``. Reads travel inside SGLang's
+``GetInternalStateReqOutput.internal_state[STATE_KEY]`` (``snapshot``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+RPC_METHOD = "kvshare_admin"
+STATE_KEY = "kvshare"
+OPS = ("configure", "reset")
+
+
+def has_admin_api(cache: Any) -> bool:
+    """True when ``cache`` is a kvshare cache (the admin routes work on nothing else)."""
+    return all(hasattr(cache, name) for name in ("kvshare_stats", "kvshare_pools", "kvshare_configure",
+                                                  "kvshare_reset", "kvshare_config"))
+
+
+def _plain(value: Any) -> Any:
+    """Builtin types only (dict subclasses, tuples and numpy scalars become JSON types)."""
+    return json.loads(json.dumps(value, default=float))
+
+
+def config_dict(cache: Any) -> dict:
+    return dataclasses.asdict(cache.kvshare_config)
+
+
+def snapshot(cache: Any) -> dict:
+    """Everything the read routes serve: ``{"config", "stats", "pools"}`` as builtin types.
+
+    Takes the cache's estimator lock through its methods; pools list every
+    known slot (empty lists for slots without anchors).
+    """
+    return _plain({"config": config_dict(cache), "stats": cache.kvshare_stats(), "pools": cache.kvshare_pools()})
+
+
+@dataclass
+class Reply:
+    """Outcome of one write: an HTTP status, a message for people, a result for programs."""
+
+    status: int
+    message: str = ""
+    result: dict = field(default_factory=dict)
+    rid: Optional[str] = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status < 400
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Reply":
+        data = json.loads(text)
+        return cls(status=int(data["status"]), message=str(data.get("message", "")),
+                   result=dict(data.get("result") or {}), rid=data.get("rid"))
+
+
+def execute(cache: Any, op: str, *, slot: Optional[str] = None, tau: Optional[float] = None,
+            capacity: Optional[int] = None, rank: Optional[int] = None, mode: Optional[str] = None) -> Reply:
+    """Run one write on the cache; never raises for bad input (it becomes a 4xx ``Reply``).
+
+    * ``configure``: ``cache.kvshare_configure`` (all or nothing; ``ValueError`` -> 422);
+      the result is the new config.
+    * ``reset``: empties the anchor pools and materialization records of ``slot``
+      (404 when the cache does not know it) or of every slot; the result is the
+      pools left.
+    """
+    if not has_admin_api(cache):
+        return Reply(503, "the kvshare cache is not active in this scheduler "
+                          "(start the server with --radix-cache-backend kvshare)")
+    if op == "configure":
+        try:
+            new = cache.kvshare_configure(tau=tau, capacity=capacity, rank=rank, mode=mode)
+        except (TypeError, ValueError) as exc:
+            return Reply(422, str(exc))
+        return Reply(200, "config applied", {"config": _plain(dataclasses.asdict(new))})
+    if op == "reset":
+        if slot is not None:
+            try:
+                cache.kvshare_pools(slot)
+            except KeyError:
+                return Reply(404, f"unknown slot {slot!r}; GET /kvshare/pools lists the known slots")
+        cache.kvshare_reset(slot)
+        return Reply(200, f"reset {'slot ' + repr(slot) if slot is not None else 'all slots'}",
+                     {"pools": _plain(cache.kvshare_pools())})
+    return Reply(400, f"unknown kvshare admin op {op!r}; expected one of {OPS}")

@@ -1,0 +1,215 @@
+"""The ``/kvshare/`` admin routes, mounted on SGLang's own FastAPI app.
+
+Why mounted through a BEFORE hook on ``http_server._setup_and_run_http_server``:
+that function runs only in the process that serves HTTP, receives the
+tokenizer manager and the IPC names the channel needs, and runs before SGLang
+adds its API-key middleware and starts uvicorn, so the routes appear in
+``/openapi.json`` and the middleware sees them. The routes are mounted only
+when the server runs ``--radix-cache-backend kvshare``.
+
+Auth reuses SGLang's own levels (``sglang.srt.utils.auth``): the write routes
+are ``ADMIN_OPTIONAL`` like ``/flush_cache`` (the admin key when the server has
+one, else the API key, else open; SGLang's middleware answers 401), the read
+routes ``NORMAL`` like ``/get_server_info``.
+
+SGLang turns FastAPI's body-validation errors into 400 for the whole app, so
+``POST /kvshare/config`` parses its body itself and answers 422 with a
+message; ``openapi_extra`` still documents the body schema.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from http import HTTPStatus
+from typing import Any, Literal, Optional
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from sglang_kvshare.admin import ops
+from sglang_kvshare.admin.channel import AdminChannel, ChannelError
+from sglang_kvshare.config import KVShareConfig
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "/kvshare"
+BACKEND_NAME = "kvshare"
+SETUP_TARGET = "sglang.srt.entrypoints.http_server._setup_and_run_http_server"
+MAX_CAPACITY = 4096  # bounds that keep values inside SGLang's msgpack IPC (int64)
+MAX_RANK = 65536
+
+_HELP = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(KVShareConfig)}
+_channel: Optional[AdminChannel] = None
+
+
+class ConfigUpdate(BaseModel):
+    """Body of ``POST /kvshare/config``: the settings to change (at least one; null = keep)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tau: Optional[float] = Field(None, ge=0.0, le=1.0, strict=True, allow_inf_nan=False,
+                                 description=_HELP["tau"])
+    capacity: Optional[int] = Field(None, ge=2, le=MAX_CAPACITY, strict=True, description=_HELP["capacity"])
+    rank: Optional[int] = Field(None, ge=0, le=MAX_RANK, strict=True, description=_HELP["rank"])
+    mode: Optional[Literal["off", "fullshared", "kvcmas"]] = Field(
+        None, description="off | fullshared | kvcmas (kvcomm is offline only); switching between "
+                          "fullshared and kvcmas starts with empty pools.")
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> "ConfigUpdate":
+        if not self.changes():
+            raise ValueError("nothing to change: give at least one of tau, capacity, rank, mode")
+        return self
+
+    def changes(self) -> dict[str, Any]:
+        return {k: v for k, v in self.model_dump().items() if v is not None}
+
+
+def _error(status: int, message: str, **extra: Any) -> JSONResponse:
+    """SGLang's error shape (``ErrorResponse``): object, message, type, code."""
+    body = {"object": "error", "message": message, "type": HTTPStatus(status).phrase, "code": status, **extra}
+    return JSONResponse(body, status_code=status)
+
+
+def _channel_or_error() -> AdminChannel:
+    if _channel is None:
+        raise ChannelError("the kvshare admin channel is not set up in this process")
+    return _channel
+
+
+async def _read() -> dict:
+    snaps = await _channel_or_error().read()
+    return snaps[0]  # NOTE: dp_size 1; with several DP ranks the first one answers
+
+
+def _write_auth(func):
+    from sglang.srt.utils.auth import AuthLevel, auth_level
+
+    return auth_level(AuthLevel.ADMIN_OPTIONAL)(func)
+
+
+router = APIRouter(prefix=PREFIX, tags=["kvshare"])
+
+_ERRORS = {401: {"description": "API key missing or wrong (SGLang's key rules)"},
+           503: {"description": "the scheduler does not run the kvshare cache"}}
+
+
+@router.get("/stats", responses=_ERRORS, summary="Reuse counters, totals and per slot")
+async def get_stats():
+    """Totals and per slot: requests, shared tokens seen, tokens resolved by hit /
+    alignment / correction, reuse ratio, fallbacks by reason, anchors, bytes, mean gate entropy."""
+    try:
+        snap = await _read()
+    except ChannelError as exc:
+        return _error(exc.status, str(exc))
+    return {"config": snap["config"], **snap["stats"]}
+
+
+@router.get("/pools", responses=_ERRORS, summary="Anchor pools of every slot")
+async def get_pools():
+    """Per slot, each anchor: id, length, age, activations, consumers/edges, rank, bytes."""
+    try:
+        snap = await _read()
+    except ChannelError as exc:
+        return _error(exc.status, str(exc))
+    return {"pools": snap["pools"]}
+
+
+@router.get("/pools/{slot:path}", responses={**_ERRORS, 404: {"description": "unknown slot"}},
+            summary="Anchor pool of one slot")
+async def get_pool(slot: str):
+    try:
+        snap = await _read()
+    except ChannelError as exc:
+        return _error(exc.status, str(exc))
+    if slot not in snap["pools"]:
+        return _error(404, f"unknown slot {slot!r}; known slots: {sorted(snap['pools'])}")
+    return {"slot": slot, "anchors": snap["pools"][slot]}
+
+
+async def _call(op: str, **params: Any) -> JSONResponse:
+    try:
+        reply = await _channel_or_error().call(op, **params)
+    except ChannelError as exc:
+        return _error(exc.status, str(exc))
+    if not reply.ok:
+        return _error(reply.status, reply.message)
+    return JSONResponse({"message": reply.message, **reply.result})
+
+
+_CONFIG_BODY = {"requestBody": {"required": True, "content": {
+    "application/json": {"schema": ConfigUpdate.model_json_schema(ref_template="#/components/schemas/{model}")}}}}
+
+
+@router.post("/config", openapi_extra=_CONFIG_BODY,
+             responses={**_ERRORS, 422: {"description": "invalid body; `message` says what to fix"}},
+             summary="Change tau, capacity, rank or mode, atomically")
+@_write_auth
+async def post_config(request: Request):
+    """Validate and apply the change in the scheduler between two batches (all or
+    nothing); answers the new config. The next request runs under it."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw) if raw.strip() else None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return _error(422, f"body is not valid JSON: {exc}")
+    if not isinstance(data, dict):
+        return _error(422, "body must be a JSON object with at least one of tau, capacity, rank, mode")
+    try:
+        update = ConfigUpdate.model_validate(data)
+    except ValidationError as exc:
+        errors = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
+        message = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in errors[:5])
+        return _error(422, f"invalid kvshare config: {message}", errors=errors)
+    return await _call("configure", **update.changes())
+
+
+@router.post("/pools/{slot:path}/reset", responses={**_ERRORS, 404: {"description": "unknown slot"}},
+             summary="Empty one slot's anchor pool and records")
+@_write_auth
+async def reset_pool(slot: str):
+    return await _call("reset", slot=slot)
+
+
+@router.post("/reset", responses=_ERRORS, summary="Empty every anchor pool and record")
+@_write_auth
+async def reset_all():
+    return await _call("reset")
+
+
+# ------------------------------------------------------------ mounting
+_SETUP_PARAMS = ("server_args", "tokenizer_manager", "template_manager", "port_args")
+
+
+def mount(app: Any, tokenizer_manager: Any, rpc_endpoint: str) -> None:
+    """Add the routes to ``app`` and open the channel (idempotent)."""
+    global _channel
+    _channel = AdminChannel(tokenizer_manager, rpc_endpoint)
+    if not any(getattr(r, "path", "").startswith(PREFIX + "/") for r in app.router.routes):
+        app.include_router(router)
+
+
+def before_setup_http_server(*args, **kwargs):
+    """BEFORE hook on ``_setup_and_run_http_server``: mount when the kvshare backend is on."""
+    bound = dict(zip(_SETUP_PARAMS, args))
+    bound.update({k: v for k, v in kwargs.items() if k in _SETUP_PARAMS})
+    server_args, port_args = bound.get("server_args"), bound.get("port_args")
+    if getattr(server_args, "radix_cache_backend", None) != BACKEND_NAME:
+        return None
+    if bound.get("tokenizer_manager") is None or port_args is None:
+        logger.warning("sglang-kvshare: admin routes not mounted (no tokenizer manager in this process)")
+        return None
+    from sglang.srt.entrypoints.http_server import app
+
+    mount(app, bound["tokenizer_manager"], port_args.rpc_ipc_name)
+    logger.info("sglang-kvshare: admin routes mounted under %s/", PREFIX)
+    return None
+
+
+def register() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(SETUP_TARGET, before_setup_http_server, HookType.BEFORE)

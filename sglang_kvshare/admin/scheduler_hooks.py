@@ -1,0 +1,143 @@
+"""Scheduler-side ends of the admin channel, as ``HookRegistry`` hooks.
+
+Why these hooks: SGLang already carries two request/response channels
+between the HTTP process and the scheduler, and the admin routes ride on them
+rather than opening a third:
+
+* reads: ``GetInternalStateReq`` (``TokenizerManager.get_internal_state``,
+  fanned out to every DP rank by SGLang). An AFTER hook on the scheduler's
+  ``SchedulerInternalStateController.get_internal_state`` adds
+  ``internal_state["kvshare"] = ops.snapshot(tree_cache)``.
+* writes: ``RpcReqInput`` on the scheduler's RPC socket. An AROUND hook on
+  ``Scheduler.handle_rpc_request`` answers ``method == "kvshare_admin"``
+  itself (``ops.execute``; every other method goes to SGLang unchanged) and
+  puts the ``ops.Reply`` JSON, tagged with the request's ``rid``, into
+  ``RpcReqOutput.message``. It runs on the scheduler thread between batches,
+  so a config change is atomic with respect to requests.
+
+Metrics (``--enable-metrics``): AFTER hooks on the prefill report and on
+``Scheduler.on_idle`` refresh ``KVShareMetrics`` at most once a second; reads
+and writes refresh it at once.
+
+Everything that names an SGLang scheduler symbol is in this module.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Optional
+
+from sglang_kvshare.admin import ops
+
+logger = logging.getLogger(__name__)
+
+INTERNAL_STATE_TARGET = ("sglang.srt.managers.scheduler_components.internal_state."
+                         "SchedulerInternalStateController.get_internal_state")
+RPC_TARGET = "sglang.srt.managers.scheduler.Scheduler.handle_rpc_request"
+IDLE_TARGET = "sglang.srt.managers.scheduler.Scheduler.on_idle"
+PREFILL_REPORT_TARGET = ("sglang.srt.managers.scheduler_components.metrics_reporter."
+                         "SchedulerMetricsReporter.report_prefill_stats")
+METRICS_INTERVAL_S = 1.0
+
+_metrics: Any = None  # KVShareMetrics of this process, or False where metrics are off
+_last_refresh = 0.0
+
+
+# ------------------------------------------------------------ metrics
+def _metrics_for(scheduler: Any) -> Any:
+    """This process's exporter, created on first use; None when metrics are off here."""
+    global _metrics
+    if _metrics is None:
+        reporter = getattr(scheduler, "metrics_reporter", None)
+        enabled = bool(getattr(reporter, "enable_metrics", False)) and bool(
+            getattr(reporter, "is_stats_logging_rank", True))
+        if enabled and ops.has_admin_api(getattr(scheduler, "tree_cache", None)):
+            from sglang_kvshare.admin.metrics import KVShareMetrics
+
+            _metrics = KVShareMetrics()
+        else:
+            _metrics = False
+    return _metrics or None
+
+
+def refresh_metrics(scheduler: Any, *, force: bool = False, stats: Optional[dict] = None) -> None:
+    """Push the cache's counters to Prometheus (throttled unless ``force``); never raises."""
+    global _last_refresh
+    try:
+        metrics = _metrics_for(scheduler)
+        if metrics is None:
+            return
+        now = time.monotonic()
+        if not force and now - _last_refresh < METRICS_INTERVAL_S:
+            return
+        _last_refresh = now
+        cache = scheduler.tree_cache
+        metrics.update(stats if stats is not None else cache.kvshare_stats(), ops.config_dict(cache))
+    except Exception:  # noqa: BLE001 - metrics must never stop the scheduler
+        logger.exception("sglang-kvshare: refreshing metrics failed")
+
+
+def after_on_idle(result, scheduler, *args, **kwargs):
+    refresh_metrics(scheduler)
+    return result
+
+
+def after_prefill_report(result, reporter, *args, **kwargs):
+    refresh_metrics(reporter.scheduler)
+    return result
+
+
+# ------------------------------------------------------------ reads
+def after_get_internal_state(result, controller, *args, **kwargs):
+    """AFTER hook: ``internal_state["kvshare"]`` = config, stats and pools of the cache."""
+    scheduler = controller.scheduler
+    cache = getattr(scheduler, "tree_cache", None)
+    state = getattr(result, "internal_state", None)
+    if not isinstance(state, dict) or not ops.has_admin_api(cache):
+        return result
+    try:
+        snap = ops.snapshot(cache)
+    except Exception as exc:  # noqa: BLE001 - a read must not break /get_server_info
+        logger.exception("sglang-kvshare: reading the cache state failed")
+        snap = {"error": f"{type(exc).__name__}: {exc}"}
+    else:
+        refresh_metrics(scheduler, force=True, stats=snap["stats"])
+    state[ops.STATE_KEY] = snap
+    return result
+
+
+# ------------------------------------------------------------ writes
+def around_handle_rpc_request(original, scheduler, recv_req, *args, **kwargs):
+    """AROUND hook: serve ``RpcReqInput(method="kvshare_admin")``; pass everything else on."""
+    if getattr(recv_req, "method", None) != ops.RPC_METHOD:
+        return original(scheduler, recv_req, *args, **kwargs)
+    from torch.distributed import barrier
+
+    from sglang.srt.managers.io_struct import RpcReqOutput
+
+    params = dict(recv_req.parameters or {})
+    op = str(params.pop("op", ""))
+    try:
+        reply = ops.execute(scheduler.tree_cache, op, **params)
+    except TypeError as exc:  # unexpected parameter names
+        reply = ops.Reply(400, f"bad kvshare admin parameters: {exc}")
+    except Exception as exc:  # noqa: BLE001 - answer instead of leaving the caller waiting
+        logger.exception("sglang-kvshare: admin op %r failed", op)
+        reply = ops.Reply(500, f"{type(exc).__name__}: {exc}")
+    reply.rid = recv_req.rid
+    if reply.ok:
+        logger.info("sglang-kvshare: admin %s: %s", op, reply.message)
+        refresh_metrics(scheduler, force=True)
+    # Same collective as SGLang's own handler: every TP rank runs the RPC.
+    barrier(group=scheduler.tp_group.cpu_group)
+    return RpcReqOutput(success=reply.ok, message=reply.to_json(), rid=recv_req.rid)
+
+
+def register() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(INTERNAL_STATE_TARGET, after_get_internal_state, HookType.AFTER)
+    HookRegistry.register(RPC_TARGET, around_handle_rpc_request, HookType.AROUND)
+    HookRegistry.register(IDLE_TARGET, after_on_idle, HookType.AFTER)
+    HookRegistry.register(PREFILL_REPORT_TARGET, after_prefill_report, HookType.AFTER)
