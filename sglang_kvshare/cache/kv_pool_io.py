@@ -1,9 +1,9 @@
-"""Read and write one segment's K/V in SGLang's KV pool, for every layer at once.
+"""Read one segment's K/V in SGLang's KV pool, for every layer at once.
 
 Why a module of its own: it is the only place that knows the pool's layout
 (``get_key_buffer(layer)`` rows indexed by pool slot, layers offset by
 ``start_layer``), so a change of SGLang's pool API is one diff here.
-Shapes follow the correction library: ``[num_layers, L, kv_heads, head_dim]``.
+Writes go through ``kv_writer`` (the kernels dispatcher). Shapes follow the correction library: ``[num_layers, L, kv_heads, head_dim]``.
 """
 
 from __future__ import annotations
@@ -22,13 +22,3 @@ def read_segment(kvcache, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     ks = [kvcache.get_key_buffer(layer)[idx] for layer in pool_layers(kvcache)]
     vs = [kvcache.get_value_buffer(layer)[idx] for layer in pool_layers(kvcache)]
     return torch.stack(ks), torch.stack(vs)
-
-
-def write_segment(kvcache, indices: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Write ``k``/``v`` ``[num_layers, L, H, D]`` into the pool rows ``indices``."""
-    idx = indices.to(torch.int64)
-    for i, layer in enumerate(pool_layers(kvcache)):
-        kbuf = kvcache.get_key_buffer(layer)
-        vbuf = kvcache.get_value_buffer(layer)
-        kbuf[idx] = k[i].to(kbuf.dtype)
-        vbuf[idx] = v[i].to(vbuf.dtype)

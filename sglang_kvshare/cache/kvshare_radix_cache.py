@@ -41,7 +41,8 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, Ma
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
-from sglang_kvshare.cache.kv_pool_io import read_segment, write_segment
+from sglang_kvshare.cache.kv_pool_io import read_segment
+from sglang_kvshare.cache.kv_writer import Correction, write_resolved
 from sglang_kvshare.cache.placeholder import Materialization, PlaceholderRegistry, content_hash
 from sglang_kvshare.config import KVShareConfig
 from sglang_kvshare.protocol import AnnotationError, Annotation, parse_annotation
@@ -110,6 +111,20 @@ class RequestPlan:
             "fallbacks": [{"segment": o.index, "slot": o.slot, "reason": o.reason}
                           for o in self.outcomes if o.reason is not None],
         }
+
+
+@dataclass
+class _Resolution:
+    """A resolved segment before it is written: where its source rows are, and the correction."""
+
+    how: str  # alignment | correction
+    source: Materialization
+    src_idx: torch.Tensor  # pool slots of the source's rows
+    correction: Optional[Correction] = None
+
+    @property
+    def rows(self) -> int:
+        return int(self.src_idx.shape[0])
 
 
 class _Unresolved(Exception):
@@ -274,7 +289,7 @@ class KVShareRadixCache(RadixCache):
                     plan.sources[o.index] = src
 
         locks: list[TreeNode] = []
-        pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
+        pieces: list[tuple[object, int, int, _Resolution]] = []  # (segment, lo, hi, resolution)
         resolved: list[tuple[int, bool, Materialization]] = []  # (segment, complete, source)
         pos = m
         self.inc_lock_ref(result.last_device_node)
@@ -286,23 +301,23 @@ class KVShareRadixCache(RadixCache):
                 if pos >= limit:
                     break
                 try:
-                    k, v, how, source = self._resolve(plan, o, seg, locks)
+                    res = self._resolve(plan, o, seg, locks)
                 except _Unresolved as exc:
                     o.reason = exc.reason
                     o.resolved_by = "dense"
                     break
                 # A source may cover only a prefix of the segment (a producer's output
                 # lacks the KV of its last token): resolve what it covers, then stop.
-                row_end = min(seg.end, limit, seg.start + k.shape[1])
+                row_end = min(seg.end, limit, seg.start + res.rows)
                 if row_end <= pos:
                     o.reason = "source_too_short"
                     break
                 lo, hi = pos - seg.start, row_end - seg.start
-                pieces.append((k[:, lo:hi], v[:, lo:hi]))
-                o.resolved_by, o.reason, o.resolved_tokens = how, None, row_end - seg.start
+                pieces.append((seg, lo, hi, res))
+                o.resolved_by, o.reason, o.resolved_tokens = res.how, None, row_end - seg.start
                 pos = row_end
                 complete = row_end == seg.end
-                resolved.append((o.index, complete, source))
+                resolved.append((o.index, complete, res.source))
                 if not complete:
                     o.reason = "partial" if row_end < limit else None
                     break  # the last prompt token is always computed
@@ -318,8 +333,12 @@ class KVShareRadixCache(RadixCache):
                 self.counters["alloc_failed"] += 1
                 return result
             kvcache = self.token_to_kv_pool_allocator.get_kvcache()
-            write_segment(kvcache, new_idx, torch.cat([p[0] for p in pieces], dim=1),
-                          torch.cat([p[1] for p in pieces], dim=1))
+            offset = 0
+            for seg, lo, hi, res in pieces:
+                write_resolved(kvcache, self.spec, src_idx=res.src_idx, dst_idx=new_idx[offset:offset + hi - lo],
+                               src_start=res.source.start, dst_start=seg.start, lo=lo, hi=hi,
+                               correction=res.correction)
+                offset += hi - lo
             self._insert_estimated(plan, result, pos, new_idx)
         finally:
             for node in locks:
@@ -334,8 +353,8 @@ class KVShareRadixCache(RadixCache):
                            pos, longer.device_prefix_len)
         return longer
 
-    def _resolve(self, plan: RequestPlan, o: SegmentOutcome, seg, locks: list[TreeNode]):
-        """K/V of the whole segment at this request's positions, or raise _Unresolved."""
+    def _resolve(self, plan: RequestPlan, o: SegmentOutcome, seg, locks: list[TreeNode]) -> _Resolution:
+        """Find a live source for the segment and decide how to reuse it, or raise _Unresolved."""
         from sglang_kvshare.correction import SegmentCache
 
         if seg.kind == "shared":
@@ -356,21 +375,26 @@ class KVShareRadixCache(RadixCache):
         indices, node = located
         self.inc_lock_ref(node)
         locks.append(node)
-        k_src, v_src = read_segment(self.token_to_kv_pool_allocator.get_kvcache(), indices)
-        src_cache = SegmentCache(k_src, v_src, source.start, source.agent, exact=source.exact)
         o.source_agent = source.agent
         if seg.kind == "private" or self.kvshare_config.mode == "fullshared":
-            from sglang_kvshare.correction import rotate_keys
-
-            return rotate_keys(k_src, seg.start - source.start, self.spec), v_src, "alignment", source
+            return _Resolution("alignment", source, indices)
+        k_src, v_src = read_segment(self.token_to_kv_pool_allocator.get_kvcache(), indices)
+        src_cache = SegmentCache(k_src, v_src, source.start, source.agent, exact=source.exact)
         with self._estimator_lock:
             pool = self.estimator.pool(seg.slot)
             o.pool_anchors = len(pool)
             est = self.estimator.estimate(seg.slot, src_cache, plan.agent, seg.start)
-        o.entropy = None if est.entropy is None else float(est.entropy)
-        if not est.accepted:
-            raise _Unresolved(est.reason)
-        return est.k, est.v, "correction", source
+            o.entropy = None if est.entropy is None else float(est.entropy)
+            if not est.accepted:
+                raise _Unresolved(est.reason)
+            edge = self.estimator.edge(source.agent, plan.agent)
+            by_id = {a.id: a for a in pool.anchors}
+            chosen = [by_id[i] for i in est.anchor_ids]
+            correction = Correction(deltas_k=[a.deltas[edge][0] for a in chosen],
+                                    deltas_v=[a.deltas[edge][1] for a in chosen],
+                                    weights_k=est.token_weights_k, weights_v=est.token_weights_v,
+                                    covered=est.covered)
+        return _Resolution("correction", source, indices, correction)
 
     def _locate(self, mat: Materialization) -> Optional[tuple[torch.Tensor, TreeNode]]:
         """Current pool indices of a materialization, or None if the tree lost it."""
