@@ -17,13 +17,14 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from sglang_kvshare.config import MODES, KVShareConfig
+
 PREFIX = "sglang_kvshare_"
 MAX_SLOT_LABELS = 64  # slot names come from requests: bound the label cardinality
 OTHER_SLOT = "_other"
 RESOLVED_BY = ("hit", "alignment", "correction", "dense")
 _RESOLVED_FIELD = {"hit": "resolved_hit", "alignment": "resolved_alignment",
                    "correction": "resolved_correction", "dense": "prefilled_dense"}
-MODES = ("off", "fullshared", "kvcomm", "kvcmas")
 
 
 class KVShareMetrics:
@@ -67,12 +68,14 @@ class KVShareMetrics:
         self.capacity = gauge("capacity", "Anchors per slot pool in force (V).", mode="mostrecent")
         self.mode = gauge("mode", "1 for the kvshare mode in force, 0 for the others.", ("mode",), mode="mostrecent")
         self._last: dict[tuple, float] = {}
+        self._seen: set[tuple] = set()
         self._slot_labels: dict[str, str] = {}
         self._gauged_slots: set[str] = set()
 
     # ------------------------------------------------------------ public
-    def update(self, stats: dict, config: Optional[dict] = None) -> None:
+    def update(self, stats: dict, config: Optional[KVShareConfig] = None) -> None:
         """Bring every metric up to ``stats`` (``KVShareRadixCache.kvshare_stats()``)."""
+        self._seen: set[tuple] = set()
         slots: dict[str, dict] = stats.get("slots", {})
         anchors: dict[str, float] = {}
         anchor_bytes: dict[str, float] = {}
@@ -94,6 +97,8 @@ class KVShareMetrics:
                 self._count(self.seconds, (key[: -len("_seconds")],), ("s", key), value)
             else:
                 self._count(self.events, (key,), ("ev", key), value)
+        for key in self._last.keys() - self._seen:  # gone from the stats: reset, counts from 0 again
+            self._last[key] = 0.0
         for label in self._gauged_slots - set(anchors):  # slots emptied by a reset
             self.anchors.labels(label).set(0)
             self.anchor_bytes.labels(label).set(0)
@@ -105,11 +110,10 @@ class KVShareMetrics:
         self.pending.set(stats.get("pending_observations", 0))
         self.reuse_ratio.set(stats.get("reuse_ratio", 0.0))
         if config is not None:
-            self.tau.set(config.get("tau", 0.0))
-            capacity = config.get("capacity")
-            self.capacity.set(capacity if capacity is not None else (20 if config.get("mode") == "kvcomm" else 10))
+            self.tau.set(config.tau)
+            self.capacity.set(config.effective_capacity)
             for m in MODES:
-                self.mode.labels(m).set(1 if config.get("mode") == m else 0)
+                self.mode.labels(m).set(1 if config.mode == m else 0)
 
     # ------------------------------------------------------------ helpers
     def _label(self, slot: str) -> str:
@@ -121,6 +125,7 @@ class KVShareMetrics:
 
     def _count(self, counter: Any, labels: tuple, key: tuple, value: float) -> None:
         value = float(value or 0)
+        self._seen.add(key)
         last = self._last.get(key, 0.0)
         delta = value - last if value >= last else value  # a drop means the cache was reset
         self._last[key] = value

@@ -4,8 +4,9 @@ Why mounted through a BEFORE hook on ``http_server._setup_and_run_http_server``:
 that function runs only in the process that serves HTTP, receives the
 tokenizer manager and the IPC names the channel needs, and runs before SGLang
 adds its API-key middleware and starts uvicorn, so the routes appear in
-``/openapi.json`` and the middleware sees them. The routes are mounted only
-when the server runs ``--radix-cache-backend kvshare``.
+``/openapi.json`` and the middleware sees them (see ``mount`` for why they
+are added one by one). They are mounted only when the server runs
+``--radix-cache-backend kvshare``.
 
 Auth reuses SGLang's own levels (``sglang.srt.utils.auth``): the write routes
 are ``ADMIN_OPTIONAL`` like ``/flush_cache`` (the admin key when the server has
@@ -29,14 +30,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from sglang_kvshare.admin import ops
 from sglang_kvshare.admin.channel import AdminChannel, ChannelError
 from sglang_kvshare.config import KVShareConfig
+from sglang_kvshare.plugin import BACKEND_NAME
 
 logger = logging.getLogger(__name__)
 
 PREFIX = "/kvshare"
-BACKEND_NAME = "kvshare"
 SETUP_TARGET = "sglang.srt.entrypoints.http_server._setup_and_run_http_server"
 MAX_CAPACITY = 4096  # bounds that keep values inside SGLang's msgpack IPC (int64)
 MAX_RANK = 65536
@@ -185,11 +185,23 @@ _SETUP_PARAMS = ("server_args", "tokenizer_manager", "template_manager", "port_a
 
 
 def mount(app: Any, tokenizer_manager: Any, rpc_endpoint: str) -> None:
-    """Add the routes to ``app`` and open the channel (idempotent)."""
+    """Add the routes to ``app`` and open the channel (idempotent).
+
+    NOTE: each route is added to the app itself, not through
+    ``app.include_router``: FastAPI >= 0.165 keeps an included router as one
+    lazy route without an endpoint, and SGLang's API-key middleware reads the
+    auth level from the matched route's endpoint, so it would treat every
+    included route as NORMAL and let writes through without the admin key.
+    """
     global _channel
     _channel = AdminChannel(tokenizer_manager, rpc_endpoint)
-    if not any(getattr(r, "path", "").startswith(PREFIX + "/") for r in app.router.routes):
-        app.include_router(router)
+    mounted = {getattr(r, "path", None) for r in app.router.routes}
+    for route in router.routes:
+        if route.path in mounted:
+            continue
+        app.add_api_route(route.path, route.endpoint, methods=sorted(route.methods), name=route.name,
+                          summary=route.summary, description=route.description, responses=route.responses,
+                          tags=route.tags, openapi_extra=route.openapi_extra)
 
 
 def before_setup_http_server(*args, **kwargs):

@@ -73,7 +73,7 @@ def refresh_metrics(scheduler: Any, *, force: bool = False, stats: Optional[dict
             return
         _last_refresh = now
         cache = scheduler.tree_cache
-        metrics.update(stats if stats is not None else cache.kvshare_stats(), ops.config_dict(cache))
+        metrics.update(stats if stats is not None else cache.kvshare_stats(), cache.kvshare_config)
     except Exception:  # noqa: BLE001 - metrics must never stop the scheduler
         logger.exception("sglang-kvshare: refreshing metrics failed")
 

@@ -1,0 +1,35 @@
+"""SGLang's admin key guards the kvshare writes; reads follow /get_server_info's rule."""
+
+from __future__ import annotations
+
+import pytest
+import requests
+
+pytestmark = pytest.mark.server
+
+WRITES = [("/kvshare/config", {"tau": 0.9}), ("/kvshare/reset", None), ("/kvshare/pools/query/reset", None)]
+
+
+@pytest.mark.parametrize("path, body", WRITES)
+def test_a_write_without_the_admin_key_gets_401_and_changes_nothing(admin, path, body):
+    before = admin.stats()
+    r = admin.post(path, body, auth=False)
+    assert r.status_code == 401, r.text
+    after = admin.stats()
+    assert after["config"] == before["config"] and after["slots"] == before["slots"]
+
+
+def test_a_wrong_key_gets_401(admin):
+    before = admin.stats()["config"]
+    r = requests.post(admin.url + "/kvshare/config", json={"tau": 0.9}, timeout=60,
+                      headers={"Authorization": "Bearer not-the-key"})
+    assert r.status_code == 401
+    assert admin.stats()["config"] == before
+
+
+def test_the_admin_key_unlocks_writes_and_reads_need_no_key(admin):
+    r = admin.post("/kvshare/config", {"tau": 0.35})
+    assert r.status_code == 200 and r.json()["config"]["tau"] == 0.35
+    # Only --admin-api-key is set: read routes, like /get_server_info, stay open.
+    assert admin.get("/kvshare/stats").status_code == 200
+    assert admin.get("/kvshare/pools").status_code == 200

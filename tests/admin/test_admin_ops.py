@@ -1,0 +1,122 @@
+"""The admin contract without a server: ops.execute on a stand-in cache, the metrics' counter logic."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from sglang_kvshare.admin import ops
+from sglang_kvshare.config import KVShareConfig
+
+
+class FakeCache:
+    """The four admin methods of ``KVShareRadixCache`` with the same contracts."""
+
+    def __init__(self) -> None:
+        self.kvshare_config = KVShareConfig(mode="kvcmas")
+        self.pools = {"query": [{"id": 0, "bytes": 10}], "out:a": []}
+        self.resets: list = []
+
+    def kvshare_stats(self) -> dict:
+        return {"mode": self.kvshare_config.mode, "slots": {}}
+
+    def kvshare_pools(self, slot=None) -> dict:
+        if slot is not None:
+            if slot not in self.pools:
+                raise KeyError(slot)
+            return {slot: self.pools[slot]}
+        return dict(self.pools)
+
+    def kvshare_configure(self, *, tau=None, capacity=None, rank=None, mode=None) -> KVShareConfig:
+        changes = {k: v for k, v in dict(tau=tau, capacity=capacity, rank=rank, mode=mode).items() if v is not None}
+        self.kvshare_config = self.kvshare_config.replace(**changes)
+        return self.kvshare_config
+
+    def kvshare_reset(self, slot=None) -> None:
+        self.resets.append(slot)
+        for name in ([slot] if slot else list(self.pools)):
+            self.pools[name] = []
+
+
+def test_configure_returns_the_new_config():
+    cache = FakeCache()
+    reply = ops.execute(cache, "configure", tau=0.1, capacity=4)
+    assert reply.status == 200
+    assert reply.result["config"] == dataclasses.asdict(cache.kvshare_config)
+    assert reply.result["config"]["tau"] == 0.1 and reply.result["config"]["capacity"] == 4
+
+
+def test_an_invalid_configure_is_a_422_and_changes_nothing():
+    cache = FakeCache()
+    before = cache.kvshare_config
+    reply = ops.execute(cache, "configure", tau=0.2, capacity=1)
+    assert reply.status == 422 and "capacity" in reply.message
+    assert cache.kvshare_config == before
+
+
+def test_reset_of_an_unknown_slot_is_a_404_and_resets_nothing():
+    cache = FakeCache()
+    reply = ops.execute(cache, "reset", slot="nope")
+    assert reply.status == 404 and "nope" in reply.message
+    assert cache.resets == []
+
+
+def test_reset_one_slot_and_all():
+    cache = FakeCache()
+    assert ops.execute(cache, "reset", slot="query").result["pools"]["query"] == []
+    assert ops.execute(cache, "reset").ok
+    assert cache.resets == ["query", None]
+
+
+def test_unknown_op_and_missing_cache():
+    assert ops.execute(FakeCache(), "explode").status == 400
+    assert ops.execute(object(), "reset").status == 503
+
+
+def test_reply_round_trips_through_json():
+    reply = ops.Reply(422, "tau must lie in [0, 1]", {"x": [1, 2]}, rid="r1")
+    assert ops.Reply.from_json(reply.to_json()) == reply
+
+
+def test_snapshot_is_plain_json_types():
+    snap = ops.snapshot(FakeCache())
+    assert set(snap) == {"config", "stats", "pools"}
+    assert snap["pools"]["query"] == [{"id": 0, "bytes": 10}]
+
+
+def _value(registry, name: str, **labels) -> float:
+    return registry.get_sample_value(name, labels) or 0.0
+
+
+def test_metrics_count_increases_and_survive_a_reset():
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from sglang_kvshare.admin.metrics import KVShareMetrics
+
+    registry = prometheus_client.CollectorRegistry()
+    metrics = KVShareMetrics(registry=registry)
+
+    def stats(requests: int, aligned: int, anchors: int) -> dict:
+        slot = {"requests": requests, "shared_tokens_seen": 100 * requests, "resolved_alignment": aligned,
+                "fallbacks": {"no_source": 1}, "anchors": anchors, "anchor_bytes": 64 * anchors,
+                "mean_gate_entropy": 0.25}
+        return {"slots": {"query": slot}, "counters": {"annotated_requests": requests, "assembly_seconds": 0.5},
+                "reuse_ratio": 0.5, "anchor_bytes": 64 * anchors}
+
+    metrics.update(stats(2, 80, 3), KVShareConfig(mode="kvcmas", tau=0.3))
+    metrics.update(stats(5, 200, 4))
+    assert _value(registry, "sglang_kvshare_requests_total", slot="query") == 5
+    assert _value(registry, "sglang_kvshare_resolved_tokens_total", slot="query", by="alignment") == 200
+    assert _value(registry, "sglang_kvshare_anchors", slot="query") == 4
+    assert _value(registry, "sglang_kvshare_mode", mode="kvcmas") == 1
+    assert _value(registry, "sglang_kvshare_capacity") == 10
+    assert _value(registry, "sglang_kvshare_seconds_total", phase="assembly") == 0.5
+    # After a reset the cache counts from zero again; the Prometheus counter keeps growing.
+    metrics.update(stats(1, 40, 0))
+    assert _value(registry, "sglang_kvshare_requests_total", slot="query") == 6
+    assert _value(registry, "sglang_kvshare_anchors", slot="query") == 0
+    # A full reset drops the slot; counts after it are all new, even past the old total.
+    metrics.update({"slots": {}, "counters": {}})
+    assert _value(registry, "sglang_kvshare_anchors", slot="query") == 0
+    metrics.update(stats(7, 0, 1))
+    assert _value(registry, "sglang_kvshare_requests_total", slot="query") == 13
