@@ -1,9 +1,12 @@
 """``python -m sglang_kvshare.demo``: the main job in one command.
 
-Starts a real SGLang server with kvshare on (the shipped SmolLM2 model on this
-machine's CPU unless ``--model-path`` says otherwise), sends a pair of
-requests that share a long prefix, and prints what the server reports
-(cached tokens, time to first token), then stops the server.
+Starts a real SGLang server with kvshare on (the shipped SmolLM2-135M on this
+machine's CPU unless ``--model-path`` says otherwise) and runs a 4-agent team
+on GSM8K questions: a solver answers, an analyst, a programmer and a judge
+each read the question (shared slot ``query``) and the previous agent's answer
+(shared slot ``out:<agent>``) behind their own system prompts. It prints, per
+request, what the server prefilled and what it reused (aligned or corrected)
+with the TTFT, then totals, writes them as JSON, and stops the server.
 """
 
 from __future__ import annotations
@@ -11,49 +14,88 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
+from sglang_kvshare.segments import build_request, private, shared
 from sglang_kvshare.server_process import ServerProcess
 
-SHARED = (
-    "<|im_start|>system\nYou are a careful analyst. Read the report and answer in one sentence.<|im_end|>\n"
-    "<|im_start|>user\nReport: "
-    + " ".join(f"In quarter {i} the mill produced {100 + 7 * i} tonnes of flour and hired {3 + i % 4} workers."
-               for i in range(1, 25))
-)
-QUESTIONS = ("Which quarter produced the most flour?", "How many workers were hired in quarter 3?")
+ROLES = {
+    "solver": "You are a math solver. Solve the problem step by step.",
+    "analyst": "You are a mathematical analyst. Check the previous answer against the problem.",
+    "programmer": "You are a programming expert. Write one line of Python that computes the answer.",
+    "judge": "You are the judge. State the final numeric answer.",
+}
+GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
+
+
+def load_questions(n: int) -> list[str]:
+    for path in (GSM8K, Path("/work/shared/data/gsm8k/test.jsonl")):
+        if path.is_file():
+            with open(path) as f:
+                return [json.loads(line)["question"] for _, line in zip(range(n), f)]
+    return ["Janet has 16 eggs, eats 3 and bakes with 4. She sells the rest at $2 each. How much does she make?"] * n
+
+
+def agent_request(tok, agent: str, question: str, previous: tuple[str, list[int]] | None):
+    parts = [private(f"<|im_start|>system\n{ROLES[agent]}<|im_end|>\n<|im_start|>user\nProblem: "),
+             shared(question, "query")]
+    if previous is not None:
+        prev_agent, prev_ids = previous
+        parts += [private(f"\nThe {prev_agent} said: "), shared(prev_ids, f"out:{prev_agent}")]
+    parts.append(private("<|im_end|>\n<|im_start|>assistant\n"))
+    return build_request(tok, agent, parts, output_slot=f"out:{agent}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sglang_kvshare.demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-path", default=None, help="local model folder (default: the shipped SmolLM2-135M)")
     parser.add_argument("--kvshare-mode", default="kvcmas", choices=("off", "fullshared", "kvcmas"))
-    parser.add_argument("--out", default=None, help="also write the measurements as JSON here")
+    parser.add_argument("--tau", type=float, default=0.3)
+    parser.add_argument("--questions", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--out", default="demo_results.json", help="where to write the JSON")
     args = parser.parse_args(argv)
+    from transformers import AutoTokenizer
+
     if args.model_path is None:
         from sglang_kvshare.models import prepare
 
         args.model_path = str(prepare("smollm2-135m"))
-
-    results = []
+    tok = AutoTokenizer.from_pretrained(args.model_path)
+    rows = []
     print(f"starting a server with --kvshare-mode {args.kvshare_mode} ...", flush=True)
-    with ServerProcess(model_path=args.model_path, kvshare_args=["--kvshare-mode", args.kvshare_mode]) as server:
-        backend = server.server_info().get("radix_cache_backend")
-        print(f"server up at {server.url}, radix cache backend: {backend}")
-        for question in QUESTIONS:
-            prompt = f"{SHARED}\nQuestion: {question}<|im_end|>\n<|im_start|>assistant\n"
-            t0 = time.perf_counter()
-            out = server.generate(prompt, max_new_tokens=1)
-            ttft = time.perf_counter() - t0
-            meta = out["meta_info"]
-            row = {"question": question, "prompt_tokens": meta["prompt_tokens"],
-                   "cached_tokens": meta["cached_tokens"], "ttft_s": round(ttft, 3)}
-            results.append(row)
-            print(f"  prompt {row['prompt_tokens']} tokens, cached {row['cached_tokens']}, "
-                  f"TTFT {row['ttft_s']} s  <- {question}")
-    print(json.dumps({"radix_cache_backend": backend, "requests": results}, indent=2))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"radix_cache_backend": backend, "requests": results}, f, indent=2)
+    kv_args = ["--kvshare-mode", args.kvshare_mode, "--kvshare-tau", str(args.tau), "--kvshare-learn-async", "false"]
+    with ServerProcess(model_path=args.model_path, kvshare_args=kv_args) as server:
+        print(f"server up at {server.url}, radix cache backend: {server.server_info().get('radix_cache_backend')}")
+        print(f"{'q':>2} {'agent':10s} {'prompt':>6} {'prefill':>7} {'aligned':>7} {'corrected':>9} {'TTFT s':>7}  fallbacks")
+        for qi, question in enumerate(load_questions(args.questions)):
+            previous = None
+            for agent in ROLES:
+                ids, cp = agent_request(tok, agent, question, previous)
+                t0 = time.perf_counter()
+                out = server.generate(input_ids=ids, custom_params=cp, max_new_tokens=args.max_new_tokens)
+                latency = time.perf_counter() - t0
+                meta = out["meta_info"]
+                rep = meta.get("kvshare", [{}])[0]
+                row = {"question": qi, "agent": agent, "prompt_tokens": meta["prompt_tokens"],
+                       "prefill_tokens": meta["prompt_tokens"] - meta["cached_tokens"],
+                       "tokens_aligned": rep.get("tokens_aligned", 0), "tokens_corrected": rep.get("tokens_corrected", 0),
+                       "shared_tokens": rep.get("shared_tokens", 0), "latency_s": round(latency, 3),
+                       "fallbacks": sorted({f["reason"] for f in rep.get("fallbacks", [])}),
+                       "answer": out["text"][:80]}
+                rows.append(row)
+                print(f"{qi:>2} {agent:10s} {row['prompt_tokens']:>6} {row['prefill_tokens']:>7} "
+                      f"{row['tokens_aligned']:>7} {row['tokens_corrected']:>9} {latency:>7.2f}  {','.join(row['fallbacks'])}")
+                previous = (agent, out["output_ids"])
+    shared_total = sum(r["shared_tokens"] for r in rows)
+    reused = sum(r["tokens_aligned"] + r["tokens_corrected"] for r in rows)
+    totals = {"mode": args.kvshare_mode, "requests": len(rows), "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
+              "prefill_tokens": sum(r["prefill_tokens"] for r in rows),
+              "shared_tokens": shared_total, "reuse_ratio": reused / shared_total if shared_total else 0.0,
+              "note": "latency_s is the whole request (prefill + up to --max-new-tokens decode) on this machine"}
+    print(json.dumps(totals, indent=2))
+    Path(args.out).write_text(json.dumps({"totals": totals, "requests": rows}, indent=2))
+    print(f"wrote {args.out}")
     return 0
 
 

@@ -126,7 +126,7 @@ class ServerProcess:
 
     def generate(self, text: str | None = None, *, input_ids: list[int] | None = None,
                  max_new_tokens: int = 16, custom_params: dict | None = None,
-                 return_logprob: bool = False, top_logprobs_num: int = 0, timeout: float = 300) -> dict:
+                 return_logprob: bool = False, top_logprobs_num: int = 0, timeout: float = 900) -> dict:
         sampling = {"max_new_tokens": max_new_tokens, "temperature": 0.0}
         if custom_params is not None:
             sampling["custom_params"] = custom_params

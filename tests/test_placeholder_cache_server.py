@@ -79,7 +79,7 @@ def test_kvcmas_with_tau_zero_never_accepts_and_matches_off_while_pools_fill(off
 def test_fullshared_chain_reuses_a_1k_token_shared_question(server_pool, tokenizer):
     server = server_pool("cache-fullshared", kvshare_args=["--kvshare-mode", "fullshared"])
     warm_agents(server, tokenizer)
-    text = context(10, 12)
+    text = context(10, 18)
     shared_len = len(tokenizer(text, add_special_tokens=False).input_ids)
     assert shared_len >= 1000
     outs = run_chain(server, tokenizer, text, max_new_tokens=4)
