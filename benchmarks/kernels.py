@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import statistics
 import sys
@@ -180,10 +179,21 @@ def main(argv: list[str] | None = None) -> dict:
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    threads_before = torch.get_num_threads()
     if args.threads or device.type == "cpu":
         torch.set_num_threads(args.threads or 1)
+    try:
+        return _run(args, device, dtype, argv)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _run(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, argv: list[str] | None) -> dict:
     fused_backend = "triton" if _use_triton("auto", device) else "torch-reference"
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    if device.type == "cuda":
+        device_name = torch.cuda.get_device_name(device)
+    else:
+        device_name = f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
     cfg, model_path, model_desc = load_model_config(args.model, args.random_weights)
     shp = model_shapes(cfg)
     layers, heads, head_dim = shp["layers"], shp["kv_heads"], shp["head_dim"]

@@ -167,6 +167,9 @@ def align_correct_scatter_triton(
         return dst
     if src.stride(2) != 1 or dst.stride(2) != 1:
         raise ValueError("src and dst pools must be contiguous along head_dim")
+    others = [t for t in (dst, src_idx, dst_idx, w, A, B, delta) if t is not None]
+    if any(t.device != src.device for t in others):
+        raise ValueError(f"all tensors must be on the pool's device {src.device} (inv_freq may be anywhere)")
     _, heads, head_dim = src.shape
     dev = src.device
     rd = args.rotary_dim if rotate else 2 * (head_dim // 2)

@@ -77,6 +77,8 @@ def gate_sq_distances_triton(X: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                              block_t: int = 32, block_d: int = 64) -> torch.Tensor:
     """Squared Frobenius distances summed over layers, fp32 [Vn]; contract as ``dispatch.gate_sq_distances``."""
     check_factor_args(X, A, B)
+    if A.device != X.device or B.device != X.device:
+        raise ValueError(f"X, A and B must be on one device, got {X.device}, {A.device}, {B.device}")
     nl, k, d = X.shape
     vn, r = A.shape[0], A.shape[3]
     partial = torch.empty(vn, nl, dtype=torch.float32, device=X.device)

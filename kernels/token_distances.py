@@ -56,6 +56,8 @@ def token_distances_triton(X: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                            block_t: int = 32, block_d: int = 64) -> torch.Tensor:
     """Per-token mean-abs distances, fp32 [k, Vn]; contract as ``dispatch.token_distances``."""
     check_factor_args(X, A, B)
+    if A.device != X.device or B.device != X.device:
+        raise ValueError(f"X, A and B must be on one device, got {X.device}, {A.device}, {B.device}")
     nl, k, d = X.shape
     vn, r = A.shape[0], A.shape[3]
     out = torch.zeros(k, vn, dtype=torch.float32, device=X.device)

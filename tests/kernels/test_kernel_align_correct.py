@@ -69,8 +69,9 @@ def test_kernel_matches_reference(case, dtype, atol, rtol, device, gen):
 
 @pytest.mark.triton
 def test_kernel_in_place_rows(device, gen):
-    """dst_idx == src_idx on one buffer: each program reads its rows before writing them."""
+    """dst_idx == src_idx on one buffer (int32 indices): each program reads its rows before writing them."""
     src, _, idx, _, inv_freq, w, corr = make_case(40, 2, 64, 64, 8, 3, 40, 16, True, torch.float32, device, gen)
+    idx = idx.to(torch.int32)
     a, b = src.clone(), src.clone()
     for buf, backend in ((a, "triton"), (b, "torch")):
         align_correct_scatter(buf, buf, idx, idx, rotate=True, src_start=0, dst_start=77, inv_freq=inv_freq,
