@@ -19,9 +19,10 @@ import torch.nn.functional as F
 from sglang_kvshare.correction import merge_rows, select_tokens, token_deviation
 
 
-def set_threads(n: int = 2) -> None:
+def set_threads(n: int = 1) -> None:
+    # NOTE: on a shared 2-core machine two OpenMP threads spin against other
+    # processes (an SVD went from 0.1 s to 15 s); one thread is the default.
     torch.set_num_threads(n)
-    torch.set_num_interop_threads(1) if torch.get_num_interop_threads() != 1 else None
 
 
 def load_model(name: str = "smollm2-135m"):

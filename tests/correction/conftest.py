@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-torch.set_num_threads(2)
+torch.set_num_threads(1)  # NOTE: 2 OpenMP threads on a shared 2-core box spin pathologically
 
 
 @pytest.fixture

@@ -53,10 +53,9 @@ def test_cacheblend_selects_most_deviating_tokens(gen):
 
 
 @pytest.mark.model
-def test_real_model_alignment_and_exact_reconstruction(real_model):
+def test_real_model_alignment_and_exact_reconstruction(real_model, kv_of):
     """SmolLM2: layer-0 alignment is exact, and exact deltas rebuild all 30 layers."""
-    from conftest import cache_of
-
+    cache_of = kv_of
     spec = RopeSpec.from_hf_config(real_model.config)
     g = torch.Generator().manual_seed(3)
     content = torch.randint(100, 40000, (40,), generator=g)
@@ -72,3 +71,23 @@ def test_real_model_alignment_and_exact_reconstruction(real_model):
     res = est.estimate("q", SegmentCache(ka, va, 13, "a"), "b", 31)
     torch.testing.assert_close(res.k, kb, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(res.v, vb, atol=1e-4, rtol=1e-4)
+
+
+def test_cacheblend_partial_forward_is_exact_at_full_ratio(tiny_llama):
+    """The harness's partial-recompute forward: ratio 1 rebuilds the dense cache
+    from a wrong reused cache; ratio < 1 recomputes layers <= check for all tokens."""
+    common = pytest.importorskip("benchmarks.common")
+    g = torch.Generator().manual_seed(5)
+    pre, seg = torch.randint(0, 128, (9,), generator=g).tolist(), torch.randint(0, 128, (20,), generator=g).tolist()
+    prefix, _ = common.prefill(tiny_llama, pre)
+    dense, _ = common.prefill(tiny_llama, seg, prefix)
+    wrong = common.KV(dense.k + torch.randn(dense.k.shape, generator=g), dense.v + 1.0)
+    full, idx = common.partial_recompute(tiny_llama, prefix, seg, wrong, check_layer=1, ratio=1.0)
+    torch.testing.assert_close(full.k, dense.k, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(full.v, dense.v, atol=1e-4, rtol=1e-4)
+    part, idx = common.partial_recompute(tiny_llama, prefix, seg, wrong, check_layer=1, ratio=0.15)
+    assert len(idx) == 3
+    torch.testing.assert_close(part.k[:2], dense.k[:2], atol=1e-4, rtol=1e-4)  # layers 0..check exact
+    rest = torch.ones(20, dtype=torch.bool)
+    rest[idx] = False
+    torch.testing.assert_close(part.v[2:, rest], wrong.v[2:, rest])  # untouched rows keep the reused cache

