@@ -12,10 +12,11 @@ import math
 import pytest
 import requests
 
-from tests.agent_chain import AGENTS, agent_request, context, report, warm_request
+from tests.agent_chain import AGENTS, SUFFIX, agent_request, context, report, warm_request
 
 pytestmark = pytest.mark.server
 
+HELD_OUT = context(32, 3)  # never seen during the kvcmas warm-up (contents 20..31)
 PLAIN_PROMPTS = ["The capital of France is", "List three colors of the rainbow:",
                  "<|im_start|>user\nWhat is 17 times 3?<|im_end|>\n<|im_start|>assistant\n"]
 
@@ -48,7 +49,8 @@ def off_chain(server_pool, tokenizer):
     server = server_pool("cache-off", kvshare_args=["--kvshare-mode", "off"])
     plain = [server.generate(p, max_new_tokens=16)["text"] for p in PLAIN_PROMPTS]
     chains = [{a: o["text"] for a, o in run_chain(server, tokenizer, context(s, 3)).items()} for s in (0, 3)]
-    return {"plain": plain, "chains": chains}
+    held_out = run_chain(server, tokenizer, HELD_OUT, max_new_tokens=1, logprobs=True)
+    return {"plain": plain, "chains": chains, "held_out": held_out}
 
 
 def test_unannotated_requests_in_kvcmas_equal_mode_off(off_chain, server_pool):
@@ -76,44 +78,24 @@ def test_kvcmas_with_tau_zero_never_accepts_and_matches_off_while_pools_fill(off
     assert anchors_seen[-1] > anchors_seen[0]
 
 
-def test_fullshared_chain_reuses_a_1k_token_shared_question(server_pool, tokenizer):
-    server = server_pool("cache-fullshared", kvshare_args=["--kvshare-mode", "fullshared"])
-    warm_agents(server, tokenizer)
-    text = context(10, 18)
-    shared_len = len(tokenizer(text, add_special_tokens=False).input_ids)
-    assert shared_len >= 1000
-    outs = run_chain(server, tokenizer, text, max_new_tokens=4)
-    first = outs["solver"]["meta_info"]
-    assert report(outs["solver"])["tokens_aligned"] == 0
-    for agent in list(AGENTS)[1:]:
-        meta, rep = outs[agent]["meta_info"], report(outs[agent])
-        assert rep["segments"][1]["resolved_by"] == "alignment", rep
-        assert rep["tokens_aligned"] >= shared_len
-        # The scheduler prefilled only what the tree did not hold: the last token.
-        assert meta["prompt_tokens"] - meta["cached_tokens"] <= 1
-        assert meta["cached_tokens"] - first["cached_tokens"] >= shared_len
-
-
 def _top_logprobs(out: dict) -> dict[int, float]:
     first = out["meta_info"]["output_top_logprobs"][0]
     return {int(tok): float(lp) for lp, tok, *_ in first}
 
 
-def test_kvcmas_after_warmup_accepts_corrections_and_stays_close_to_off(server_pool, tokenizer):
+def test_kvcmas_after_warmup_accepts_corrections_and_stays_close_to_off(off_chain, server_pool, tokenizer):
     # tau = 1 accepts whenever two anchors cover the segment: this tests the
     # mechanism (warm-up, acceptance, written KV), not the gate's threshold.
-    contents = [context(20 + 3 * i, 3) for i in range(5)]
+    contents = [context(20 + 3 * i, 3) for i in range(4)]
     server = server_pool("cache-kvcmas-tau1", kvshare_args=["--kvshare-mode", "kvcmas", "--kvshare-tau", "1",
                                                             "--kvshare-learn-async", "false"])
     warm_agents(server, tokenizer)
     for text in contents[:3]:
         run_chain(server, tokenizer, text, max_new_tokens=1)
-    held_out = run_chain(server, tokenizer, contents[4], max_new_tokens=1, logprobs=True)
+    held_out = run_chain(server, tokenizer, HELD_OUT, max_new_tokens=1, logprobs=True)
     corrected = [a for a, o in held_out.items() if report(o)["tokens_corrected"] > 0]
     assert corrected, {a: report(o)["fallbacks"] for a, o in held_out.items()}
-
-    reference = server_pool("cache-off", kvshare_args=["--kvshare-mode", "off"])
-    ref = run_chain(reference, tokenizer, contents[4], max_new_tokens=1, logprobs=True)
+    ref = off_chain["held_out"]
     for agent in corrected:
         ours, theirs = _top_logprobs(held_out[agent]), _top_logprobs(ref[agent])
         # Bound: the greedy token is the same and the top-20 distributions are
@@ -127,28 +109,26 @@ def test_kvcmas_after_warmup_accepts_corrections_and_stays_close_to_off(server_p
         assert kl < 0.1, (agent, kl)
 
 
-def test_concurrent_agents_with_eviction_leak_no_slots(server_pool, tokenizer):
-    from concurrent.futures import ThreadPoolExecutor
-
-    server = server_pool("cache-fullshared-small", kvshare_args=["--kvshare-mode", "fullshared"],
-                         extra_args=["--max-total-tokens", "2400"])
+def test_fullshared_chain_reuses_a_1k_token_shared_question(server_pool, tokenizer):
+    server = server_pool("cache-fullshared", kvshare_args=["--kvshare-mode", "fullshared"])
     warm_agents(server, tokenizer)
-    texts = [context(40 + 3 * i, 3) for i in range(4)]
-
-    def one(job):
-        agent, text = job
-        ids, cp = agent_request(tokenizer, agent, text)
-        return server.generate(input_ids=ids, custom_params=cp, max_new_tokens=8)
-
-    jobs = [(a, t) for t in texts for a in AGENTS]
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        outs = list(pool.map(one, jobs))
-    assert all(o["meta_info"]["completion_tokens"] >= 1 for o in outs)
-    assert any(report(o)["tokens_aligned"] > 0 for o in outs)
-    log = server.log_text()
-    assert "memory leak detected" not in log and "Traceback" not in log.split("fired up")[-1]
-    # Still serving after the storm.
-    assert server.generate("The capital of France is", max_new_tokens=4)["text"]
+    text = context(10, 18)
+    shared_len = len(tokenizer(text, add_special_tokens=False).input_ids)
+    assert shared_len >= 1000
+    suffix_len = len(tokenizer(SUFFIX, add_special_tokens=False).input_ids)
+    outs = run_chain(server, tokenizer, text, max_new_tokens=4)
+    first = outs["solver"]["meta_info"]
+    assert report(outs["solver"])["tokens_aligned"] == 0
+    for agent in list(AGENTS)[1:]:
+        meta, rep = outs[agent]["meta_info"], report(outs[agent])
+        assert rep["segments"][1]["resolved_by"] == "alignment", rep
+        assert rep["tokens_aligned"] >= shared_len
+        # The scheduler prefilled only what no agent had computed before: this
+        # agent's first use of the suffix (the system prompt was warmed).
+        assert meta["prompt_tokens"] - meta["cached_tokens"] <= suffix_len
+        # Every shared token came from the tree, on top of the agent's warmed prompt.
+        assert meta["cached_tokens"] >= rep["tokens_exact_hit"] + shared_len
+        assert first["prompt_tokens"] - first["cached_tokens"] >= shared_len  # the first agent paid for it
 
 
 @pytest.mark.parametrize("annotation, message", [
@@ -170,3 +150,47 @@ def test_malformed_annotations_get_400_and_the_server_keeps_serving(server_pool,
     assert resp.status_code == 400
     assert message in resp.text
     assert server.generate("The capital of France is", max_new_tokens=2)["meta_info"]["completion_tokens"] == 2
+
+
+def test_concurrent_agents_with_eviction_leak_no_slots(server_pool, tokenizer):
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    # 2400 slots hold about six of these requests: sources get evicted while
+    # consumers assemble from them, and assembly itself must evict to allocate.
+    server = server_pool("cache-fullshared-small", kvshare_args=["--kvshare-mode", "fullshared"],
+                         extra_args=["--max-total-tokens", "2400"])
+    warm_agents(server, tokenizer)
+    texts = [context(40 + 3 * i, 3) for i in range(4)]
+
+    def pool_tokens() -> dict:
+        return requests.get(server.url + "/kvshare/stats", timeout=60).json()["kv_pool_tokens"]
+
+    before = pool_tokens()
+
+    def one(job):
+        agent, text = job
+        ids, cp = agent_request(tokenizer, agent, text)
+        return server.generate(input_ids=ids, custom_params=cp, max_new_tokens=8)
+
+    outs = []
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        for agent in AGENTS:  # each wave: one agent on 4 contents, 4 requests in flight
+            outs += list(pool.map(one, [(agent, t) for t in texts]))
+    assert all(o["meta_info"]["completion_tokens"] >= 1 for o in outs)
+    allowed = {"no_source", "source_evicted", "alloc_failed", "partial"}
+    for out in outs:
+        rep = report(out)
+        assert {f["reason"] for f in rep["fallbacks"]} <= allowed, rep["fallbacks"]
+        assert rep["tokens_prefilled"] + rep["tokens_exact_hit"] + rep["tokens_aligned"] == out["meta_info"]["prompt_tokens"]
+    assert sum(report(o)["tokens_aligned"] for o in outs) > 0
+    time.sleep(5)  # let the scheduler's idle check audit the pool
+    after = pool_tokens()
+    # Idle again: every slot is free or held by the tree (evictable), none locked, none lost.
+    assert after["protected"] == 0
+    assert after["available"] + after["evictable"] == before["available"] + before["evictable"]
+    log = server.log_text()
+    assert "memory leak detected" not in log and "double free" not in log
+    assert "Traceback" not in log.split("fired up")[-1]
+    # Still serving after the storm.
+    assert server.generate("The capital of France is", max_new_tokens=4)["text"]
