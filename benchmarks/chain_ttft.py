@@ -44,6 +44,7 @@ def run_chain(server, tok, ctx: list[int]) -> dict:
                        "prefill_tokens": meta["prompt_tokens"] - meta["cached_tokens"],
                        "tokens_aligned": rep.get("tokens_aligned", 0),
                        "tokens_corrected": rep.get("tokens_corrected", 0),
+                       "shared_tokens_reused": rep.get("shared_tokens_reused", 0),
                        "fallbacks": rep.get("fallbacks", [])}
     return rows
 
@@ -87,7 +88,7 @@ def main(argv=None) -> int:
                 t0 = time.perf_counter()
                 rows = run_chain(server, tok, context_tokens(tok, length, seed=length))
                 shared_tokens = length * (len(AGENTS) - 1)
-                reused = sum(r["tokens_aligned"] + r["tokens_corrected"] for r in list(rows.values())[1:])
+                reused = sum(r["shared_tokens_reused"] for r in list(rows.values())[1:])
                 per_len[str(length)] = {
                     "ttft_s": {a: r["ttft_s"] for a, r in rows.items()},
                     "prefill_tokens": {a: r["prefill_tokens"] for a, r in rows.items()},

