@@ -9,6 +9,13 @@ from __future__ import annotations
 import os
 from typing import Callable, Iterator
 
+# NOTE: Triton reads TRITON_INTERPRET when it is first imported, and importing
+# SGLang (admin, frontend tests) imports Triton. Without a GPU the kernel tests
+# need the interpreter, so it is set here, before any test module loads.
+# Servers started by the tests never see it (ServerProcess drops it).
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 
 from sglang_kvshare.server_process import ServerProcess
