@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     kv_args = ["--kvshare-mode", args.kvshare_mode, "--kvshare-tau", str(args.tau), "--kvshare-learn-async", "false"]
     with ServerProcess(model_path=args.model_path, kvshare_args=kv_args) as server:
         print(f"server up at {server.url}, radix cache backend: {server.server_info().get('radix_cache_backend')}")
-        print(f"{'q':>2} {'agent':10s} {'prompt':>6} {'prefill':>7} {'aligned':>7} {'corrected':>9} {'TTFT s':>7}  fallbacks")
+        print(f"{'q':>2} {'agent':10s} {'prompt':>6} {'prefill':>7} {'aligned':>7} {'corrected':>9} {'latency s':>9}  fallbacks")
         for qi, question in enumerate(load_questions(args.questions)):
             previous = None
             for agent in ROLES:
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                        "answer": out["text"][:80]}
                 rows.append(row)
                 print(f"{qi:>2} {agent:10s} {row['prompt_tokens']:>6} {row['prefill_tokens']:>7} "
-                      f"{row['tokens_aligned']:>7} {row['tokens_corrected']:>9} {latency:>7.2f}  {','.join(row['fallbacks'])}")
+                      f"{row['tokens_aligned']:>7} {row['tokens_corrected']:>9} {latency:>9.2f}  {','.join(row['fallbacks'])}")
                 previous = (agent, out["output_ids"])
     shared_total = sum(r["shared_tokens"] for r in rows)
     reused = sum(r["tokens_aligned"] + r["tokens_corrected"] for r in rows)
