@@ -108,7 +108,3 @@ def install() -> list[str]:
                   attrs={"rotary_embedding": _unusable("vllm._custom_ops.rotary_embedding")})
         _INSTALLED.append("vllm._custom_ops")
     return list(_INSTALLED)
-
-
-def installed() -> list[str]:
-    return list(_INSTALLED)

@@ -114,14 +114,9 @@ class PlaceholderNode:
         self.contents: OrderedDict[str, list[Materialization]] = OrderedDict()
         self.stats = SlotStats()
 
-    def latest(self, content: str, *, exclude_seq: Optional[int] = None) -> Optional[Materialization]:
+    def latest(self, content: str) -> Optional[Materialization]:
         mats = self.contents.get(content)
-        if not mats:
-            return None
-        for mat in reversed(mats):
-            if mat.seq != exclude_seq:
-                return mat
-        return None
+        return mats[-1] if mats else None
 
     def all_for(self, content: str) -> list[Materialization]:
         return list(reversed(self.contents.get(content, [])))
@@ -135,11 +130,6 @@ class PlaceholderNode:
         self.contents.move_to_end(content)
         while len(self.contents) > MAX_CONTENTS_PER_SLOT:
             self.contents.popitem(last=False)
-
-    def forget(self, content: str, mat: Materialization) -> None:
-        mats = self.contents.get(content)
-        if mats and mat in mats:
-            mats.remove(mat)
 
     def reset(self) -> None:
         self.contents.clear()

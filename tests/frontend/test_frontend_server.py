@@ -89,13 +89,17 @@ def test_token_spans_match_server_tokenization(server_pool):
     assert state.get_meta_info("b")["kvshare"][0]["agent"] == "reader"
 
 
-def test_refer_workflow_reuses_shared_tokens_with_kvshare_on(server_pool):
-    server = server_pool("frontend-fullshared", kvshare_args=FULLSHARED)
-    backend = KVShareEndpoint(server.url)
+def run_refer(server):
+    """One GSM8K refer workflow (3 role agents + final) against ``server``; returns its state."""
     sample = load_gsm8k(1, offset=3)[0]
     state = multi_agent.run(query=sample.query, task=GSM8K, topology="refer", num_agents=4, max_tokens=3,
-                            backend=backend, temperature=0)
+                            backend=KVShareEndpoint(server.url), temperature=0)
     assert state.stream_executor.error() is None
+    return state
+
+
+def test_refer_workflow_reuses_shared_tokens_with_kvshare_on(server_pool):
+    state = run_refer(server_pool("frontend-fullshared", kvshare_args=FULLSHARED))
     records = state.ret_value["records"]
     assert [r["agent"] for r in records] == ["solver", "analyst", "programmer", "final"]
     assert all(r["report"] is not None and r["ttft_s"] is not None for r in records)
@@ -110,12 +114,7 @@ def test_refer_workflow_reuses_shared_tokens_with_kvshare_on(server_pool):
 
 
 def test_refer_workflow_runs_unchanged_on_stock_sglang(server_pool):
-    server = server_pool("frontend-stock", stock=True)
-    backend = KVShareEndpoint(server.url)
-    sample = load_gsm8k(1, offset=3)[0]
-    state = multi_agent.run(query=sample.query, task=GSM8K, topology="refer", num_agents=4, max_tokens=3,
-                            backend=backend, temperature=0)
-    assert state.stream_executor.error() is None
+    state = run_refer(server_pool("frontend-stock", stock=True))
     records = state.ret_value["records"]
     assert len(records) == 4 and state.ret_value["final"]
     assert all(r["report"] is None and r["ttft_s"] is not None for r in records)  # annotation ignored
