@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -39,6 +40,9 @@ from sglang.utils import http_request
 
 from sglang_kvshare.frontend.primitives import GenSpan, collect_marks, record_gen
 from sglang_kvshare.frontend.segments import BuiltRequest, build_request
+from sglang_kvshare.protocol import Segment
+
+logger = logging.getLogger(__name__)
 
 MAX_REMEMBERED_OUTPUTS = 4096
 
@@ -74,13 +78,16 @@ class KVShareEndpoint(RuntimeEndpoint):
     ``RuntimeEndpoint``; when omitted and SGLang does not recognise the model
     path, a tokenizer whose template uses ``<|im_start|>`` selects ``chatml``.
     ``warm``: warm each agent's leading private segment once. ``measure_ttft``:
-    stream annotated requests to time the first token. Thread-safe (one
+    stream annotated requests to time the first token. ``commit_outputs``: after
+    an answer cut by ``max_tokens``, have the server compute its last token's KV
+    so consumers reuse the whole answer (``_commit_output``). Thread-safe (one
     instance may serve ``run_batch`` threads).
     """
 
     def __init__(self, base_url: str, api_key: Optional[str] = None, verify: Optional[str] = None,
                  chat_template_name: Optional[str] = None, *, tokenizer: Any = None,
-                 warm: bool = True, measure_ttft: bool = True, timeout: float = 3600.0) -> None:
+                 warm: bool = True, measure_ttft: bool = True, commit_outputs: bool = True,
+                 timeout: float = 3600.0) -> None:
         super().__init__(base_url, api_key=api_key, verify=verify, chat_template_name=chat_template_name)
         if tokenizer is None:
             from transformers import AutoTokenizer
@@ -93,6 +100,7 @@ class KVShareEndpoint(RuntimeEndpoint):
             if "<|im_start|>" in template:
                 self.chat_template = get_chat_template("chatml")
         self.warm = warm
+        self.commit_outputs = commit_outputs
         self.measure_ttft = measure_ttft
         self.timeout = timeout
         self.prefix_ids = self._special_prefix()
@@ -171,6 +179,37 @@ class KVShareEndpoint(RuntimeEndpoint):
                 self._warmed.add(key)
         return key
 
+    def _commit_output(self, built: BuiltRequest, ids: Sequence[int]) -> None:
+        """Give the server the KV of a producer's last generated token.
+
+        A generation cut by ``max_tokens`` (no EOS, no stop string) ends with a
+        token the server sampled but never ran through the model, so its KV does
+        not exist, and a consumer's copy of the answer could reuse all but that
+        token; everything after the gap would then be prefilled. One more request
+        (the same prompt plus the answer as a shared segment of the output slot,
+        ``max_new_tokens=0``) hits the tree for all but that token, computes it,
+        and registers the complete answer. Best effort: a failure only costs reuse.
+        """
+        slot = built.annotation.output_slot
+        if not slot or not self.commit_outputs:
+            return
+        start = len(built.input_ids)
+        annotation = built.annotation.model_copy(update={
+            "output_slot": None,
+            "segments": (*built.annotation.segments, Segment(kind="shared", start=start, end=start + len(ids),
+                                                             slot=slot))})
+        try:
+            res = self._session.post(self.base_url + "/generate", headers=self._headers(), verify=self.verify,
+                                     timeout=self.timeout,
+                                     json={"input_ids": [*built.input_ids, *ids],
+                                           "sampling_params": {"max_new_tokens": 0,
+                                                               "custom_params": annotation.to_custom_params()}})
+            if not res.ok:
+                logger.warning("sglang-kvshare: committing an output failed: HTTP %s %s",
+                               res.status_code, res.text[:200])
+        except requests.RequestException as exc:
+            logger.warning("sglang-kvshare: committing an output failed: %s", exc)
+
     def _post_streaming(self, data: dict) -> tuple[dict, Optional[float]]:
         t0 = time.perf_counter()
         ttft, last = None, None
@@ -217,6 +256,8 @@ class KVShareEndpoint(RuntimeEndpoint):
         if ids is not None:
             record_gen(s.variables, GenSpan(len(s.text_), len(s.text_) + len(comp), ids))
             self._remember_output(comp, ids)
+            if built is not None and len(ids) == len(obj.get("output_ids") or ()):
+                self._commit_output(built, ids)
         report = (meta.get("kvshare") or [None])[0]
         if warm_key is not None and report and report.get("segments"):
             if report["segments"][0].get("resolved_by") == "dense":  # the server lost it: warm again next time

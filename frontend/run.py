@@ -60,6 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--url", default=None, help="attach to a running server instead of starting one")
     p.add_argument("--max-tokens", type=int, default=128, help="max new tokens per agent")
     p.add_argument("--sequential", action="store_true", help="run agents of one round one by one")
+    p.add_argument("--concurrency", type=int, default=1,
+                   help="samples in flight at once (the server batches their decode; TTFT then includes queueing)")
     p.add_argument("--server-arg", action="append", default=[],
                    help="extra launcher argument for started servers (repeat), e.g. --server-arg=--kvshare-tau=0.3")
     p.add_argument("--model", default="smollm2-135m", help="model name for sglang_kvshare.models.prepare")
@@ -168,7 +170,8 @@ def run_mode(mode: str, args, samples, task, model_path: str, url: Optional[str]
         backend = KVShareEndpoint(base_url)
         return run_workflow(backend, task, samples, topology=args.topology, num_agents=args.agents,
                             rounds=args.rounds, max_tokens=args.max_tokens, parallel=not args.sequential,
-                            progress_bar=not args.no_progress, desc=f"{task.name}/{args.topology}/{mode}")
+                            progress_bar=not args.no_progress, desc=f"{task.name}/{args.topology}/{mode}",
+                            concurrency=args.concurrency)
 
     t0 = time.perf_counter()
     if url:
@@ -242,6 +245,7 @@ def main(argv=None) -> dict:
         "rounds": args.rounds if args.topology == "debate" else None,
         "samples": len(samples), "offset": args.offset, "max_tokens": args.max_tokens,
         "parallel_agents": not args.sequential,
+        "concurrency": args.concurrency,
         "ttft_method": "client-side streaming: request sent -> first chunk carrying an output token",
         "runs": {},
     }
@@ -268,8 +272,17 @@ def _sample_row(res: dict) -> dict:
     keys = ("agent", "tokens_exact_hit", "tokens_aligned", "tokens_corrected", "tokens_prefilled")
     row = {k: v for k, v in res.items() if k != "records"}
     row["ttft_s"] = [rec["ttft_s"] for rec in res["records"]]
-    row["reports"] = [rec["report"] and {k: rec["report"].get(k) for k in keys} for rec in res["records"]]
+    row["reports"] = [rec["report"] and {**{k: rec["report"].get(k) for k in keys},
+                                         "shared": [_segment_brief(seg) for seg in rec["report"].get("segments", [])
+                                                    if seg.get("kind") == "shared"]}
+                      for rec in res["records"]]
     return row
+
+
+def _segment_brief(seg: dict) -> str:
+    """``slot:how[:reason]`` per shared segment: enough to see where reuse stopped."""
+    reason = f":{seg['reason']}" if seg.get("reason") else ""
+    return f"{seg.get('slot')}:{seg.get('resolved_by')}{reason}"
 
 
 if __name__ == "__main__":

@@ -478,6 +478,8 @@ class KVShareRadixCache(RadixCache):
             source = plan.sources.get(o.index)
             if seg.kind != "shared" or source is None or self.kvshare_config.mode == "fullshared":
                 continue
+            if source.agent == plan.agent and source.start == seg.start:
+                continue  # same agent, same offset (e.g. a client's commit of its own output): no deviation to learn
             located = self._locate(source)
             if located is None:
                 self.counters["observations_source_lost"] += 1

@@ -18,7 +18,7 @@ from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
 import sglang_kvshare.frontend.backend as backend_module
 from sglang_kvshare.frontend import KVShareEndpoint, agent, shared
 from sglang_kvshare.frontend.tasks import GSM8K, load_gsm8k
-from sglang_kvshare.frontend.workflows import multi_agent
+from sglang_kvshare.frontend.workflows import multi_agent, run_workflow
 
 pytestmark = pytest.mark.server
 
@@ -111,6 +111,37 @@ def test_refer_workflow_reuses_shared_tokens_with_kvshare_on(server_pool):
     final_slots = [seg.get("slot") for seg in records[-1]["report"]["segments"] if seg["kind"] == "shared"]
     assert final_slots == ["query", "out:solver", "out:analyst", "out:programmer"]
     assert sum(r["report"]["tokens_aligned"] for r in records) >= 3 * query_reuse[0]["tokens"]
+
+
+def _shared_segments(record: dict) -> list[dict]:
+    return [seg for seg in record["report"]["segments"] if seg["kind"] == "shared"]
+
+
+def test_chain_and_debate_reuse_agent_outputs(server_pool):
+    server = server_pool("frontend-fullshared", kvshare_args=FULLSHARED)
+    warmup, *samples = load_gsm8k(3, offset=5)
+    backend = KVShareEndpoint(server.url)
+    # The private text between segments ("The math solver said:") has a source only
+    # after an agent has prefilled it once; one sample first, then two at a time.
+    run_workflow(backend, GSM8K, [warmup], topology="chain", num_agents=3, max_tokens=4, progress_bar=False)
+    chain = run_workflow(backend, GSM8K, samples, topology="chain", num_agents=3, max_tokens=4,
+                         progress_bar=False, concurrency=2)
+    assert [r["id"] for r in chain] == [s.id for s in samples]  # results in sample order
+    for res in chain:
+        solver, analyst, final = res["records"]
+        assert [seg.get("slot") for seg in _shared_segments(analyst)] == ["query", "out:solver"]
+        assert [seg.get("slot") for seg in _shared_segments(final)] == ["query", "out:analyst"]
+        # the consumer's copy of the producer's answer comes from the producer's KV, not a prefill
+        for rec in (analyst, final):
+            assert all(seg["resolved_by"] != "dense" for seg in _shared_segments(rec)), rec["report"]
+    debate = run_workflow(backend, GSM8K, [warmup, samples[0]], topology="debate", num_agents=3, rounds=2,
+                          max_tokens=4, progress_bar=False)[1]
+    rounds = [r["round"] for r in debate["records"]]
+    assert rounds == [0, 0, 1, 1, -1]
+    for rec in debate["records"][2:4]:  # round 1 reads every round-0 answer
+        segs = _shared_segments(rec)
+        assert [seg.get("slot") for seg in segs] == ["query", "out:solver", "out:analyst"]
+        assert all(seg["resolved_by"] != "dense" for seg in segs), rec["report"]
 
 
 def test_refer_workflow_runs_unchanged_on_stock_sglang(server_pool):
