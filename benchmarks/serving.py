@@ -168,6 +168,8 @@ def main(argv=None) -> int:
         finally:
             stop.set()
             server.stop()
+        summarize(result)
+        write_json(out, result)  # partial results survive an interrupted sweep
     bar.close()
     summarize(result)
     write_json(out, result)
