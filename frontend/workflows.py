@@ -165,4 +165,8 @@ def run_workflow(backend: Any, task: Task, samples: Sequence, *, topology: str =
         futures = [pool.submit(one, smp) for smp in samples]
         for fut in futures:
             fut.add_done_callback(lambda _f: bar.update(1))
-        return [fut.result() for fut in futures]
+        try:
+            return [fut.result() for fut in futures]
+        except BaseException:
+            pool.shutdown(cancel_futures=True)  # do not run the remaining samples after a failure
+            raise
