@@ -41,12 +41,13 @@ from tqdm import tqdm
 
 from sglang_kvshare.correction import (FullShared, RopeSpec, SegmentCache, factor_nbytes, factorize,
                                        make_estimator, rotate_keys, to_canonical)
+from sglang_kvshare.data import gsm8k_path
 
 from .common import KV, load_model, partial_recompute, prefill, set_threads, suffix_eval
 
 MAIN_MODES = ["fullshared", "kvcomm", "kvcmas", "kvcmas_fullrank", "kvcmas_nonchained", "cacheblend"]
 RESULTS = Path(__file__).resolve().parent / "results"
-GSM8K = Path("/work/shared/data/gsm8k/test.jsonl")
+GSM8K = gsm8k_path()  # data/gsm8k in the repository; a clear error if it is missing
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Real text for benchmark contexts: GSM8K problems (../shared/data, MIT) and
+"""Real text for benchmark contexts: GSM8K problems (data/gsm8k, MIT) and
 Python standard-library docstrings, cut to a token budget. Seeded, so every
 mode sees the same contents."""
 
@@ -8,23 +8,17 @@ import inspect
 import json
 import random
 from functools import lru_cache
-from pathlib import Path
 
-GSM8K_CANDIDATES = (
-    Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl",
-    Path("/work/shared/data/gsm8k/test.jsonl"),
-)
+from sglang_kvshare.data import gsm8k_path
+
 STDLIB_MODULES = ("json", "collections", "itertools", "functools", "pathlib", "argparse", "re", "heapq",
                   "bisect", "textwrap", "string", "statistics", "fractions", "decimal", "csv", "shutil")
 
 
 @lru_cache(maxsize=1)
 def gsm8k_questions() -> list[str]:
-    for path in GSM8K_CANDIDATES:
-        if path.is_file():
-            with open(path) as f:
-                return [json.loads(line)["question"] for line in f]
-    raise FileNotFoundError("GSM8K not found at ../shared/data/gsm8k/test.jsonl")
+    with open(gsm8k_path()) as f:
+        return [json.loads(line)["question"] for line in f]
 
 
 @lru_cache(maxsize=1)

@@ -19,10 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from sglang_kvshare.data import gsm8k_path
 from sglang_kvshare.frontend.roles import GSM8K_FINAL, GSM8K_ROLES, HUMANEVAL_FINAL, HUMANEVAL_ROLES, Role
 
-DEFAULT_GSM8K_PATH = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k" / "test.jsonl"
-GSM8K_PATH_ENV = "SGLANG_KVSHARE_GSM8K"
 
 
 @dataclass(frozen=True)
@@ -72,9 +71,10 @@ def extract_gsm8k_answer(text: str) -> str:
 
 
 def load_gsm8k(limit: int, offset: int = 0, path: Optional[str] = None) -> list[Sample]:
-    path = Path(path or os.environ.get(GSM8K_PATH_ENV) or DEFAULT_GSM8K_PATH)
-    if not path.exists():
-        raise FileNotFoundError(f"GSM8K test set not found at {path}; set {GSM8K_PATH_ENV} to its test.jsonl")
+    """``limit`` GSM8K test samples from ``offset``; ``path`` defaults to the repository's ``data/gsm8k``."""
+    path = Path(path) if path is not None else gsm8k_path()
+    if not path.is_file():
+        raise FileNotFoundError(f"GSM8K test set not found at {path}: pass the path of a GSM8K test.jsonl")
     out = []
     with open(path) as f:
         for i, line in enumerate(f):

@@ -16,6 +16,7 @@ import json
 import time
 from pathlib import Path
 
+from sglang_kvshare.data import gsm8k_path
 from sglang_kvshare.segments import build_request, private, shared
 from sglang_kvshare.server_process import ServerProcess
 
@@ -25,15 +26,12 @@ ROLES = {
     "programmer": "You are a programming expert. Write one line of Python that computes the answer.",
     "judge": "You are the judge. State the final numeric answer.",
 }
-GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
 
 
 def load_questions(n: int) -> list[str]:
-    for path in (GSM8K, Path("/work/shared/data/gsm8k/test.jsonl")):
-        if path.is_file():
-            with open(path) as f:
-                return [json.loads(line)["question"] for _, line in zip(range(n), f)]
-    return ["Janet has 16 eggs, eats 3 and bakes with 4. She sells the rest at $2 each. How much does she make?"] * n
+    """The first ``n`` GSM8K test questions (``data/gsm8k``; a missing file is an error)."""
+    with open(gsm8k_path()) as f:
+        return [json.loads(line)["question"] for _, line in zip(range(n), f)]
 
 
 def agent_request(tok, agent: str, question: str, previous: tuple[str, list[int]] | None):

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import json
 from functools import lru_cache
-from pathlib import Path
 
+from sglang_kvshare.data import gsm8k_path
 from sglang_kvshare.segments import build_request, private, shared
-
-GSM8K = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gsm8k" / "test.jsonl"
 
 AGENTS = {
     "solver": "You are a math solver. Solve the problem step by step and give the final number.",
@@ -16,13 +14,6 @@ AGENTS = {
     "coder": "You are a programming expert. Describe a short Python program that computes the answer.",
     "judge": "You are the final judge. Read the problem carefully and state the answer in one line.",
 }
-
-
-def gsm8k_path() -> Path:
-    for candidate in (GSM8K, Path("/work/shared/data/gsm8k/test.jsonl")):
-        if candidate.is_file():
-            return candidate
-    raise FileNotFoundError("GSM8K test set not found next to the repository (../shared/data/gsm8k)")
 
 
 @lru_cache(maxsize=1)
