@@ -12,7 +12,7 @@
   echoes, so a late answer to a call that timed out is recognised and dropped.
 
 Limits: one scheduler answers RPCs (``--dp-size 1``; with data parallelism
-writes reach one rank only), and ``--tokenizer-worker-num 1`` (the default;
+they would reach one rank only, so ``routes`` refuses them with a 501), and ``--tokenizer-worker-num 1`` (the default;
 SGLang's API keys need it too).
 """
 

@@ -8,8 +8,11 @@ cache is duck-typed: anything with ``kvshare_stats``, ``kvshare_pools``,
 
 Wire format: a write travels as SGLang's ``RpcReqInput(method=RPC_METHOD,
 parameters={"op": ..., ...})`` and comes back as ``RpcReqOutput`` whose
-``message`` is the JSON of a ``Reply``. Reads travel inside SGLang's
-``GetInternalStateReqOutput.internal_state[STATE_KEY]`` (``snapshot``).
+``message`` is the JSON of a ``Reply``. Config and stats travel inside SGLang's
+``GetInternalStateReqOutput.internal_state[STATE_KEY]`` (``snapshot``). The pools
+(agent names, anchor details) do not: ``/get_server_info`` serves that internal
+state at SGLang's ``NORMAL`` auth level (public when only ``--admin-api-key`` is
+set), so they travel as the RPC op ``pools``, behind the admin key like the writes.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any, Optional
 
 RPC_METHOD = "kvshare_admin"
 STATE_KEY = "kvshare"
-OPS = ("configure", "reset")
+OPS = ("configure", "reset", "pools")
 
 
 def has_admin_api(cache: Any) -> bool:
@@ -40,12 +43,12 @@ def config_dict(cache: Any) -> dict:
 
 
 def snapshot(cache: Any) -> dict:
-    """Everything the read routes serve: ``{"config", "stats", "pools"}`` as builtin types.
+    """What ``GET /kvshare/stats`` serves: ``{"config", "stats"}`` as builtin types.
 
-    Takes the cache's estimator lock through its methods; pools list every
-    known slot (empty lists for slots without anchors).
+    NOTE: no pools here; this dict also appears in ``/get_server_info`` (see the
+    module docstring). Takes the cache's estimator lock through its methods.
     """
-    return _plain({"config": config_dict(cache), "stats": cache.kvshare_stats(), "pools": cache.kvshare_pools()})
+    return _plain({"config": config_dict(cache), "stats": cache.kvshare_stats()})
 
 
 @dataclass
@@ -80,6 +83,8 @@ def execute(cache: Any, op: str, *, slot: Optional[str] = None, tau: Optional[fl
     * ``reset``: empties the anchor pools and materialization records of ``slot``
       (404 when the cache does not know it) or of every slot; the result is the
       pools left.
+    * ``pools`` (a read): the anchors of ``slot`` (404 when unknown) or of every
+      slot, as ``{"pools": {slot: [anchor, ...]}}``; changes nothing.
     """
     if not has_admin_api(cache):
         return Reply(503, "the kvshare cache is not active in this scheduler "
@@ -90,6 +95,12 @@ def execute(cache: Any, op: str, *, slot: Optional[str] = None, tau: Optional[fl
         except (TypeError, ValueError) as exc:
             return Reply(422, str(exc))
         return Reply(200, "config applied", {"config": _plain(dataclasses.asdict(new))})
+    if op == "pools":
+        try:
+            pools = cache.kvshare_pools(slot) if slot is not None else cache.kvshare_pools()
+        except KeyError:
+            return Reply(404, f"unknown slot {slot!r}; GET /kvshare/pools lists the known slots")
+        return Reply(200, "pools", {"pools": _plain(pools)})
     if op == "reset":
         if slot is not None:
             try:

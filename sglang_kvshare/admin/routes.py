@@ -9,9 +9,16 @@ are added one by one). They are mounted only when the server runs
 ``--radix-cache-backend kvshare``.
 
 Auth reuses SGLang's own levels (``sglang.srt.utils.auth``): the write routes
-are ``ADMIN_OPTIONAL`` like ``/flush_cache`` (the admin key when the server has
-one, else the API key, else open; SGLang's middleware answers 401), the read
-routes ``NORMAL`` like ``/get_server_info``.
+and the pool reads are ``ADMIN_OPTIONAL`` like ``/flush_cache`` (the admin key
+when the server has one, else the API key, else open; SGLang's middleware
+answers 401): pools show agent names and content details, which a server with
+only ``--admin-api-key`` must not publish. ``GET /kvshare/stats`` is ``NORMAL``
+like ``/get_server_info`` (which carries the same snapshot).
+
+Data parallelism: the write and pool routes travel over SGLang's RPC socket,
+which reaches one scheduler only, so with ``--dp-size > 1`` they answer 501
+instead of changing one rank and reporting success (``dp_size`` comes from the
+server args at mount time).
 
 SGLang turns FastAPI's body-validation errors into 400 for the whole app, so
 ``POST /kvshare/config`` parses its body itself and answers 422 with a
@@ -43,6 +50,7 @@ MAX_RANK = 65536
 
 _HELP = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(KVShareConfig)}
 _channel: Optional[AdminChannel] = None
+_dp_size = 1  # the server's --dp-size, set by ``mount``
 
 
 class ConfigUpdate(BaseModel):
@@ -85,10 +93,21 @@ async def _read() -> dict:
     return snaps[0]  # NOTE: dp_size 1; with several DP ranks the first one answers
 
 
-def _write_auth(func):
+def _admin_auth(func):
+    """SGLang's ``ADMIN_OPTIONAL`` level: the admin key when set, else the API key, else open."""
     from sglang.srt.utils.auth import AuthLevel, auth_level
 
     return auth_level(AuthLevel.ADMIN_OPTIONAL)(func)
+
+
+def _single_rank_error(what: str) -> Optional[JSONResponse]:
+    """A 501 when the server runs several DP ranks (the RPC would reach one of them only)."""
+    if _dp_size <= 1:
+        return None
+    return _error(501, f"{what} is not available with --dp-size {_dp_size}: SGLang's RPC channel reaches one "
+                       f"data-parallel rank only, so the other {_dp_size - 1} would keep their old state. "
+                       "Run one server per rank (--dp-size 1) to use the kvshare admin routes.",
+                  dp_size=_dp_size)
 
 
 router = APIRouter(prefix=PREFIX, tags=["kvshare"])
@@ -108,31 +127,16 @@ async def get_stats():
     return {"config": snap["config"], **snap["stats"]}
 
 
-@router.get("/pools", responses=_ERRORS, summary="Anchor pools of every slot")
-async def get_pools():
-    """Per slot, each anchor: id, length, age, activations, consumers/edges, rank, bytes."""
-    try:
-        snap = await _read()
-    except ChannelError as exc:
-        return _error(exc.status, str(exc))
-    return {"pools": snap["pools"]}
-
-
-@router.get("/pools/{slot:path}", responses={**_ERRORS, 404: {"description": "unknown slot"}},
-            summary="Anchor pool of one slot")
-async def get_pool(slot: str):
-    try:
-        snap = await _read()
-    except ChannelError as exc:
-        return _error(exc.status, str(exc))
-    if slot not in snap["pools"]:
-        return _error(404, f"unknown slot {slot!r}; known slots: {sorted(snap['pools'])}")
-    return {"slot": slot, "anchors": snap["pools"][slot]}
+_SINGLE_RANK = {501: {"description": "the server runs --dp-size > 1 (the call would reach one rank only)"}}
 
 
 async def _call(op: str, **params: Any) -> JSONResponse:
+    """Run one op in the scheduler over the RPC channel; a 501 with several DP ranks."""
+    refused = _single_rank_error(f"kvshare admin op {op!r}")
+    if refused is not None:
+        return refused
     try:
-        reply = await _channel_or_error().call(op, **params)
+        reply = await _channel_or_error().call(op, **{k: v for k, v in params.items() if v is not None})
     except ChannelError as exc:
         return _error(exc.status, str(exc))
     if not reply.ok:
@@ -140,14 +144,34 @@ async def _call(op: str, **params: Any) -> JSONResponse:
     return JSONResponse({"message": reply.message, **reply.result})
 
 
+@router.get("/pools", responses={**_ERRORS, **_SINGLE_RANK}, summary="Anchor pools of every slot")
+@_admin_auth
+async def get_pools():
+    """Per slot, each anchor: id, length, age, activations, consumers/edges, rank, bytes."""
+    response = await _call("pools")
+    if response.status_code == 200:
+        return {"pools": json.loads(response.body)["pools"]}
+    return response
+
+
+@router.get("/pools/{slot:path}", responses={**_ERRORS, **_SINGLE_RANK, 404: {"description": "unknown slot"}},
+            summary="Anchor pool of one slot")
+@_admin_auth
+async def get_pool(slot: str):
+    response = await _call("pools", slot=slot)
+    if response.status_code == 200:
+        return {"slot": slot, "anchors": json.loads(response.body)["pools"].get(slot, [])}
+    return response
+
+
 _CONFIG_BODY = {"requestBody": {"required": True, "content": {
     "application/json": {"schema": ConfigUpdate.model_json_schema(ref_template="#/components/schemas/{model}")}}}}
 
 
 @router.post("/config", openapi_extra=_CONFIG_BODY,
-             responses={**_ERRORS, 422: {"description": "invalid body; `message` says what to fix"}},
+             responses={**_ERRORS, **_SINGLE_RANK, 422: {"description": "invalid body; `message` says what to fix"}},
              summary="Change tau, capacity, rank or mode, atomically")
-@_write_auth
+@_admin_auth
 async def post_config(request: Request):
     """Validate and apply the change in the scheduler between two batches (all or
     nothing); answers the new config. The next request runs under it."""
@@ -167,15 +191,15 @@ async def post_config(request: Request):
     return await _call("configure", **update.changes())
 
 
-@router.post("/pools/{slot:path}/reset", responses={**_ERRORS, 404: {"description": "unknown slot"}},
+@router.post("/pools/{slot:path}/reset", responses={**_ERRORS, **_SINGLE_RANK, 404: {"description": "unknown slot"}},
              summary="Empty one slot's anchor pool and records")
-@_write_auth
+@_admin_auth
 async def reset_pool(slot: str):
     return await _call("reset", slot=slot)
 
 
-@router.post("/reset", responses=_ERRORS, summary="Empty every anchor pool and record")
-@_write_auth
+@router.post("/reset", responses={**_ERRORS, **_SINGLE_RANK}, summary="Empty every anchor pool and record")
+@_admin_auth
 async def reset_all():
     return await _call("reset")
 
@@ -184,8 +208,10 @@ async def reset_all():
 _SETUP_PARAMS = ("server_args", "tokenizer_manager", "template_manager", "port_args")
 
 
-def mount(app: Any, tokenizer_manager: Any, rpc_endpoint: str) -> None:
+def mount(app: Any, tokenizer_manager: Any, rpc_endpoint: str, *, dp_size: int = 1) -> None:
     """Add the routes to ``app`` and open the channel (idempotent).
+
+    ``dp_size`` is the server's ``--dp-size``: above 1 the RPC routes answer 501.
 
     NOTE: each route is added to the app itself, not through
     ``app.include_router``: FastAPI >= 0.165 keeps an included router as one
@@ -193,8 +219,9 @@ def mount(app: Any, tokenizer_manager: Any, rpc_endpoint: str) -> None:
     auth level from the matched route's endpoint, so it would treat every
     included route as NORMAL and let writes through without the admin key.
     """
-    global _channel
+    global _channel, _dp_size
     _channel = AdminChannel(tokenizer_manager, rpc_endpoint)
+    _dp_size = int(dp_size or 1)
     mounted = {getattr(r, "path", None) for r in app.router.routes}
     for route in router.routes:
         if route.path in mounted:
@@ -214,11 +241,20 @@ def before_setup_http_server(*args, **kwargs):
     if bound.get("tokenizer_manager") is None or port_args is None:
         logger.warning("sglang-kvshare: admin routes not mounted (no tokenizer manager in this process)")
         return None
-    from sglang.srt.entrypoints.http_server import app
-
-    mount(app, bound["tokenizer_manager"], port_args.rpc_ipc_name)
+    dp_size = int(getattr(server_args, "dp_size", 1) or 1)
+    mount(_http_app(), bound["tokenizer_manager"], port_args.rpc_ipc_name, dp_size=dp_size)
+    if dp_size > 1:
+        logger.warning("sglang-kvshare: --dp-size %d: the kvshare write and pool routes answer 501 "
+                       "(SGLang's RPC channel reaches one rank only); /kvshare/stats shows rank 0", dp_size)
     logger.info("sglang-kvshare: admin routes mounted under %s/", PREFIX)
     return None
+
+
+def _http_app() -> Any:
+    """SGLang's FastAPI app (imported late: the import loads the whole HTTP server)."""
+    from sglang.srt.entrypoints.http_server import app
+
+    return app
 
 
 def register() -> None:

@@ -4,11 +4,12 @@ Why these hooks: SGLang already carries two request/response channels
 between the HTTP process and the scheduler, and the admin routes ride on them
 rather than opening a third:
 
-* reads: ``GetInternalStateReq`` (``TokenizerManager.get_internal_state``,
+* reads of config and stats: ``GetInternalStateReq`` (``TokenizerManager.get_internal_state``,
   fanned out to every DP rank by SGLang). An AFTER hook on the scheduler's
   ``SchedulerInternalStateController.get_internal_state`` adds
-  ``internal_state["kvshare"] = ops.snapshot(tree_cache)``.
-* writes: ``RpcReqInput`` on the scheduler's RPC socket. An AROUND hook on
+  ``internal_state["kvshare"] = ops.snapshot(tree_cache)`` (no pools: SGLang
+  serves that state publicly in ``/get_server_info``).
+* writes and pool reads: ``RpcReqInput`` on the scheduler's RPC socket. An AROUND hook on
   ``Scheduler.handle_rpc_request`` answers ``method == "kvshare_admin"``
   itself (``ops.execute``; every other method goes to SGLang unchanged) and
   puts the ``ops.Reply`` JSON, tagged with the request's ``rid``, into
@@ -90,7 +91,7 @@ def after_prefill_report(result, reporter, *args, **kwargs):
 
 # ------------------------------------------------------------ reads
 def after_get_internal_state(result, controller, *args, **kwargs):
-    """AFTER hook: ``internal_state["kvshare"]`` = config, stats and pools of the cache."""
+    """AFTER hook: ``internal_state["kvshare"]`` = config and stats of the cache."""
     scheduler = controller.scheduler
     cache = getattr(scheduler, "tree_cache", None)
     state = getattr(result, "internal_state", None)
@@ -126,7 +127,7 @@ def around_handle_rpc_request(original, scheduler, recv_req, *args, **kwargs):
         logger.exception("sglang-kvshare: admin op %r failed", op)
         reply = ops.Reply(500, f"{type(exc).__name__}: {exc}")
     reply.rid = recv_req.rid
-    if reply.ok:
+    if reply.ok and op != "pools":  # a read changes nothing: no log line, no forced refresh
         logger.info("sglang-kvshare: admin %s: %s", op, reply.message)
         refresh_metrics(scheduler, force=True)
     # Same collective as SGLang's own handler: every TP rank runs the RPC.

@@ -1,4 +1,5 @@
-"""Mounting on a FastAPI app: every route is visible to SGLang's API-key middleware with its auth level."""
+"""Mounting on a FastAPI app: every route is visible to SGLang's API-key middleware with its auth level,
+and with several data-parallel ranks the routes that would reach one rank only refuse."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ from fastapi.testclient import TestClient
 
 from sglang.srt.utils.auth import AuthLevel, _get_auth_level_from_app_and_scope, add_api_key_middleware
 
+from types import SimpleNamespace
+
 from sglang_kvshare.admin import routes
 
 WRITES = [("POST", "/kvshare/config"), ("POST", "/kvshare/reset"), ("POST", "/kvshare/pools/out:a/reset")]
-READS = [("GET", "/kvshare/stats"), ("GET", "/kvshare/pools"), ("GET", "/kvshare/pools/out:a")]
+POOL_READS = [("GET", "/kvshare/pools"), ("GET", "/kvshare/pools/out:a")]
+READS = [("GET", "/kvshare/stats")]
 
 
 def _scope(method: str, path: str) -> dict:
@@ -31,9 +35,51 @@ def test_writes_are_admin_optional(app, method, path):
     assert _get_auth_level_from_app_and_scope(app, _scope(method, path)) == AuthLevel.ADMIN_OPTIONAL
 
 
+@pytest.mark.parametrize("method, path", POOL_READS)
+def test_pool_reads_are_admin_optional(app, method, path):
+    # Pools name agents and describe contents: with only --admin-api-key they must not be public.
+    assert _get_auth_level_from_app_and_scope(app, _scope(method, path)) == AuthLevel.ADMIN_OPTIONAL
+
+
 @pytest.mark.parametrize("method, path", READS)
-def test_reads_are_normal_like_get_server_info(app, method, path):
+def test_stats_are_normal_like_get_server_info(app, method, path):
     assert _get_auth_level_from_app_and_scope(app, _scope(method, path)) == AuthLevel.NORMAL
+
+
+def test_admin_key_only_guards_pools_but_not_stats(app):
+    add_api_key_middleware(app, api_key=None, admin_api_key="admin-key")
+    client = TestClient(app, raise_server_exceptions=False)
+    assert client.get("/kvshare/pools").status_code == 401
+    assert client.get("/kvshare/pools/query").status_code == 401
+    assert client.get("/kvshare/pools", headers={"Authorization": "Bearer user-guess"}).status_code == 401
+    # Stats pass the middleware (NORMAL); with no scheduler behind this app the route itself fails.
+    assert client.get("/kvshare/stats").status_code != 401
+
+
+@pytest.mark.parametrize("method, path", WRITES + POOL_READS)
+def test_with_several_dp_ranks_rpc_routes_answer_501(method, path):
+    app = FastAPI()
+    routes.mount(app, tokenizer_manager=None, rpc_endpoint="ipc:///nonexistent", dp_size=2)
+    try:
+        body = {"tau": 0.5} if path.endswith("/config") else None
+        r = TestClient(app).request(method, path, json=body)
+        assert r.status_code == 501, r.text
+        assert "--dp-size 2" in r.json()["message"] and r.json()["dp_size"] == 2
+    finally:
+        routes.mount(FastAPI(), tokenizer_manager=None, rpc_endpoint="ipc:///nonexistent")  # back to dp 1
+
+
+def test_the_mount_hook_reads_dp_size_from_the_server_args(monkeypatch):
+    app = FastAPI()
+    monkeypatch.setattr(routes, "_http_app", lambda: app)
+    server_args = SimpleNamespace(radix_cache_backend="kvshare", dp_size=3)
+    port_args = SimpleNamespace(rpc_ipc_name="ipc:///nonexistent")
+    try:
+        routes.before_setup_http_server(server_args, object(), None, port_args)
+        r = TestClient(app).post("/kvshare/reset")
+        assert r.status_code == 501 and "--dp-size 3" in r.json()["message"]
+    finally:
+        routes.mount(FastAPI(), tokenizer_manager=None, rpc_endpoint="ipc:///nonexistent")
 
 
 def test_routes_are_mounted_once_and_listed_in_openapi(app):

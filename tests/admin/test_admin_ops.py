@@ -79,10 +79,19 @@ def test_reply_round_trips_through_json():
     assert ops.Reply.from_json(reply.to_json()) == reply
 
 
-def test_snapshot_is_plain_json_types():
+def test_snapshot_is_plain_json_types_and_holds_no_pools():
+    # The snapshot also reaches /get_server_info (public with only --admin-api-key): no pools in it.
     snap = ops.snapshot(FakeCache())
-    assert set(snap) == {"config", "stats", "pools"}
-    assert snap["pools"]["query"] == [{"id": 0, "bytes": 10}]
+    assert set(snap) == {"config", "stats"}
+
+
+def test_pools_op_reads_one_slot_or_all_and_changes_nothing():
+    cache = FakeCache()
+    assert ops.execute(cache, "pools").result["pools"] == {"query": [{"id": 0, "bytes": 10}], "out:a": []}
+    assert ops.execute(cache, "pools", slot="query").result["pools"] == {"query": [{"id": 0, "bytes": 10}]}
+    missing = ops.execute(cache, "pools", slot="nope")
+    assert missing.status == 404 and "nope" in missing.message
+    assert cache.resets == []
 
 
 def _value(registry, name: str, **labels) -> float:

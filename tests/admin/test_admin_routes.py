@@ -30,11 +30,11 @@ def test_stats_count_reuse_of_a_shared_segment_in_fullshared(admin):
     assert after["reuse_ratio"] > 0
     assert after["counters"]["annotated_requests"] >= 2
 
-    pools = admin.get("/kvshare/pools").json()["pools"]
+    pools = admin.get("/kvshare/pools", headers=admin.headers()).json()["pools"]
     assert "query" in pools
-    one = admin.get("/kvshare/pools/query")
+    one = admin.get("/kvshare/pools/query", headers=admin.headers())
     assert one.status_code == 200 and one.json()["slot"] == "query"
-    missing = admin.get("/kvshare/pools/no-such-slot")
+    missing = admin.get("/kvshare/pools/no-such-slot", headers=admin.headers())
     assert missing.status_code == 404 and "no-such-slot" in missing.json()["message"]
 
 
@@ -85,7 +85,8 @@ def test_reset_empties_the_pools(admin):
     assert r.status_code == 200
     stats = admin.stats()
     assert stats["slots"] == {} and stats["shared_tokens_seen"] == 0 and stats["anchor_bytes"] == 0
-    assert all(anchors == [] for anchors in admin.get("/kvshare/pools").json()["pools"].values())
+    pools = admin.get("/kvshare/pools", headers=admin.headers()).json()["pools"]
+    assert all(anchors == [] for anchors in pools.values())
     segment = admin.ask("critic", shared_text(8), slot="reset-a")["segments"][1]
     assert segment["resolved_by"] == "dense" and segment["reason"] == "no_source", segment
 
