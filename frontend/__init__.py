@@ -1,4 +1,4 @@
-"""Multi-agent sgl.function programs that mark shared segments (installed as sglang_kvshare.frontend).
+"""Client library: multi-agent sgl.function programs that mark shared segments (installed as sglang_kvshare.frontend).
 
 Public API::
 
@@ -6,9 +6,9 @@ Public API::
 
 ``shared(text, slot=...)`` marks text many agents see, ``agent(name)`` declares
 who speaks; ``KVShareEndpoint(url)`` is a ``RuntimeEndpoint`` that turns the
-marks into the kvshare request annotation. The workflow library (roles,
-topologies, GSM8K / HumanEval tasks) is in ``workflows``, ``roles`` and
-``tasks``; ``python -m sglang_kvshare.frontend.run --help`` runs a benchmark.
+marks into the kvshare request annotation. The workloads written with it
+(roles, topologies, GSM8K / HumanEval tasks) live in ``benchmarks.workloads``;
+``python -m benchmarks.workflow --help`` runs them.
 """
 
 from sglang_kvshare.frontend.primitives import agent, shared

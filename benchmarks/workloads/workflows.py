@@ -31,9 +31,9 @@ from typing import Any, Optional, Sequence
 
 import sglang as sgl
 
+from benchmarks.workloads.roles import Role
+from benchmarks.workloads.tasks import Task
 from sglang_kvshare.frontend.primitives import agent, shared
-from sglang_kvshare.frontend.roles import Role
-from sglang_kvshare.frontend.tasks import Task
 
 TOPOLOGIES = ("chain", "refer", "debate")
 

@@ -1,4 +1,4 @@
-"""``python -m sglang_kvshare.demo``: the main job in one command.
+"""``python -m benchmarks.demo``: the main job in one command.
 
 Starts a real SGLang server with kvshare on (the shipped SmolLM2-135M on this
 machine's CPU unless ``--model-path`` says otherwise) and runs a 4-agent team
@@ -45,7 +45,7 @@ def agent_request(tok, agent: str, question: str, previous: tuple[str, list[int]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sglang_kvshare.demo", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-path", default=None, help="local model folder (default: the shipped SmolLM2-135M)")
     parser.add_argument("--kvshare-mode", default="kvcmas", choices=("off", "fullshared", "kvcmas"))
     parser.add_argument("--tau", type=float, default=0.3)

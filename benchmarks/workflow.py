@@ -1,6 +1,6 @@
 """Run a multi-agent workflow benchmark: accuracy, agreement with ``off``, reuse, TTFT.
 
-    python -m sglang_kvshare.frontend.run --task gsm8k --topology refer --agents 4 \\
+    python -m benchmarks.workflow --task gsm8k --topology refer --agents 4 \\
         --limit 50 --mode kvcmas --compare off --out benchmarks/results/workflow_gsm8k.json
 
 ``--mode`` takes a comma-separated list (``off,fullshared,kvcmas``): the modes
@@ -46,7 +46,7 @@ MODES = ("off", "fullshared", "kvcomm", "kvcmas", "stock")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m sglang_kvshare.frontend.run", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.workflow", description=__doc__.split("\n")[0])
     p.add_argument("--task", choices=("gsm8k", "humaneval"), default="gsm8k")
     p.add_argument("--topology", choices=("chain", "refer", "debate"), default="refer")
     p.add_argument("--agents", type=int, default=4, help="role agents + the final agent (2..4)")
@@ -162,8 +162,8 @@ def _on_sigterm(*_) -> None:
 
 
 def run_mode(mode: str, args, samples, task, model_path: str, url: Optional[str] = None) -> dict:
+    from benchmarks.workloads.workflows import run_workflow
     from sglang_kvshare.frontend.backend import KVShareEndpoint
-    from sglang_kvshare.frontend.workflows import run_workflow
     from sglang_kvshare.server_process import ServerProcess
 
     def go(base_url: str) -> list[dict]:
@@ -216,7 +216,7 @@ def _short(run: dict) -> dict:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, _on_sigterm)
-    from sglang_kvshare.frontend.tasks import TASKS
+    from benchmarks.workloads.tasks import TASKS
 
     modes = [m.strip() for m in args.mode.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
@@ -238,7 +238,7 @@ def main(argv=None) -> dict:
         model_path = str(prepare(args.model))
     argv_used = sys.argv[1:] if argv is None else argv
     out = {
-        "command": "python -m sglang_kvshare.frontend.run " + " ".join(shlex.quote(a) for a in argv_used),
+        "command": "python -m benchmarks.workflow " + " ".join(shlex.quote(a) for a in argv_used),
         "machine": machine(),
         "model": model_path or args.url,
         "task": args.task, "topology": args.topology, "agents": args.agents,
