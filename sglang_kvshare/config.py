@@ -30,9 +30,15 @@ class KVShareConfig:
     rank: Optional[int] = field(default=32, metadata={"help": "Rank r of the factors of new anchors; 0 means full dimension."})
     evict_window: int = field(default=5, metadata={"help": "W: evict the least-activated among the W oldest anchors."})
     gate_max_tokens: Optional[int] = field(default=128, metadata={"help": "Cap on the comparison length k of the gate; 0 = the whole segment. The gate only considers anchors at least k tokens long, so without a cap a new content longer than every earlier one always falls back."})
-    pool_budget_mb: float = field(default=512.0, metadata={"help": "Upper bound on the memory all anchor pools may hold together (MiB)."})
+    pool_budget_mb: float = field(default=512.0, metadata={"help": "Upper bound on the memory all anchor pools hold together (MiB); past it the least recently used pool's oldest anchors are evicted."})
+    max_pools: int = field(default=1024, metadata={"help": "Most anchor pools (one per slot and namespace); past it the least recently used pool is dropped."})
+    max_namespaces: int = field(default=64, metadata={"help": "Most (LoRA id, cache salt) namespaces whose copy records are kept; least recently used dropped first."})
+    max_slots: int = field(default=256, metadata={"help": "Most slot names whose copy records are kept per namespace; least recently used dropped first."})
+    learn_queue_max: int = field(default=16, metadata={"help": "Most dense-prefill observations waiting to be learned; a full queue drops new ones (counted)."})
+    learn_queue_mb: float = field(default=256.0, metadata={"help": "Most memory (MiB) the K/V copies of waiting observations may hold."})
     max_segments: int = field(default=64, metadata={"help": "Most segments one request may declare."})
     learn_async: bool = field(default=True, metadata={"help": "Record anchors from dense prefills on a background thread (keeps the SVD out of the scheduler loop); false records them inside checkpoint, deterministic for tests."})
+    auto: bool = field(default=False, metadata={"help": "Annotate /v1/chat/completions requests that carry no kvshare field: agent = digest of the system messages, every other message's content shared under auto:<role>, answers shared under auto:assistant (see README, 'Using kvshare from an agent framework'). Off by default: every chat request then receives estimated KV."})
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -47,8 +53,11 @@ class KVShareConfig:
             raise ValueError(f"evict_window must be >= 1, got {self.evict_window}")
         if self.gate_max_tokens is not None and self.gate_max_tokens < 0:
             raise ValueError("gate_max_tokens must be >= 0 (0 = whole segment)")
-        if self.pool_budget_mb <= 0:
-            raise ValueError("pool_budget_mb must be positive")
+        if self.pool_budget_mb <= 0 or self.learn_queue_mb <= 0:
+            raise ValueError("pool_budget_mb and learn_queue_mb must be positive")
+        for name in ("max_pools", "max_namespaces", "max_slots", "learn_queue_max"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
     @property
     def effective_capacity(self) -> int:

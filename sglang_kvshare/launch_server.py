@@ -56,13 +56,12 @@ def add_kvshare_args(parser: argparse.ArgumentParser) -> None:
         flag = KVSHARE_PREFIX + f.name.replace("_", "-")
         help_text = f.metadata.get("help", "")
         default = f.default
+        kind = str(f.type)
         if f.name == "mode":
             group.add_argument(flag, choices=MODES, default=default, help=f"{help_text} (default: {default})")
-        elif f.name in ("capacity", "gate_max_tokens", "rank"):
-            group.add_argument(flag, type=int, default=default, help=f"{help_text} (default: {default})")
-        elif f.name == "learn_async":
+        elif kind == "bool":
             group.add_argument(flag, type=_parse_bool, default=default, help=f"{help_text} (default: {default})")
-        elif f.name in ("max_segments", "evict_window"):
+        elif "int" in kind:
             group.add_argument(flag, type=int, default=default, help=f"{help_text} (default: {default})")
         else:
             group.add_argument(flag, type=float, default=default, help=f"{help_text} (default: {default})")

@@ -1,0 +1,111 @@
+"""Assembly: turn resolved segments into KV in the pool and estimate nodes in the tree.
+
+Given a request whose prefix ``[0, m)`` is matched (ending at ``node``), it
+walks the request's remaining segments in order, resolves as many as it can
+(``Resolver``), stops at the first it cannot (the reason goes into the
+report), allocates pool slots through SGLang's allocator (evicting through
+the tree if needed), writes the K/V of every layer (``kv_writer``) and
+inserts the rows in the tree's estimate namespace below ``node``
+(``tree_paths``). Slots are given back if anything fails before the tree owns
+them, so an error never leaks pool memory.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+from sglang_kvshare.cache import tree_paths
+from sglang_kvshare.cache.kv_writer import write_resolved
+from sglang_kvshare.cache.registry import NamespaceRecords
+from sglang_kvshare.cache.request_state import RequestPlan
+from sglang_kvshare.cache.resolver import Resolution, Resolver, Unresolved
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Piece:
+    """Rows ``[lo, hi)`` (segment-relative) of one segment, served by ``res``."""
+
+    index: int
+    lo: int
+    hi: int
+    res: Resolution
+
+
+def plan_pieces(resolver: Resolver, records: NamespaceRecords, plan: RequestPlan, m: int, limit: int,
+                locks: list) -> list[Piece]:
+    """Resolve segments from position ``m`` on; stops at the first unresolved one or at ``limit``."""
+    pieces: list[Piece] = []
+    pos = m
+    for o, seg in zip(plan.outcomes, plan.annotation.segments):
+        if seg.end <= m:
+            continue
+        if pos >= limit:
+            break
+        try:
+            res = resolver.resolve(records, plan, o, locks)
+        except Unresolved as exc:
+            o.reason, o.resolved_by = exc.reason, "dense"
+            break
+        # A source may cover only a prefix of the segment (a producer's output
+        # lacks the KV of its last token): resolve what it covers, then stop.
+        row_end = min(seg.end, limit, seg.start + res.rows)
+        if row_end <= pos:
+            o.reason = "source_too_short"
+            break
+        pieces.append(Piece(o.index, pos - seg.start, row_end - seg.start, res))
+        o.resolved_by, o.reason, o.resolved_tokens = res.how, None, row_end - seg.start
+        pos = row_end
+        if row_end < seg.end:
+            o.reason = "partial" if row_end < limit else None
+            break  # the last prompt token is always computed
+    return pieces
+
+
+def alloc(cache: Any, n: int) -> Optional[torch.Tensor]:
+    allocator = cache.token_to_kv_pool_allocator
+    idx = allocator.alloc(n)
+    if idx is None:
+        cache.evict(EvictParams(num_tokens=n))
+        idx = allocator.alloc(n)
+    return idx
+
+
+def write_and_insert(cache: Any, plan: RequestPlan, node: Any, m: int, pieces: list[Piece]) -> Optional[Any]:
+    """Write every piece into fresh slots and insert them below ``node``; returns the new last node.
+
+    None when the allocator could not provide the slots (nothing changed).
+    On any error the fresh slots are freed before the error propagates.
+    """
+    end = m + sum(p.hi - p.lo for p in pieces)
+    new_idx = alloc(cache, end - m)
+    if new_idx is None:
+        return None
+    owned = False
+    try:
+        kvcache = cache.token_to_kv_pool_allocator.get_kvcache()
+        offset = 0
+        for p in pieces:
+            seg = plan.annotation.segments[p.index]
+            write_resolved(kvcache, cache.spec, src_idx=p.res.src_idx, dst_idx=new_idx[offset:offset + p.hi - p.lo],
+                           src_start=p.res.source.start, dst_start=seg.start, lo=p.lo, hi=p.hi,
+                           correction=p.res.correction)
+            offset += p.hi - p.lo
+        if new_idx.is_cuda:
+            # NOTE: the forward may run on another stream; the rows must be written first.
+            torch.cuda.current_stream(new_idx.device).synchronize()
+        present, last = tree_paths.insert_estimate(cache, node, plan.tokens[m:end], new_idx,
+                                                   plan.namespace[0], plan.namespace[1])
+        owned = True
+        if present:  # part of it appeared meanwhile: give our duplicate slots back
+            cache.token_to_kv_pool_allocator.free(new_idx[:present])
+        return last
+    finally:
+        if not owned:
+            cache.token_to_kv_pool_allocator.free(new_idx)

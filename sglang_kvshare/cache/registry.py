@@ -1,0 +1,219 @@
+"""Placeholder nodes: what the cache knows about each shared slot, per namespace.
+
+A **namespace** is what SGLang already uses to keep caches apart: the
+request's ``extra_key`` (the LoRA id) and ``cache_salt`` (the tenant). Every
+record here lives inside one namespace, so nothing computed for one tenant or
+adapter is ever offered to another, and the slot and agent names of one
+tenant are invisible to the next.
+
+Per shared slot (``query``, ``out:analyst`` ...) one ``PlaceholderNode`` keeps
+the latest **materializations** of each content seen in that slot: the radix
+node that ends the copy, its first position, which agent made it, and whether
+it is exact (dense prefill on exact KV) or an estimate. Private segments get
+the same bookkeeping per agent (alignment-only reuse).
+
+::
+
+    KVShareRadixCache
+    ├── radix tree (SGLang's TreeNode; KV indices into the KV pool)
+    │     root ─ [sys_A | query#1 ] ─ ...                 <- exact (agent A)
+    │          └ [sys_B] ─ est:[query#1*] ─ ...           <- * assembled, in the estimate namespace
+    └── PlaceholderRegistry
+          └── namespaces[(extra_key, cache_salt)]: Namespace
+                ├── slots["query"]: PlaceholderNode
+                │     contents[h(query#1)] = [Materialization(A, exact), Materialization(B, estimate)]
+                └── private[(id(B), h(glue))] = [Materialization(B, ...)]
+
+A materialization names its KV by the tree node that ends it, not by pool
+indices: the tree may split nodes (the node object keeps the tail, so the end
+stays put) or evict them (``KVShareRadixCache`` marks evicted nodes dead).
+Every table is bounded and evicts least-recently-used entries.
+
+No SGLang imports here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+from collections import OrderedDict, defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Iterator, Optional, Sequence
+
+Namespace = tuple[Optional[str], Optional[str]]  # (extra_key, cache_salt)
+
+_seq = itertools.count()
+
+
+class ContentHasher:
+    """Keyed digests of token ids: a per-process secret, so a digest shown by the admin API
+    cannot be used to confirm a guessed prompt."""
+
+    def __init__(self, secret: Optional[bytes] = None) -> None:
+        self._secret = secret if secret is not None else os.urandom(16)
+
+    def __call__(self, tokens: Sequence[int], *extra: Any) -> str:
+        h = hashlib.blake2b(digest_size=16, key=self._secret)
+        for part in extra:
+            h.update(repr(part).encode())
+            h.update(b"\x00")
+        h.update(len(tokens).to_bytes(8, "little"))
+        h.update(b"".join(int(t).to_bytes(8, "little", signed=True) for t in tokens))
+        return h.hexdigest()
+
+
+@dataclass(frozen=True, eq=False)
+class Materialization:
+    """One copy of a segment's KV inside the tree: rows ``[start, end)`` of the path to ``node``."""
+
+    agent: str  # the agent's identity (hash of namespace, name and private prefix)
+    agent_name: str  # what the client called it (shown in its own reports)
+    node: Any  # the TreeNode whose path ends at ``end``
+    start: int
+    end: int
+    exact: bool  # computed densely on exact KV (True) or an estimate / computed on top of one
+    generation: int  # the cache generation (a reset invalidates every record)
+    seq: int = field(default_factory=lambda: next(_seq))
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class SlotStats:
+    """Counters of one slot (what /kvshare/stats reports)."""
+
+    requests: int = 0
+    shared_tokens_seen: int = 0
+    resolved_hit: int = 0
+    resolved_alignment: int = 0
+    resolved_correction: int = 0
+    prefilled_dense: int = 0
+    head_recomputed: int = 0
+    fallbacks: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    gate_entropy_sum: float = 0.0
+    gate_decisions: int = 0
+
+    def as_dict(self) -> dict:
+        resolved = self.resolved_hit + self.resolved_alignment + self.resolved_correction
+        seen = self.shared_tokens_seen
+        return {
+            "requests": self.requests,
+            "shared_tokens_seen": seen,
+            "resolved_hit": self.resolved_hit,
+            "resolved_alignment": self.resolved_alignment,
+            "resolved_correction": self.resolved_correction,
+            "prefilled_dense": self.prefilled_dense,
+            "head_recomputed": self.head_recomputed,
+            "reuse_ratio": (self.resolved_alignment + self.resolved_correction) / seen if seen else 0.0,
+            "resolved_ratio": resolved / seen if seen else 0.0,
+            "fallbacks": dict(self.fallbacks),
+            "mean_gate_entropy": self.gate_entropy_sum / self.gate_decisions if self.gate_decisions else None,
+        }
+
+
+def _remember(table: "OrderedDict[Hashable, list[Materialization]]", key: Hashable, mat: Materialization,
+              per_key: int, max_keys: int) -> None:
+    """Append ``mat`` under ``key`` (latest last), dropping a record of the same node."""
+    mats = table.setdefault(key, [])
+    mats[:] = [m for m in mats if m.node is not mat.node or m.end != mat.end]
+    mats.append(mat)
+    del mats[:-per_key]
+    table.move_to_end(key)
+    while len(table) > max_keys:
+        table.popitem(last=False)
+
+
+@dataclass(frozen=True)
+class RegistryLimits:
+    """Bounds of the registry; each table evicts its least recently used entry when full."""
+
+    max_namespaces: int = 64
+    max_slots: int = 256  # per namespace
+    max_contents: int = 256  # per slot
+    max_copies: int = 8  # materializations kept per content
+    max_private: int = 4096  # (agent, content) entries per namespace
+
+
+class PlaceholderNode:
+    """One shared slot of one namespace: its contents' materializations and its counters."""
+
+    def __init__(self, slot: str, limits: RegistryLimits) -> None:
+        self.slot = slot
+        self.limits = limits
+        self.contents: OrderedDict[str, list[Materialization]] = OrderedDict()
+        self.stats = SlotStats()
+
+    def copies(self, content: str) -> list[Materialization]:
+        """Materializations of ``content``, latest first."""
+        return list(reversed(self.contents.get(content, [])))
+
+    def record(self, content: str, mat: Materialization) -> None:
+        _remember(self.contents, content, mat, self.limits.max_copies, self.limits.max_contents)
+
+
+class NamespaceRecords:
+    """Slots and private copies of one (extra_key, cache_salt) namespace."""
+
+    def __init__(self, limits: RegistryLimits) -> None:
+        self.limits = limits
+        self.slots: OrderedDict[str, PlaceholderNode] = OrderedDict()
+        self.private: OrderedDict[tuple[str, str], list[Materialization]] = OrderedDict()
+
+    def slot(self, name: str) -> PlaceholderNode:
+        node = self.slots.get(name)
+        if node is None:
+            node = self.slots[name] = PlaceholderNode(name, self.limits)
+            while len(self.slots) > self.limits.max_slots:
+                self.slots.popitem(last=False)
+        self.slots.move_to_end(name)
+        return node
+
+    def private_copies(self, agent: str, content: str) -> list[Materialization]:
+        return list(reversed(self.private.get((agent, content), [])))
+
+    def record_private(self, agent: str, content: str, mat: Materialization) -> None:
+        _remember(self.private, (agent, content), mat, self.limits.max_copies, self.limits.max_private)
+
+
+class PlaceholderRegistry:
+    """Every namespace's records, bounded (``RegistryLimits``)."""
+
+    def __init__(self, limits: Optional[RegistryLimits] = None) -> None:
+        self.limits = limits or RegistryLimits()
+        self.namespaces: OrderedDict[Namespace, NamespaceRecords] = OrderedDict()
+
+    def namespace(self, ns: Namespace) -> NamespaceRecords:
+        rec = self.namespaces.get(ns)
+        if rec is None:
+            rec = self.namespaces[ns] = NamespaceRecords(self.limits)
+            while len(self.namespaces) > self.limits.max_namespaces:
+                self.namespaces.popitem(last=False)
+        self.namespaces.move_to_end(ns)
+        return rec
+
+    def find_slot(self, slot: str) -> Iterator[tuple[Namespace, PlaceholderNode]]:
+        for ns, rec in self.namespaces.items():
+            if slot in rec.slots:
+                yield ns, rec.slots[slot]
+
+    def all_slots(self) -> Iterator[tuple[Namespace, PlaceholderNode]]:
+        for ns, rec in self.namespaces.items():
+            for node in rec.slots.values():
+                yield ns, node
+
+    def usage(self) -> dict[str, int]:
+        """Current sizes, keyed like ``RegistryLimits`` (the soak harness checks usage <= limit)."""
+        recs = list(self.namespaces.values())
+        return {
+            "max_namespaces": len(recs),
+            "max_slots": max((len(r.slots) for r in recs), default=0),
+            "max_contents": max((len(s.contents) for r in recs for s in r.slots.values()), default=0),
+            "max_private": max((len(r.private) for r in recs), default=0),
+        }
+
+    def reset(self) -> None:
+        """Forget every record."""
+        self.namespaces.clear()

@@ -1,0 +1,205 @@
+"""The kvshare cache on fake pools: assembly, estimate isolation, namespaces, locking, eviction, accounting.
+
+No server: ``tests/cache/fakes.py`` drives requests through the cache the way
+SGLang's scheduler does. Each test asserts behaviour that a wrong cache would
+break (a leak of an estimate, a slot freed twice, a row lost).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+from sglang_kvshare.cache import tree_paths
+from tests.cache.fakes import LAYERS, FakeReq, MiniScheduler, dense_kv, make_cache
+
+SYS = {"A": list(range(10, 30)), "B": list(range(40, 53)), "C": list(range(60, 77))}
+QUERY = list(range(200, 260))
+SUFFIX = [5, 6, 7]
+
+
+def annotated(agent: str, query=QUERY, *, salt=None, extra_key=None, output_slot=None) -> FakeReq:
+    sys_ids = SYS[agent]
+    tokens = sys_ids + list(query) + SUFFIX
+    segs = [{"kind": "private", "start": 0, "end": len(sys_ids)},
+            {"kind": "shared", "start": len(sys_ids), "end": len(sys_ids) + len(query), "slot": "query"},
+            {"kind": "private", "start": len(sys_ids) + len(query), "end": len(tokens)}]
+    ann = {"agent": agent, "segments": segs}
+    if output_slot:
+        ann["output_slot"] = output_slot
+    return FakeReq(tokens, custom_params={"kvshare": json.dumps(ann)}, cache_salt=salt, extra_key=extra_key)
+
+
+def warm(sched: MiniScheduler, agent: str, **kw) -> None:
+    sys_ids = SYS[agent]
+    ann = {"agent": agent, "segments": [{"kind": "private", "start": 0, "end": len(sys_ids)}]}
+    sched.run(FakeReq(sys_ids + [1], custom_params=None, **kw))  # the private prefix, plain
+    del ann
+
+
+def assert_pool_accounted(cache) -> None:
+    allocator = cache.token_to_kv_pool_allocator
+    assert cache.protected_size() == 0
+    assert allocator.available_size() + cache.evictable_size() == allocator.size
+
+
+@pytest.fixture
+def sched():
+    return MiniScheduler(make_cache("fullshared"))
+
+
+def test_shared_segment_is_aligned_from_another_agent(sched):
+    sched.run(annotated("A"))
+    warm(sched, "B")
+    req = annotated("B")
+    m = sched.run(req)
+    rep = req.report()
+    assert rep["tokens_aligned"] == len(QUERY)
+    assert m == len(SYS["B"]) + len(QUERY)
+    assert rep["segments"][1]["resolved_by"] == "alignment"
+    assert_pool_accounted(sched.cache)
+
+
+def test_aligned_rows_are_the_source_values(sched):
+    a = annotated("A")
+    sched.run(a)
+    warm(sched, "B")
+    b = annotated("B")
+    sched.match(b)
+    cache = sched.cache
+    start = len(SYS["B"])
+    rows = cache.path_device_indices(b.last_node)[start:start + len(QUERY)]
+    kv = cache.token_to_kv_pool_allocator.get_kvcache()
+    # Values are not rotated: the aligned copy carries agent A's dense values.
+    for j, slot in enumerate(rows.tolist()):
+        _, v = dense_kv(a.origin_input_ids, len(SYS["A"]) + j)
+        for layer in range(LAYERS):
+            torch.testing.assert_close(kv.get_value_buffer(layer)[slot], v[layer])
+
+
+def test_plain_request_never_matches_an_estimate(sched):
+    sched.run(annotated("A"))
+    warm(sched, "B")
+    sched.run(annotated("B"))  # assembled: B's query rows are estimates
+    plain = FakeReq(annotated("B").origin_input_ids)
+    m = sched.run(plain)
+    assert m == len(SYS["B"])  # only B's exact system prompt, never the estimated query
+    again = FakeReq(annotated("B").origin_input_ids)
+    assert sched.run(again) == len(again.origin_input_ids) - 1  # its own exact copy is now a full hit
+    assert sched.cache.counters.get("plain_tokens_from_estimates") == 0
+    assert_pool_accounted(sched.cache)
+
+
+def test_mode_off_after_assembly_serves_exact_only(sched):
+    sched.run(annotated("A"))
+    warm(sched, "B")
+    sched.run(annotated("B"))
+    sched.cache.kvshare_configure(mode="off")
+    req = annotated("B")  # annotated, but the server is off now
+    assert sched.run(req) == len(SYS["B"])
+    assert req.report() is None
+
+
+def test_estimates_are_reused_by_an_identical_annotated_request(sched):
+    sched.run(annotated("A"))
+    warm(sched, "B")
+    sched.run(annotated("B"))
+    again = annotated("B")
+    m = sched.run(again)
+    assert m == len(again.origin_input_ids) - 1
+    assert again.report()["tokens_exact_hit"] == len(SYS["B"]) + len(QUERY)
+    assert_pool_accounted(sched.cache)
+
+
+def test_output_computed_on_an_estimate_is_not_a_source_of_exact_kv(sched):
+    sched.run(annotated("A"))
+    warm(sched, "B")
+    b = annotated("B", output_slot="out:B")
+    sched.run(b, new_tokens=6)
+    records = sched.cache.registry.namespace((None, None))
+    out = [m for mats in records.slot("out:B").contents.values() for m in mats]
+    assert out and not any(m.exact for m in out)
+    query_copies = [m for mats in records.slot("query").contents.values() for m in mats]
+    assert {m.exact for m in query_copies if m.agent_name == "B"} == {False}
+    assert {m.exact for m in query_copies if m.agent_name == "A"} == {True}
+
+
+def test_salts_do_not_share(sched):
+    sched.run(annotated("A", salt="tenantA"))
+    warm(sched, "B", cache_salt="tenantB")
+    b = annotated("B", salt="tenantB")
+    sched.run(b)
+    rep = b.report()
+    assert rep["tokens_aligned"] == 0 and rep["segments"][1]["reason"] == "no_source"
+    same = annotated("B", salt="tenantA")
+    warm(sched, "B", cache_salt="tenantA")
+    sched.run(same)
+    assert same.report()["tokens_aligned"] == len(QUERY)
+
+
+def test_lora_namespaces_do_not_share(sched):
+    sched.run(annotated("A", extra_key="lora-1"))
+    warm(sched, "B", extra_key="lora-2")
+    b = annotated("B", extra_key="lora-2")
+    sched.run(b)
+    assert b.report()["tokens_aligned"] == 0
+
+
+def test_plan_lives_on_the_request_and_a_reused_rid_starts_clean(sched):
+    sched.run(annotated("A"))
+    old = annotated("B")
+    sched.match(old)  # matched while waiting, then aborted: never released
+    new = annotated("C")
+    new.rid = old.rid
+    warm(sched, "C")
+    sched.run(new)
+    rep = new.report()
+    assert rep["agent"] == "C" and rep["tokens_aligned"] == len(QUERY)
+    assert sched.cache.path_device_indices(new.last_node) is not None
+
+
+def test_evicted_source_is_reported_and_no_slot_leaks():
+    sched = MiniScheduler(make_cache("fullshared", pool_tokens=400))
+    sched.run(annotated("A"))
+    sched.cache.evict(EvictParams(num_tokens=10_000))
+    warm(sched, "B")
+    b = annotated("B")
+    sched.run(b)
+    assert b.report()["segments"][1]["reason"] == "source_evicted"
+    assert_pool_accounted(sched.cache)
+
+
+def test_many_requests_under_eviction_pressure_keep_the_pool_accounted():
+    sched = MiniScheduler(make_cache("fullshared", pool_tokens=300))
+    for i in range(12):
+        query = list(range(300 + 7 * i, 360 + 7 * i))
+        for agent in ("A", "B", "C"):
+            sched.run(annotated(agent, query=query), new_tokens=3)
+    assert_pool_accounted(sched.cache)
+    # Every recorded copy either resolves to live rows or is known to be gone.
+    for _, node in sched.cache.registry.all_slots():
+        for mats in node.contents.values():
+            for mat in mats:
+                rows = tree_paths.rows(mat.node, mat.start, mat.end)
+                assert rows is None or len(rows) == mat.length
+
+
+def test_write_failure_frees_the_fresh_slots(monkeypatch, sched):
+    from sglang_kvshare.cache import assembly
+
+    sched.run(annotated("A"))
+    warm(sched, "B")
+    before = sched.cache.token_to_kv_pool_allocator.available_size()
+
+    def boom(*a, **k):
+        raise RuntimeError("write failed")
+
+    monkeypatch.setattr(assembly, "write_resolved", boom)
+    b = annotated("B")
+    m = sched.match(b)
+    assert m == len(SYS["B"])  # fell back to the exact prefix
+    assert sched.cache.token_to_kv_pool_allocator.available_size() == before
+    assert sched.cache.counters.get("internal_errors") == 1
