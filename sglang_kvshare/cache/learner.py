@@ -122,6 +122,8 @@ class Learner:
         t0 = time.perf_counter()
         prepared = estimator.prepare_observation(obs.slot, obs.source, obs.target, content_key=obs.content_key)
         t1 = time.perf_counter()
+        if prepared is None:  # a mode that learns nothing
+            return
         with self._lock:
             if obs.generation != self.generation or estimator is not self._estimator():
                 self._counters.add("observations_discarded_after_reset")

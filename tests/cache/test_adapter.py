@@ -203,3 +203,95 @@ def test_write_failure_frees_the_fresh_slots(monkeypatch, sched):
     assert m == len(SYS["B"])  # fell back to the exact prefix
     assert sched.cache.token_to_kv_pool_allocator.available_size() == before
     assert sched.cache.counters.get("internal_errors") == 1
+
+
+def _queries(n: int, length: int = 60) -> list[list[int]]:
+    return [list(range(1000 + 97 * i, 1000 + 97 * i + length)) for i in range(n)]
+
+
+def test_kvcmas_learns_from_dense_prefills_then_corrects():
+    sched = MiniScheduler(make_cache("kvcmas", tau=1.0))
+    for agent in ("A", "B"):
+        warm(sched, agent)
+    reports = []
+    for query in _queries(4):
+        sched.run(annotated("A", query=query))
+        b = annotated("B", query=query)
+        sched.run(b)
+        reports.append(b.report()["segments"][1])
+    assert reports[0]["reason"] == "too_few_anchors"  # the pool starts empty: dense, then learned
+    assert sched.cache.estimator.pool_size(((None, None), "query")) >= 2
+    assert reports[-1]["resolved_by"] == "correction", reports
+    assert sched.cache.counters.get("observations") >= 2
+    assert_pool_accounted(sched.cache)
+
+
+def test_kvcmas_corrected_rows_differ_from_plain_alignment():
+    sched = MiniScheduler(make_cache("kvcmas", tau=1.0))
+    for agent in ("A", "B"):
+        warm(sched, agent)
+    for query in _queries(3):
+        sched.run(annotated("A", query=query))
+        sched.run(annotated("B", query=query))
+    query = _queries(4)[-1]
+    a = annotated("A", query=query)
+    sched.run(a)
+    b = annotated("B", query=query)
+    sched.match(b)
+    assert b.report()["segments"][1]["resolved_by"] == "correction"
+    start = len(SYS["B"])
+    rows = sched.cache.path_device_indices(b.last_node)[start:start + len(query)]
+    kv = sched.cache.token_to_kv_pool_allocator.get_kvcache()
+    _, v_src = dense_kv(a.origin_input_ids, len(SYS["A"]))
+    assert not torch.allclose(kv.get_value_buffer(0)[int(rows[0])], v_src[0])  # the correction was added
+
+
+def test_reset_drops_queued_observations_and_pools():
+    sched = MiniScheduler(make_cache("kvcmas", tau=1.0))
+    for agent in ("A", "B"):
+        warm(sched, agent)
+    for query in _queries(3):
+        sched.run(annotated("A", query=query))
+        sched.run(annotated("B", query=query))
+    sched.cache.kvshare_reset()
+    assert sched.cache.estimator.pool_size(((None, None), "query")) == 0
+    assert sched.cache.kvshare_stats()["slots"] == {}
+    assert sched.cache.learner.generation == 1
+
+
+def test_agent_identity_binds_the_private_prefix():
+    cache = make_cache("kvcmas")
+    sched = MiniScheduler(cache)
+    real = annotated("B")
+    sched.match(real)
+    impostor_tokens = SYS["C"] + QUERY + SUFFIX  # claims the name "B" with another system prompt
+    ann = json.loads(annotated("B").custom_params["kvshare"])
+    ann["segments"][0]["end"] = len(SYS["C"])
+    ann["segments"][1].update(start=len(SYS["C"]), end=len(SYS["C"]) + len(QUERY))
+    ann["segments"][2].update(start=len(SYS["C"]) + len(QUERY), end=len(impostor_tokens))
+    impostor = FakeReq(impostor_tokens, custom_params={"kvshare": json.dumps(ann)})
+    sched.match(impostor)
+    assert real.kvshare_plan.agent_id != impostor.kvshare_plan.agent_id
+
+
+def test_limits_and_usage_are_reported_and_bounded():
+    sched = MiniScheduler(make_cache("fullshared", max_slots=4))
+    for i in range(10):
+        tokens = SYS["A"] + QUERY
+        ann = {"agent": "A", "segments": [{"kind": "private", "start": 0, "end": len(SYS["A"])},
+                                          {"kind": "shared", "start": len(SYS["A"]), "end": len(tokens),
+                                           "slot": f"junk{i}"}]}
+        sched.run(FakeReq(tokens, custom_params={"kvshare": json.dumps(ann)}))
+    stats = sched.cache.kvshare_stats()
+    assert stats["usage"]["max_slots"] <= stats["limits"]["max_slots"] == 4
+    for key, used in stats["usage"].items():
+        if key in stats["limits"]:
+            assert used <= stats["limits"][key], key
+
+
+def test_runtime_switch_to_a_mode_keeps_the_launch_checks():
+    cache = make_cache("off")
+    cache.page_size = 16
+    with pytest.raises(ValueError, match="page-size 1"):
+        cache.kvshare_configure(mode="fullshared")
+    assert cache.kvshare_config.mode == "off"
