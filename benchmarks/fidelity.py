@@ -39,8 +39,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from sglang_kvshare.correction import (FullShared, RopeSpec, SegmentCache, factor_nbytes, factorize,
-                                       make_estimator, rotate_keys, to_canonical)
+from sglang_kvshare.correction import (CorrectionPlan, FullShared, RopeSpec, SegmentCache, factor_nbytes, factorize,
+                                       make_estimator, materialize, to_canonical)
 from sglang_kvshare.data import gsm8k_path
 
 from .common import KV, load_model, partial_recompute, prefill, set_threads, suffix_eval
@@ -191,7 +191,8 @@ ANCHOR_MODES = ["kvcomm", "kvcmas", "kvcmas_fullrank", "kvcmas_nonchained"]
 
 
 def _anchor_cfg(mode: str, tau: float, rank: int, gate_len: int) -> dict:
-    cfg = dict(tau=tau, gate_len=gate_len)
+    # NOTE: no byte budget offline: the study reports what the pools hold (a server bounds it).
+    cfg = dict(tau=tau, gate_len=gate_len, budget_bytes=None)
     if mode in ("kvcmas", "kvcmas_nonchained"):
         cfg.update(rank=rank, svd_method="randomized")
     return cfg
@@ -296,19 +297,18 @@ def serve_chain(model, arm: Arm, slot, key, ids, exact, ref, prefix_kv, phase):
             continue
         t0 = time.perf_counter()
         res = arm.est.estimate(slot, source, name, target.start_pos)
+        plan = _oracle_plan(arm, source, target) if arm.mode == "oracle" else res.plan
+        if res.accepted:  # the served K/V through the ops layer the server writes with
+            served = KV(*materialize(source.k, source.v, source.start_pos, target.start_pos, plan, arm.est.spec))
         if arm.mode == "oracle":
-            dk = to_canonical(target.k, target.start_pos, arm.est.spec) - to_canonical(source.k, source.start_pos,
-                                                                                       arm.est.spec)
-            dk = factorize(dk, arm.rank).reconstruct()
-            dv = factorize(target.v - source.v, arm.rank).reconstruct()
-            kv, accepted, reused = KV(res.k + rotate_keys(dk, target.start_pos, arm.est.spec), res.v + dv), True, len(ids)
+            kv, accepted, reused = served, True, len(ids)
         elif arm.mode == "cacheblend":
-            blended, chosen = partial_recompute(model, prefix_kv[name], ids, KV(res.k, res.v),
+            blended, chosen = partial_recompute(model, prefix_kv[name], ids, served,
                                                 arm.est.config.check_layer, arm.est.config.ratio,
                                                 arm.est.config.criterion)
             kv, accepted, reused = blended, True, len(ids) - len(chosen)
         elif res.accepted:
-            kv, accepted, reused = KV(res.k, res.v), True, len(ids)
+            kv, accepted, reused = served, True, len(ids)
         else:
             kv, accepted, reused = KV(target.k, target.v), False, 0
         arm.est_seconds += time.perf_counter() - t0
@@ -332,6 +332,15 @@ def serve_chain(model, arm: Arm, slot, key, ids, exact, ref, prefix_kv, phase):
         if accepted and arm.greedy:
             _record_errors(arm, kv, target)
     return out
+
+
+def _oracle_plan(arm: Arm, source: SegmentCache, target: SegmentCache) -> CorrectionPlan:
+    """The content's own exact delta at rank ``arm.rank``, as a one-anchor plan (weight 1 on every row)."""
+    spec = arm.est.spec
+    dk = to_canonical(target.k, target.start_pos, spec) - to_canonical(source.k, source.start_pos, spec)
+    ones = torch.ones(source.length, 1)
+    return CorrectionPlan([factorize(dk, arm.rank)], [factorize(target.v - source.v, arm.rank)], ones, ones,
+                          source.length)
 
 
 _DIAG: dict[str, list] = {}
@@ -483,7 +492,7 @@ def summarize(args, arms, spec, model, dense_spt, n_eval, n_warm, wall, path) ->
                                     if arm.entropies else None),
             "anchor_bytes": est.memory_bytes(),
             "anchor_bytes_if_full_dim": est.full_dim_bytes(),
-            "anchors": {slot: len(p) for slot, p in getattr(est, "pools", {}).items()},
+            "anchors": {slot: len(anchors) for slot, anchors in est.describe().items()},
             "estimate_seconds_per_token": arm.est_seconds / max(arm.est_tokens, 1),
             "estimate_time_vs_dense_prefill": (arm.est_seconds / max(arm.est_tokens, 1)) / dense_spt,
             "per_slot": {s: {"reuse_ratio": v["accepted_tokens"] / max(v["tokens"], 1),

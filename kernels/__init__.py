@@ -4,7 +4,8 @@ Layer: below the cache, above nothing; imports torch (and Triton, lazily) only.
 Use the dispatcher functions re-exported here; each op module
 (``align_correct``, ``gate_distances``, ``token_distances``) holds one Triton
 kernel and its launcher, ``reference`` the torch versions with the same
-signatures, ``rope`` the rotation helpers both share.
+signatures (the CPU path, and in float64 the yardstick of the tests), ``rope``
+the one key rotation of the project (the correction library uses it too).
 """
 
 from .dispatch import (
@@ -13,7 +14,9 @@ from .dispatch import (
     align_correct_scatter_layers,
     gate_from_sq_distances,
     gate_sq_distances,
+    gate_sq_distances_dense,
     token_distances,
+    token_distances_dense,
     token_weights,
     triton_available,
 )
@@ -24,7 +27,9 @@ __all__ = [
     "align_correct_scatter_layers",
     "gate_from_sq_distances",
     "gate_sq_distances",
+    "gate_sq_distances_dense",
     "token_distances",
+    "token_distances_dense",
     "token_weights",
     "triton_available",
 ]

@@ -19,7 +19,7 @@ from typing import Literal
 import torch
 
 from . import reference
-from .rope import Layout
+from .rope import Layout, compute_dtype
 
 Backend = Literal["auto", "triton", "torch"]
 
@@ -28,8 +28,10 @@ __all__ = [
     "align_correct_scatter",
     "align_correct_scatter_layers",
     "gate_sq_distances",
+    "gate_sq_distances_dense",
     "gate_from_sq_distances",
     "token_distances",
+    "token_distances_dense",
     "token_weights",
     "triton_available",
 ]
@@ -96,18 +98,19 @@ def align_correct_scatter(
     [rotary_dim/2]; A [Vn, Lc, r], B [Vn, r, kv_heads*head_dim]; or delta
     [Vn, Lc, kv_heads*head_dim]; w fp32 [>= covered, Vn]; covered <= min(L, Lc),
     default min(L, Lc). Vn = 0 or no factors: alignment only ("fullshared").
-    Accumulates in fp32 (kernel) or float64 (reference), casts on store.
+    Computes in fp32 (kernel, and the torch path unless the pools are float64)
+    with the angles formed in float64; casts on store.
 
     Mutates ``dst`` rows ``dst_idx`` only; returns ``dst``. The kernel path
     requires that no destination row is another token's source row.
     Raises ValueError on inconsistent shapes, RuntimeError on an unusable backend.
     """
-    impl = reference.align_correct_scatter_reference
+    kw = dict(rotate=rotate, src_start=src_start, dst_start=dst_start, inv_freq=inv_freq, rotary_dim=rotary_dim,
+              layout=layout, w=w, A=A, B=B, delta=delta, covered=covered)
     if _use_triton(backend, src.device):
         impl = importlib.import_module(".align_correct", __package__).align_correct_scatter_triton
-    return impl(src, dst, src_idx, dst_idx, rotate=rotate, src_start=src_start, dst_start=dst_start,
-                inv_freq=inv_freq, rotary_dim=rotary_dim, layout=layout, w=w, A=A, B=B, delta=delta,
-                covered=covered)
+        return impl(src, dst, src_idx, dst_idx, **kw)
+    return reference.align_correct_scatter_reference(src, dst, src_idx, dst_idx, compute=compute_dtype(src.dtype), **kw)
 
 
 def align_correct_scatter_layers(
@@ -142,12 +145,22 @@ def align_correct_scatter_layers(
     [layers, ...] tensor or a list), or ``k_delta[l]``; the per-token weights
     ``k_w``, ``v_w`` [>= covered, Vn] are shared by all layers (ALGORITHM.md
     3.3: one weight per token, separately for K and V). Mutates the destinations.
+    Triton: two launches per layer; torch: one batched pass over all layers
+    (``reference.align_correct_scatter_layers_reference``).
     """
     k_dst = k_src if k_dst is None else k_dst
     v_dst = v_src if v_dst is None else v_dst
     if not len(k_src) == len(v_src) == len(k_dst) == len(v_dst):
         raise ValueError("k_src, v_src, k_dst, v_dst must list the same number of layers")
     rot = dict(src_start=src_start, dst_start=dst_start, inv_freq=inv_freq, rotary_dim=rotary_dim, layout=layout)
+    if not k_src:
+        return
+    if not _use_triton(backend, k_src[0].device):
+        reference.align_correct_scatter_layers_reference(
+            k_src, v_src, src_idx, dst_idx, **rot, k_dst=k_dst, v_dst=v_dst, k_w=k_w, v_w=v_w, k_A=k_A, k_B=k_B,
+            v_A=v_A, v_B=v_B, k_delta=k_delta, v_delta=v_delta, covered=covered,
+            compute=compute_dtype(k_src[0].dtype))
+        return
     for layer in range(len(k_src)):
         align_correct_scatter(
             k_src[layer], k_dst[layer], src_idx, dst_idx, rotate=True, **rot, w=k_w,
@@ -159,15 +172,23 @@ def align_correct_scatter_layers(
             delta=None if v_delta is None else v_delta[layer], covered=covered, backend=backend)
 
 
-def gate_sq_distances(X: torch.Tensor, A: torch.Tensor, B: torch.Tensor, *, backend: Backend = "auto") -> torch.Tensor:
+def gate_sq_distances(X: torch.Tensor, A: torch.Tensor, B: torch.Tensor, gram: torch.Tensor | None = None, *,
+                      backend: Backend = "auto") -> torch.Tensor:
     """d2[v] = sum_layers ||X - A_v B_v||_F^2 without materializing A_v B_v; fp32 [Vn].
 
     X [layers, k, D] (source values, first k rows); A [Vn, layers, k, r]
-    (anchors' first k rows); B [Vn, layers, r, D]. Any float dtypes. Pure.
+    (anchors' first k rows); B [Vn, layers, r, D]. Any float dtypes. ``gram``
+    [Vn] optionally gives sum_layers ||A_v B_v||_F^2 precomputed (a cached
+    per-anchor summary), which skips the Gram products. Pure.
     """
     if _use_triton(backend, X.device):
-        return importlib.import_module(".gate_distances", __package__).gate_sq_distances_triton(X, A, B)
-    return reference.gate_sq_distances_reference(X, A, B)
+        return importlib.import_module(".gate_distances", __package__).gate_sq_distances_triton(X, A, B, gram)
+    return reference.gate_sq_distances_reference(X, A, B, gram, compute=compute_dtype(X.dtype))
+
+
+def gate_sq_distances_dense(X: torch.Tensor, F: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``gate_sq_distances`` for full-dimension anchors F_v [layers, >= k, D]; fp32 [Vn]. Torch on every device. Pure."""
+    return reference.gate_sq_distances_dense(X, F, compute=compute_dtype(X.dtype))
 
 
 def token_distances(X: torch.Tensor, A: torch.Tensor, B: torch.Tensor, *, backend: Backend = "auto") -> torch.Tensor:
@@ -177,7 +198,12 @@ def token_distances(X: torch.Tensor, A: torch.Tensor, B: torch.Tensor, *, backen
     """
     if _use_triton(backend, X.device):
         return importlib.import_module(".token_distances", __package__).token_distances_triton(X, A, B)
-    return reference.token_distances_reference(X, A, B)
+    return reference.token_distances_reference(X, A, B, compute=compute_dtype(X.dtype))
+
+
+def token_distances_dense(X: torch.Tensor, F: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``token_distances`` for full-dimension anchors F_v [layers, L_v, D] (rows past L_v compare with zeros); fp32 [k, Vn]."""
+    return reference.token_distances_dense(X, F, compute=compute_dtype(X.dtype))
 
 
 def gate_from_sq_distances(d2: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, float]:
@@ -192,9 +218,17 @@ def gate_from_sq_distances(d2: torch.Tensor, temperature: float = 1.0) -> tuple[
     d = d2.to(torch.float64).clamp_min(0).sqrt()  # clamp: the expansion can round a tiny d2 below 0
     g = torch.softmax(-d / temperature, dim=0)
     ent = -(g * torch.log2(g.clamp_min(1e-300))).sum().item() / math.log2(vn)
-    return g.to(torch.float32), ent
+    return g.to(torch.float32), min(1.0, max(0.0, ent))
 
 
-def token_weights(dist: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Per-token weights w[t, v] = softmax_v(-dist[t, v] / T), fp32 [k, Vn], from ``token_distances``."""
-    return torch.softmax(-dist.to(torch.float32) / temperature, dim=1)
+def token_weights(dist: torch.Tensor, temperature: float = 1.0, lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token weights w[t, v] = softmax_v(-dist[t, v] / T), fp32 [k, Vn], from ``token_distances``.
+
+    ``lengths`` [Vn] (optional): anchor v covers rows t < lengths[v] only; its
+    weight is 0 past that. Every row needs at least one covering anchor.
+    """
+    logits = -dist.to(torch.float32) / temperature
+    if lengths is not None:
+        rows = torch.arange(dist.shape[0], device=dist.device)[:, None]
+        logits = logits.masked_fill(rows >= lengths.to(dist.device)[None, :], float("-inf"))
+    return torch.softmax(logits, dim=1)

@@ -6,7 +6,8 @@
 X [layers, k, D] (the source values' first k rows), A [Vn, layers, k, r],
 B [Vn, layers, r, D]. One program per (anchor, layer) reads X, A_v and B_v once
 and writes one fp32 partial; the layer sum is a tiny torch reduction (no atomics,
-so the result is deterministic). NOTE: the expansion cancels when X ~ A B; in fp32
+so the result is deterministic). A caller holding each anchor's Gram term
+(``gram``) skips the third term. NOTE: the expansion cancels when X ~ A B; in fp32
 the absolute error is about 1e-6 * (||X||^2 + ||A B||^2), ample for a softmax gate.
 
 Reference with the same signature: ``reference.gate_sq_distances_reference``.
@@ -30,7 +31,7 @@ def _gate_sq_kernel(
     sx_l, sx_t, sx_d,
     sa_v, sa_l, sa_t, sa_r,
     sb_v, sb_l, sb_r, sb_d,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, GRAM: tl.constexpr,
 ):
     v = tl.program_id(0)
     layer = tl.program_id(1)
@@ -59,24 +60,31 @@ def _gate_sq_kernel(
         a = tl.load(a_base + t[:, None] * sa_t + r[None, :] * sa_r,
                     mask=t_mask[:, None] & r_mask[None, :], other=0.0).to(tl.float32)
         cross += xb * a
-        gram_a += tl.dot(tl.trans(a), a, input_precision="ieee")
+        if GRAM:
+            gram_a += tl.dot(tl.trans(a), a, input_precision="ieee")
 
-    gram_b = tl.zeros((BLOCK_R, BLOCK_R), dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        d = d0 + tl.arange(0, BLOCK_D)
-        b = tl.load(b_base + r[:, None] * sb_r + d[None, :] * sb_d,
-                    mask=r_mask[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)
-        gram_b += tl.dot(b, tl.trans(b), input_precision="ieee")
-
-    total = tl.sum(tl.sum(xsq, axis=1), axis=0) - 2.0 * tl.sum(tl.sum(cross, axis=1), axis=0) \
-        + tl.sum(tl.sum(gram_a * gram_b, axis=1), axis=0)
+    total = tl.sum(tl.sum(xsq, axis=1), axis=0) - 2.0 * tl.sum(tl.sum(cross, axis=1), axis=0)
+    if GRAM:
+        gram_b = tl.zeros((BLOCK_R, BLOCK_R), dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            b = tl.load(b_base + r[:, None] * sb_r + d[None, :] * sb_d,
+                        mask=r_mask[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)
+            gram_b += tl.dot(b, tl.trans(b), input_precision="ieee")
+        total += tl.sum(tl.sum(gram_a * gram_b, axis=1), axis=0)
     tl.store(out_ptr + v * NL + layer, total)
 
 
-def gate_sq_distances_triton(X: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+def gate_sq_distances_triton(X: torch.Tensor, A: torch.Tensor, B: torch.Tensor, gram: torch.Tensor | None = None,
                              block_t: int = 32, block_d: int = 64) -> torch.Tensor:
-    """Squared Frobenius distances summed over layers, fp32 [Vn]; contract as ``dispatch.gate_sq_distances``."""
+    """Squared Frobenius distances summed over layers, fp32 [Vn]; contract as ``dispatch.gate_sq_distances``.
+
+    With ``gram`` (the anchors' precomputed sum_layers ||A_v B_v||^2, [Vn]) the
+    kernel skips the Gram products and the layer sum adds it (in float64).
+    """
     check_factor_args(X, A, B)
+    if gram is not None and gram.shape != (A.shape[0],):
+        raise ValueError(f"gram must be [Vn={A.shape[0]}], got {tuple(gram.shape)}")
     if A.device != X.device or B.device != X.device:
         raise ValueError(f"X, A and B must be on one device, got {X.device}, {A.device}, {B.device}")
     nl, k, d = X.shape
@@ -89,6 +97,8 @@ def gate_sq_distances_triton(X: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
     _gate_sq_kernel[(vn, nl)](
         X, A, B, partial, nl, k, d, r,
         *X.stride(), *A.stride(), *B.stride(),
-        BLOCK_T=block_t, BLOCK_D=block_d, BLOCK_R=max(16, triton.next_power_of_2(r)),
+        BLOCK_T=block_t, BLOCK_D=block_d, BLOCK_R=max(16, triton.next_power_of_2(r)), GRAM=gram is None,
     )
-    return partial.sum(dim=1)
+    if gram is None:
+        return partial.sum(dim=1)
+    return (partial.sum(dim=1, dtype=torch.float64) + gram.to(device=X.device, dtype=torch.float64)).to(torch.float32)

@@ -1,28 +1,39 @@
 """Pure-torch references of the kernels, with the launchers' signatures; the CPU path.
 
-Every function here computes in float64 and rounds once on output, so it is the
-accuracy yardstick the Triton kernels are tested against (they accumulate in
-fp32; see the tolerance table in tests/kernels). Torch only: no Triton, no
-SGLang, no other sglang_kvshare module.
+Every function takes ``compute``, the dtype it computes in. Called directly they
+default to float64 and round once on output, so they are the accuracy yardstick
+the Triton kernels are tested against (see the tolerance table in tests/kernels).
+The dispatcher's torch path (the CPU serving path) calls them with fp32, the
+Triton kernels' own accumulation precision: float64 over whole segments costs
+about 2x on CPU and buys nothing the fp32 kernel does not already deliver.
+Torch only: no Triton, no SGLang, no other sglang_kvshare module.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from .rope import Layout, check_rotary
-from .rope import rotate as rotate_keys
+from .rope import rotate as rotate_rows  # NOTE: the align functions have a ``rotate`` flag
 
 __all__ = [
     "AlignArgs",
     "check_align_args",
     "check_factor_args",
     "align_correct_scatter_reference",
+    "align_correct_scatter_layers_reference",
     "gate_sq_distances_reference",
     "token_distances_reference",
+    "gate_sq_distances_dense",
+    "token_distances_dense",
 ]
+
+# Bytes of the [Vn, layers, rows, D] reconstruction the token-distance reference
+# builds at once; longer segments are done in row blocks.
+_CHUNK_BYTES = 32 * 2**20
 
 
 @dataclass(frozen=True)
@@ -93,15 +104,15 @@ def check_factor_args(X: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> None
                          f"B [{vn}, {nl}, r, {d}]; got {tuple(A.shape)}, {tuple(B.shape)}")
 
 
-def _correction64(args: AlignArgs, w, A, B, delta) -> torch.Tensor:
-    """sum_v w[t, v] * Delta_v[t] for t < covered, float64 [covered, D], without an [Vn, Lc, D] temporary."""
+def _correction(args: AlignArgs, w, A, B, delta, compute: torch.dtype) -> torch.Tensor:
+    """sum_v w[t, v] * Delta_v[t] for t < covered, ``compute`` [covered, D], without an [Vn, Lc, D] temporary."""
     lc = args.covered
-    w64 = w[:lc].to(torch.float64)
+    wc = w[:lc].to(compute)
     if args.full_rank:
-        return torch.einsum("tv,vtd->td", w64, delta[:, :lc].to(torch.float64))
+        return torch.einsum("tv,vtd->td", wc, delta[:, :lc].to(compute))
     vn, _, r = A.shape
-    wa = (A[:, :lc].to(torch.float64) * w64.t()[:, :, None]).transpose(0, 1).reshape(lc, vn * r)
-    return wa @ B.to(torch.float64).reshape(vn * r, -1)
+    wa = (A[:, :lc].to(compute) * wc.t()[:, :, None]).transpose(0, 1).reshape(lc, vn * r)
+    return wa @ B.to(compute).reshape(vn * r, -1)
 
 
 def align_correct_scatter_reference(
@@ -121,6 +132,7 @@ def align_correct_scatter_reference(
     B: torch.Tensor | None = None,
     delta: torch.Tensor | None = None,
     covered: int | None = None,
+    compute: torch.dtype = torch.float64,
 ) -> torch.Tensor:
     """Torch reference of ``align_correct.align_correct_scatter_triton``; see ``dispatch.align_correct_scatter``.
 
@@ -133,47 +145,167 @@ def align_correct_scatter_reference(
     if args.num_tokens == 0:
         return dst
     _, heads, head_dim = src.shape
-    x = src[src_idx.long()].to(torch.float64)  # [L, H, Dh]
+    x = src[src_idx.long()].to(compute)  # [L, H, Dh]
     if rotate:
-        x = rotate_keys(x, dst_start - src_start, inv_freq, args.rotary_dim, layout)
+        x = rotate_rows(x, dst_start - src_start, inv_freq, args.rotary_dim, layout, compute)
     if args.covered:
-        corr = _correction64(args, w, A, B, delta).view(args.covered, heads, head_dim)
+        corr = _correction(args, w, A, B, delta, compute).view(args.covered, heads, head_dim)
         if rotate:
-            corr = rotate_keys(corr, dst_start, inv_freq, args.rotary_dim, layout)
+            corr = rotate_rows(corr, dst_start, inv_freq, args.rotary_dim, layout, compute)
         x[: args.covered] += corr
     dst[dst_idx.long()] = x.to(dst.dtype)
     return dst
 
 
-def gate_sq_distances_reference(X: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+def _stacked(t) -> torch.Tensor | None:
+    """Per-layer tensors (a list or an already stacked [layers, ...] tensor) as one tensor."""
+    if t is None or isinstance(t, torch.Tensor):
+        return t
+    return torch.stack(list(t))
+
+
+def align_correct_scatter_layers_reference(
+    k_src: Sequence[torch.Tensor],
+    v_src: Sequence[torch.Tensor],
+    src_idx: torch.Tensor,
+    dst_idx: torch.Tensor,
+    *,
+    src_start: int,
+    dst_start: int,
+    inv_freq: torch.Tensor,
+    rotary_dim: int | None = None,
+    layout: Layout = "rotate_half",
+    k_dst: Sequence[torch.Tensor],
+    v_dst: Sequence[torch.Tensor],
+    k_w: torch.Tensor | None = None,
+    v_w: torch.Tensor | None = None,
+    k_A=None, k_B=None, v_A=None, v_B=None, k_delta=None, v_delta=None,
+    covered: int | None = None,
+    compute: torch.dtype = torch.float64,
+) -> None:
+    """``align_correct_scatter_reference`` for K and V of every layer, batched over layers.
+
+    Contract as ``dispatch.align_correct_scatter_layers``. One gather and one
+    scatter per layer (the pools are separate tensors); the rotation and the
+    correction run once over the stacked [layers, L, kv_heads, head_dim] rows,
+    so the Python work does not grow with the number of anchors.
+    """
+    n_layers = len(k_src)
+    if n_layers == 0:
+        return
+    idx_s, idx_d = src_idx.long(), dst_idx.long()
+    for srcs, dsts, rot, w, A, B, delta in ((k_src, k_dst, True, k_w, k_A, k_B, k_delta),
+                                            (v_src, v_dst, False, v_w, v_A, v_B, v_delta)):
+        A, B, delta = _stacked(A), _stacked(B), _stacked(delta)
+        for name, t in (("A", A), ("B", B), ("delta", delta)):
+            if t is not None and t.shape[0] != n_layers:
+                raise ValueError(f"{name} must hold one entry per layer ({n_layers}), got {t.shape[0]}")
+        args = check_align_args(srcs[0], dsts[0], src_idx, dst_idx, rotate=rot, inv_freq=inv_freq,
+                                rotary_dim=rotary_dim, layout=layout, w=w,
+                                A=None if A is None else A[0], B=None if B is None else B[0],
+                                delta=None if delta is None else delta[0], covered=covered)
+        if args.num_tokens == 0:
+            return
+        _, heads, head_dim = srcs[0].shape
+        x = torch.stack([s[idx_s] for s in srcs]).to(compute)  # [layers, L, H, Dh]
+        if rot:
+            x = rotate_rows(x, dst_start - src_start, inv_freq, args.rotary_dim, layout, compute)
+        lc = args.covered
+        if lc:
+            wc = w[:lc].to(compute)
+            if args.full_rank:
+                corr = torch.einsum("tv,lvtd->ltd", wc, delta[:, :, :lc].to(compute))
+            else:
+                vn, r = A.shape[1], A.shape[3]
+                wa = (A[:, :, :lc].to(compute) * wc.t()[None, :, :, None]).transpose(1, 2)
+                corr = wa.reshape(n_layers, lc, vn * r) @ B.to(compute).reshape(n_layers, vn * r, -1)
+            corr = corr.view(n_layers, lc, heads, head_dim)
+            if rot:
+                corr = rotate_rows(corr, dst_start, inv_freq, args.rotary_dim, layout, compute)
+            x[:, :lc] += corr
+        for layer, d in enumerate(dsts):
+            d[idx_d] = x[layer].to(d.dtype)
+
+
+def gate_sq_distances_reference(X: torch.Tensor, A: torch.Tensor, B: torch.Tensor, gram: torch.Tensor | None = None,
+                                compute: torch.dtype = torch.float64) -> torch.Tensor:
     """Torch reference of ``gate_distances.gate_sq_distances_triton``.
 
     d2[v] = sum_layers ||X - A_v B_v||_F^2, expanded as
     ||X||^2 - 2 <X B_v^T, A_v> + <A_v^T A_v, B_v B_v^T> so no [k, D] anchor is
     materialized. X [layers, k, D], A [Vn, layers, k, r], B [Vn, layers, r, D];
-    returns fp32 [Vn] on X's device (computed in float64).
+    ``gram`` [Vn], when given, is the last term precomputed (an anchor's cached
+    summary). The [layers, k, r] products run in ``compute``; the reductions in
+    float64, so the expansion's cancellation costs no more than fp32 rounding
+    of the products. Returns fp32 [Vn] on X's device.
     """
     check_factor_args(X, A, B)
-    x, a, b = X.to(torch.float64), A.to(torch.float64), B.to(torch.float64)
-    xx = (x * x).sum()
-    cross = ((x.unsqueeze(0) @ b.transpose(-1, -2)) * a).sum(dim=(1, 2, 3))
-    gram = ((a.transpose(-1, -2) @ a) * (b @ b.transpose(-1, -2))).sum(dim=(1, 2, 3))
-    return (xx - 2 * cross + gram).to(torch.float32)
+    if gram is not None and gram.shape != (A.shape[0],):
+        raise ValueError(f"gram must be [Vn={A.shape[0]}], got {tuple(gram.shape)}")
+    x, a, b = X.to(compute), A.to(compute), B.to(compute)
+    xx = (x * x).sum(dtype=torch.float64)
+    cross = ((x.unsqueeze(0) @ b.transpose(-1, -2)) * a).sum(dim=(1, 2, 3), dtype=torch.float64)
+    if gram is None:
+        gram = ((a.transpose(-1, -2) @ a) * (b @ b.transpose(-1, -2))).sum(dim=(1, 2, 3), dtype=torch.float64)
+    return (xx - 2 * cross + gram.to(device=X.device, dtype=torch.float64)).to(torch.float32)
 
 
-def token_distances_reference(X: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+def _row_blocks(rows: int, per_row_bytes: int):
+    step = max(1, _CHUNK_BYTES // max(per_row_bytes, 1))
+    return ((lo, min(lo + step, rows)) for lo in range(0, rows, step))
+
+
+def token_distances_reference(X: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                              compute: torch.dtype = torch.float64) -> torch.Tensor:
     """Torch reference of ``token_distances.token_distances_triton``.
 
     dist[t, v] = mean over layers and dims of |X[l, t, :] - A_v[l, t, :] @ B_v[l]|.
     Shapes as in ``gate_sq_distances_reference``; returns fp32 [k, Vn]. Keys
     must already be in the canonical frame (the caller de-rotates them).
-    Reconstructs one anchor at a time (float64 [layers, k, D] temporary).
+    All anchors at once, in row blocks that bound the [Vn, layers, rows, D]
+    reconstruction to about 32 MiB.
     """
     check_factor_args(X, A, B)
     nl, k, d = X.shape
-    x = X.to(torch.float64)
-    out = torch.empty(k, A.shape[0], dtype=torch.float64, device=X.device)
-    for v in range(A.shape[0]):
-        rec = A[v].to(torch.float64) @ B[v].to(torch.float64)
-        out[:, v] = (x - rec).abs().mean(dim=(0, 2))
-    return out.to(torch.float32)
+    vn = A.shape[0]
+    out = torch.zeros(k, vn, dtype=torch.float32, device=X.device)
+    if vn == 0 or nl == 0 or d == 0:
+        return out
+    b = B.to(compute)
+    item = torch.empty((), dtype=compute).element_size()
+    for lo, hi in _row_blocks(k, vn * nl * d * item):
+        rec = A[:, :, lo:hi].to(compute) @ b  # [Vn, layers, rows, D]
+        rec.sub_(X[:, lo:hi].to(compute)).abs_()
+        out[lo:hi] = rec.mean(dim=(1, 3)).t().to(torch.float32)
+    return out
+
+
+def gate_sq_distances_dense(X: torch.Tensor, F: Sequence[torch.Tensor],
+                            compute: torch.dtype = torch.float64) -> torch.Tensor:
+    """``gate_sq_distances`` for anchors stored at full dimension: d2[v] = sum_layers ||X - F_v[:, :k]||_F^2.
+
+    X [layers, k, D]; F: Vn tensors [layers, >= k, D] (a sequence, so the
+    anchors are never stacked into one copy). Direct differences, no expansion.
+    Returns fp32 [Vn]. Torch only: full-dimension anchors are the ablation
+    baselines, memory-bound either way.
+    """
+    k = X.shape[1]
+    x = X.to(compute)
+    out = [(x - f[:, :k].to(compute)).pow(2).sum(dtype=torch.float64) for f in F]
+    return torch.stack(out).to(torch.float32) if out else torch.zeros(0, dtype=torch.float32, device=X.device)
+
+
+def token_distances_dense(X: torch.Tensor, F: Sequence[torch.Tensor],
+                          compute: torch.dtype = torch.float64) -> torch.Tensor:
+    """``token_distances`` for full-dimension anchors; rows past an anchor's length compare against zeros.
+
+    X [layers, k, D]; F: Vn tensors [layers, L_v, D]. Returns fp32 [k, Vn].
+    """
+    nl, k, d = X.shape
+    x = X.to(compute)
+    out = torch.zeros(k, len(F), dtype=torch.float32, device=X.device)
+    for v, f in enumerate(F):
+        n = min(k, f.shape[1])
+        out[:n, v] = (x[:, :n] - f[:, :n].to(compute)).abs().mean(dim=(0, 2)).to(torch.float32)
+        out[n:, v] = x[:, n:].abs().mean(dim=(0, 2)).to(torch.float32)
+    return out

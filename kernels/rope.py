@@ -4,6 +4,9 @@ A key cached after RoPE at position ``p`` is needed at ``p + shift``: rotating i
 by ``shift`` is exact because rotations compose. The angle ``shift * inv_freq``
 is computed in float64 and rounded once (ALGORITHM.md section 2); with shifts
 of tens of thousands of positions an fp32 angle would be off by about 1e-3 rad.
+The rotation itself runs in fp32 (float64 only for float64 input or when a
+reference asks for it): the one rotation of the project, used by the kernels'
+references and by ``sglang_kvshare.correction.rope``.
 
 Layouts (both pair dimensions ``c1(j)`` and ``c2(j)`` that share ``inv_freq[j]``):
 
@@ -51,26 +54,35 @@ def rotation_cos_sin(inv_freq: torch.Tensor, shift: int, device: torch.device | 
     return torch.cos(angle).to(dtype), torch.sin(angle).to(dtype)
 
 
-def pair_columns(rotary_dim: int, layout: str, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Column indices (within one head) of the two members of each rotary pair: two Long [rotary_dim/2]."""
-    j = torch.arange(rotary_dim // 2, device=device)
+def pair_slices(rotary_dim: int, layout: str) -> tuple[slice, slice]:
+    """Columns (within one head) of the two members of each rotary pair, as slices (views, no gather)."""
     if layout == "interleaved":
-        return 2 * j, 2 * j + 1
-    return j, j + rotary_dim // 2
+        return slice(0, rotary_dim, 2), slice(1, rotary_dim, 2)
+    return slice(0, rotary_dim // 2), slice(rotary_dim // 2, rotary_dim)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the torch paths compute in: float64 stays float64, everything else runs in fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def rotate(x: torch.Tensor, shift: int, inv_freq: torch.Tensor, rotary_dim: int | None = None,
-           layout: Layout = "rotate_half") -> torch.Tensor:
-    """Rotate keys ``x`` [..., head_dim] by ``shift`` positions; computed in float64, returns float64.
+           layout: Layout = "rotate_half", compute: torch.dtype | None = None) -> torch.Tensor:
+    """Rotate keys ``x`` [..., head_dim] by ``shift`` positions; returns a new tensor in ``compute`` dtype.
 
-    Does not mutate ``x``. Dims past ``rotary_dim`` are copied unchanged.
+    ``compute`` defaults to ``compute_dtype(x.dtype)`` (fp32, or float64 for
+    float64 input); the references pass float64 to be the yardstick. The angle
+    is always formed in float64 and rounded once to ``compute``. Does not
+    mutate ``x``; dims past ``rotary_dim`` are copied unchanged.
     """
     rotary_dim = check_rotary(inv_freq, x.shape[-1], rotary_dim, layout)
-    cos, sin = rotation_cos_sin(inv_freq, shift, x.device, torch.float64)
-    c1, c2 = pair_columns(rotary_dim, layout, x.device)
-    x = x.to(torch.float64)
-    out = x.clone()
+    compute = compute or compute_dtype(x.dtype)
+    cos, sin = rotation_cos_sin(inv_freq, shift, x.device, compute)
+    c1, c2 = pair_slices(rotary_dim, layout)
+    x = x.to(compute)
+    out = torch.empty_like(x)
     x1, x2 = x[..., c1], x[..., c2]
     out[..., c1] = x1 * cos - x2 * sin
     out[..., c2] = x2 * cos + x1 * sin
+    out[..., rotary_dim:] = x[..., rotary_dim:]
     return out

@@ -1,25 +1,31 @@
 """The correction core: exact RoPE alignment, low-rank anchor pools, the gate,
-and the estimation modes (fullshared, kvcomm, kvcmas and ablations, CacheBlend).
+the estimation modes (fullshared, kvcomm, kvcmas and ablations, CacheBlend),
+and the plans they return.
 
-Torch only; no SGLang imports. Layers, lowest first:
-``rope`` -> ``low_rank`` -> ``gate`` -> ``anchor_pool`` -> ``estimators``;
-``cacheblend`` holds the selective-recompute math.
+Torch plus ``sglang_kvshare.kernels`` (the ops layer below); no SGLang imports.
+Modules, lowest first: ``rope`` -> ``low_rank`` -> ``gate`` -> ``plan`` ->
+``anchor_pool`` -> ``estimators``; ``apply`` turns plans into kernel arguments
+or K/V; ``cacheblend`` holds the selective-recompute math.
 """
 
-from .anchor_pool import Anchor, AnchorPool, EstimateResult, PoolConfig
+from .anchor_pool import Anchor, AnchorPool, PoolConfig, PreparedObservation, prepare_observation
+from .apply import materialize, plan_kernel_args
 from .cacheblend import merge_rows, select_tokens, token_deviation
-from .estimators import (ESTIMATORS, AnchorEstimator, CacheBlend, CacheBlendConfig, Estimator, FullShared,
-                         SegmentCache, make_estimator)
-from .gate import gate_weights, normalized_entropy, token_weights, top_mass
-from .low_rank import Factors, factor_nbytes, factorize
+from .estimators import (DEFAULT_BUDGET_BYTES, DEFAULT_MAX_SLOTS, ESTIMATORS, AnchorEstimator, CacheBlend,
+                         CacheBlendConfig, Estimator, FullShared, SegmentCache, make_estimator)
+from .gate import top_mass
+from .low_rank import Factors, factor_nbytes, factorize, stack_dense, stack_factors
+from .plan import CorrectionPlan, EstimateResult
 from .rope import RopeSpec, UnsupportedAttentionError, from_canonical, rotate_keys, to_canonical
 
 __all__ = [
-    "Anchor", "AnchorPool", "EstimateResult", "PoolConfig",
+    "Anchor", "AnchorPool", "PoolConfig", "PreparedObservation", "prepare_observation",
+    "materialize", "plan_kernel_args",
     "merge_rows", "select_tokens", "token_deviation",
-    "ESTIMATORS", "AnchorEstimator", "CacheBlend", "CacheBlendConfig", "Estimator", "FullShared",
-    "SegmentCache", "make_estimator",
-    "gate_weights", "normalized_entropy", "token_weights", "top_mass",
-    "Factors", "factor_nbytes", "factorize",
+    "DEFAULT_BUDGET_BYTES", "DEFAULT_MAX_SLOTS", "ESTIMATORS", "AnchorEstimator", "CacheBlend",
+    "CacheBlendConfig", "Estimator", "FullShared", "SegmentCache", "make_estimator",
+    "top_mass",
+    "Factors", "factor_nbytes", "factorize", "stack_dense", "stack_factors",
+    "CorrectionPlan", "EstimateResult",
     "RopeSpec", "UnsupportedAttentionError", "from_canonical", "rotate_keys", "to_canonical",
 ]

@@ -7,34 +7,40 @@ as is) and, per edge seen on that content, the exact correction
 stored as rank-``r`` factors (``rank=None``: full dimension).
 
 For a new source cache the pool gates on values (normalized entropy of
-``softmax(-d/T)`` against ``tau``), then interpolates the stored deltas with
-per-token weights (separately for K and V) and returns the target estimate
+``softmax(-d/T)`` against ``tau``), then weighs the stored deltas per token
+(separately for K and V) and returns a ``CorrectionPlan``: the chosen anchors'
+deltas, the weights and the covered prefix (the longest prefix the eligible
+anchors cover; never extrapolated). ``apply`` turns a plan into K/V.
 
-    K_hat = rotate(K_src, dst_pos - src_pos) + rotate(Delta_hat_k, dst_pos)
-    V_hat = V_src + Delta_hat_v
+Learning is split so that the heavy part needs no lock: ``prepare_observation``
+(pure: canonical frames, deltas, SVD factors, the gate summary) and
+``AnchorPool.commit`` (attach, evicting as needed; cheap).
 
-on the longest prefix the eligible anchors cover (never extrapolated).
-
-Edges are opaque hashable keys; the estimator decides what they are
-(``(source_agent, target_agent)`` for KVCMAS, ``("ref", target)`` for KVCOMM).
-
-Shapes: every cache is ``[num_layers, L, kv_heads, head_dim]``; keys post-RoPE
-at their absolute positions. Not thread-safe: the caller serializes access.
+The math lives in ``sglang_kvshare.kernels`` (gate distances, token distances,
+weights); the gate reads each anchor's cached Gram summary instead of
+reconstructing its base. Edges are opaque hashable keys; the estimator decides
+what they are. Shapes: every cache is ``[num_layers, L, kv_heads, head_dim]``;
+keys post-RoPE at their absolute positions. Not thread-safe: the caller
+serializes ``estimate``/``commit``/``evict_one``.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field, replace
-from typing import Hashable, Literal
+from typing import Callable, Hashable, Literal
 
 import torch
 
-from .gate import gate_weights, normalized_entropy, token_weights, top_mass
-from .low_rank import Factors, factor_nbytes, factorize
-from .rope import RopeSpec, from_canonical, rotate_keys, to_canonical
+from sglang_kvshare.kernels import (gate_from_sq_distances, gate_sq_distances, gate_sq_distances_dense,
+                                    token_distances, token_distances_dense, token_weights)
 
-__all__ = ["Anchor", "AnchorPool", "EstimateResult", "PoolConfig", "Edge"]
+from .gate import top_mass
+from .low_rank import Factors, factor_nbytes, factorize, stack_factors
+from .plan import CorrectionPlan, EstimateResult
+from .rope import RopeSpec, to_canonical
+
+__all__ = ["Anchor", "AnchorPool", "PoolConfig", "PreparedObservation", "prepare_observation", "Edge"]
 
 Edge = Hashable
 
@@ -67,6 +73,52 @@ class PoolConfig:
             raise ValueError(f"tau must lie in [0, 1], got {self.tau}")
         if self.temperature <= 0:
             raise ValueError("temperature must be > 0")
+        if self.gate_len is not None and self.gate_len < 1:
+            raise ValueError(f"gate_len must be >= 1 or None (whole segment), got {self.gate_len}")
+
+
+@dataclass(frozen=True)
+class PreparedObservation:
+    """One dense observation, factorized and ready to attach (``AnchorPool.commit``).
+
+    Built by ``prepare_observation`` without touching any pool. ``slot`` is
+    filled in by the estimator (None for a bare pool).
+    """
+
+    edge: Edge
+    content_key: Hashable | None
+    base_k: Factors  # canonical-frame keys of the source
+    base_v: Factors
+    base_v_gram: torch.Tensor  # float64 [L]: cumulative sum_layers ||base_v row||^2 (the gate's Gram term)
+    delta_k: Factors  # canonical frame
+    delta_v: Factors
+    slot: Hashable | None = None
+
+    @property
+    def length(self) -> int:
+        return self.base_k.length
+
+
+def prepare_observation(spec: RopeSpec, config: PoolConfig, source_k: torch.Tensor, source_v: torch.Tensor,
+                        src_pos: int, target_k: torch.Tensor, target_v: torch.Tensor, dst_pos: int, edge: Edge,
+                        content_key: Hashable | None = None) -> PreparedObservation:
+    """Factorize the exact correction of a dense prefill (the heavy, lock-free half of learning).
+
+    ``target_*`` must come from a real (dense) prefill of the target; the
+    source may be an estimate (a chain's previous hop) or dense. Pure: reads
+    only its arguments. The base is factorized even when the pool already holds
+    the content (the commit then keeps the old base).
+    """
+    if source_k.shape != target_k.shape or source_v.shape != target_v.shape:
+        raise ValueError(f"source {tuple(source_k.shape)} and target {tuple(target_k.shape)} "
+                         "caches of one segment must have the same shape")
+    src_c = to_canonical(source_k, src_pos, spec)
+    dk = to_canonical(target_k, dst_pos, spec) - src_c
+    dv = target_v - source_v
+    fac = lambda x: factorize(x, config.rank, config.svd_method)  # noqa: E731
+    base_v = fac(source_v)
+    return PreparedObservation(edge=edge, content_key=content_key, base_k=fac(src_c), base_v=base_v,
+                               base_v_gram=base_v.row_sq_norms().cumsum(0), delta_k=fac(dk), delta_v=fac(dv))
 
 
 @dataclass
@@ -78,6 +130,7 @@ class Anchor:
     content_key: Hashable | None
     base_k: Factors  # canonical-frame keys of the source
     base_v: Factors
+    base_v_gram: torch.Tensor  # float64 [L], see PreparedObservation
     deltas: dict[Edge, tuple[Factors, Factors]] = field(default_factory=dict)
     activations: int = 0
 
@@ -86,7 +139,8 @@ class Anchor:
         return self.base_k.length
 
     def nbytes(self) -> int:
-        return self.base_k.nbytes() + self.base_v.nbytes() + sum(
+        """Bytes held: factors plus the gate summary."""
+        return self.base_k.nbytes() + self.base_v.nbytes() + self.base_v_gram.numel() * 8 + sum(
             dk.nbytes() + dv.nbytes() for dk, dv in self.deltas.values())
 
     def full_dim_nbytes(self, itemsize: int) -> int:
@@ -95,38 +149,34 @@ class Anchor:
         return (2 + 2 * len(self.deltas)) * factor_nbytes(nl, self.length, d, None, itemsize)
 
 
-@dataclass
-class EstimateResult:
-    """What the pool decided for one edge, and the estimate when accepted.
+def _by_storage(factors: list[Factors], low: Callable[[list[int]], torch.Tensor],
+                full: Callable[[list[int]], torch.Tensor], dim: int) -> torch.Tensor:
+    """Run ``low`` on the indices of the low-rank stacks and ``full`` on the full-dim ones; merge along ``dim``.
 
-    ``reason`` is one of ``accepted``, ``gate_rejected``, ``too_few_anchors``,
-    ``no_edge``. ``k``/``v`` are ``[num_layers, S, kv_heads, head_dim]`` at the
-    target positions (None when rejected or when only deciding); rows past
-    ``covered`` are the aligned source, uncorrected.
+    Pools hold one kind unless the rank was changed at runtime, so the common
+    case is a single call.
     """
-
-    accepted: bool
-    reason: str
-    entropy: float | None = None
-    covered: int = 0
-    compare_len: int = 0
-    anchor_ids: list[int] = field(default_factory=list)
-    gate_weights: torch.Tensor | None = None  # [V] float64
-    token_weights_k: torch.Tensor | None = None  # [V, covered]
-    token_weights_v: torch.Tensor | None = None
-    k: torch.Tensor | None = None
-    v: torch.Tensor | None = None
+    full_idx = [i for i, f in enumerate(factors) if f.full is not None]
+    low_idx = [i for i, f in enumerate(factors) if f.full is None]
+    if not full_idx:
+        return low(low_idx)
+    if not low_idx:
+        return full(full_idx)
+    parts = torch.cat([low(low_idx), full(full_idx)], dim=dim)
+    order = torch.tensor(low_idx + full_idx).argsort().to(parts.device)
+    return parts.index_select(dim, order)
 
 
 class AnchorPool:
-    """Anchors of one slot, with gate, estimate, activation and eviction."""
+    """Anchors of one slot, with gate, plan, activation and eviction."""
 
     def __init__(self, spec: RopeSpec, config: PoolConfig | None = None) -> None:
         self.spec = spec
         self.config = config or PoolConfig()
         self._anchors: list[Anchor] = []
         self._ids = itertools.count()
-        self._tick = 0  # observations made; an anchor's age counts them
+        self._tick = 0  # observations committed; an anchor's age counts them
+        self._bytes = 0
 
     # ---------------------------------------------------------------- public
     def __len__(self) -> int:
@@ -137,58 +187,92 @@ class AnchorPool:
         """Anchors oldest first (read-only view; do not mutate)."""
         return list(self._anchors)
 
-    def decide(self, source_k: torch.Tensor, source_v: torch.Tensor, src_pos: int, dst_pos: int,
-               edge: Edge) -> EstimateResult:
-        """Run the gate only; no estimate is built and nothing is mutated."""
-        return self._run(source_k, source_v, src_pos, dst_pos, edge, build=False)
-
     def estimate(self, source_k: torch.Tensor, source_v: torch.Tensor, src_pos: int, dst_pos: int,
                  edge: Edge) -> EstimateResult:
-        """Gate, and when accepted build the target's K/V and count activations.
+        """Gate, and when accepted return the correction plan and count activations.
 
         Args:
             source_k, source_v: the source cache ``[num_layers, S, kv_heads,
                 head_dim]``, keys post-RoPE at positions ``src_pos ..``.
-            dst_pos: where the segment starts in the target's context.
+            dst_pos: where the segment starts in the target's context (the
+                plan does not depend on it; ``apply`` uses it).
             edge: the key the deltas were recorded under.
         Mutates: activation counters of the anchors holding the top
             ``activation_mass`` of the gate weight (accepted only).
         """
-        return self._run(source_k, source_v, src_pos, dst_pos, edge, build=True)
+        cfg = self.config
+        s = source_k.shape[1]
+        k_len = s if cfg.gate_len is None else min(s, cfg.gate_len)
+        long_enough = [a for a in self._anchors if a.length >= k_len]
+        eligible = [a for a in long_enough if edge in a.deltas]
+        size = len(self._anchors)
+        if len(eligible) < 2:
+            reason = "no_edge" if len(long_enough) >= 2 else "too_few_anchors"
+            return EstimateResult(False, reason, compare_len=k_len, pool_anchors=size)
+        work = torch.float64 if source_v.dtype == torch.float64 else torch.float32
+        nl = source_v.shape[0]
+        g, h = gate_from_sq_distances(self._gate_sq_distances(eligible, source_v[:, :k_len].reshape(nl, k_len, -1)
+                                                              .to(work), k_len), cfg.temperature)
+        ids = [a.id for a in eligible]
+        if h > cfg.tau:
+            return EstimateResult(False, "gate_rejected", h, compare_len=k_len, pool_anchors=size, anchor_ids=ids,
+                                  gate_weights=g)
+        covered = min(s, max(a.length for a in eligible))
+        for i in top_mass(g, cfg.activation_mass):
+            eligible[i].activations += 1
+        src_kc = to_canonical(source_k[:, :covered], src_pos, self.spec).reshape(nl, covered, -1).to(work)
+        src_v = source_v[:, :covered].reshape(nl, covered, -1).to(work)
+        plan = CorrectionPlan(deltas_k=[a.deltas[edge][0] for a in eligible],
+                              deltas_v=[a.deltas[edge][1] for a in eligible],
+                              weights_k=self._token_weights(src_kc, [a.base_k for a in eligible]),
+                              weights_v=self._token_weights(src_v, [a.base_v for a in eligible]),
+                              covered=covered)
+        return EstimateResult(True, "accepted", h, covered=covered, compare_len=k_len, pool_anchors=size,
+                              anchor_ids=ids, gate_weights=g, plan=plan)
+
+    def commit(self, prepared: PreparedObservation) -> int:
+        """Attach a prepared observation; returns the anchor id.
+
+        With a ``content_key`` already in the pool the edge is attached to that
+        anchor (its base is kept); otherwise a new anchor is made, evicting
+        first when the pool is full. Raises ValueError when the content was
+        seen with another length (a content-key collision).
+        """
+        anchor = self._find(prepared.content_key)
+        if anchor is None:
+            while len(self._anchors) >= self.config.capacity:
+                self.evict_one()
+            anchor = Anchor(id=next(self._ids), created=self._tick, content_key=prepared.content_key,
+                            base_k=prepared.base_k, base_v=prepared.base_v, base_v_gram=prepared.base_v_gram)
+            self._anchors.append(anchor)
+            before = 0
+        elif anchor.length != prepared.length:
+            raise ValueError(f"content_key {prepared.content_key!r} was seen with length {anchor.length}, "
+                             f"now {prepared.length}")
+        else:
+            before = anchor.nbytes()
+        anchor.deltas[prepared.edge] = (prepared.delta_k, prepared.delta_v)
+        self._bytes += anchor.nbytes() - before
+        self._tick += 1
+        return anchor.id
 
     def add_observation(self, source_k: torch.Tensor, source_v: torch.Tensor, src_pos: int,
                         target_k: torch.Tensor, target_v: torch.Tensor, dst_pos: int, edge: Edge,
                         content_key: Hashable | None = None) -> int:
-        """Record the exact correction of a dense prefill; returns the anchor id.
+        """``commit(prepare_observation(...))`` in one call (offline use); returns the anchor id."""
+        return self.commit(prepare_observation(self.spec, self.config, source_k, source_v, src_pos,
+                                               target_k, target_v, dst_pos, edge, content_key))
 
-        ``target_*`` must come from a real (dense) prefill of the target; the
-        source may be an estimate (a chain's previous hop) or dense. With a
-        ``content_key`` already in the pool the edge is attached to that anchor
-        (its base is kept); otherwise a new anchor is made, evicting first when
-        the pool is full.
-        """
-        if source_k.shape != target_k.shape or source_v.shape != target_v.shape:
-            raise ValueError(f"source {tuple(source_k.shape)} and target {tuple(target_k.shape)} "
-                             "caches of one segment must have the same shape")
-        src_c = to_canonical(source_k, src_pos, self.spec)
-        dk = to_canonical(target_k, dst_pos, self.spec) - src_c
-        dv = target_v - source_v
-        cfg = self.config
-        anchor = self._find(content_key)
-        if anchor is None:
-            while len(self._anchors) >= cfg.capacity:
-                self._evict_one()
-            anchor = Anchor(
-                id=next(self._ids), created=self._tick, content_key=content_key,
-                base_k=factorize(src_c, cfg.rank, cfg.svd_method),
-                base_v=factorize(source_v, cfg.rank, cfg.svd_method))
-            self._anchors.append(anchor)
-        elif anchor.length != source_k.shape[1]:
-            raise ValueError(f"content_key {content_key!r} was seen with length {anchor.length}, "
-                             f"now {source_k.shape[1]}")
-        anchor.deltas[edge] = (factorize(dk, cfg.rank, cfg.svd_method), factorize(dv, cfg.rank, cfg.svd_method))
-        self._tick += 1
-        return anchor.id
+    def evict_one(self) -> int:
+        """Drop the least-activated of the ``window`` oldest anchors (ties: the oldest); returns bytes freed."""
+        if not self._anchors:
+            return 0
+        # NOTE: anchors are kept oldest first, so the window is a prefix.
+        victim = min(self._anchors[: self.config.window], key=lambda a: (a.activations, a.created))
+        self._anchors.remove(victim)
+        freed = victim.nbytes()
+        self._bytes -= freed
+        return freed
 
     def describe(self) -> list[dict]:
         """One dict per anchor, oldest first: id, length, age, activations, edges, rank, bytes."""
@@ -198,30 +282,35 @@ class AnchorPool:
                 for a in self._anchors]
 
     def memory_bytes(self) -> int:
-        """Exact bytes of all stored factors."""
-        return sum(a.nbytes() for a in self._anchors)
+        """Exact bytes of all stored factors and summaries (kept as a running total: O(1))."""
+        return self._bytes
 
     def full_dim_bytes(self) -> int:
         """Bytes the same anchors would take at full dimension (for the report)."""
         return sum(a.full_dim_nbytes(a.base_k.full.element_size() if a.base_k.full is not None
                                      else a.base_k.a.element_size()) for a in self._anchors)
 
+    def reconfigure(self, config: PoolConfig) -> None:
+        """New settings (rank: new anchors only); evicts by the usual rule until the pool fits its capacity."""
+        self.config = config
+        while len(self._anchors) > config.capacity:
+            self.evict_one()
+
     def set_tau(self, tau: float) -> None:
-        self.config = replace(self.config, tau=tau)
+        self.reconfigure(replace(self.config, tau=tau))
 
     def set_rank(self, rank: int | None) -> None:
         """Rank for anchors added from now on; existing anchors keep theirs."""
-        self.config = replace(self.config, rank=rank)
+        self.reconfigure(replace(self.config, rank=rank))
 
     def set_capacity(self, capacity: int) -> None:
         """New capacity; evicts by the usual rule until the pool fits."""
-        self.config = replace(self.config, capacity=capacity)
-        while len(self._anchors) > capacity:
-            self._evict_one()
+        self.reconfigure(replace(self.config, capacity=capacity))
 
     def reset(self) -> None:
         """Drop every anchor (config kept)."""
         self._anchors.clear()
+        self._bytes = 0
 
     # ------------------------------------------------------------- internals
     def _find(self, content_key: Hashable | None) -> Anchor | None:
@@ -229,72 +318,27 @@ class AnchorPool:
             return None
         return next((a for a in self._anchors if a.content_key == content_key), None)
 
-    def _evict_one(self) -> Anchor:
-        # NOTE: anchors are kept oldest first, so the window is a prefix.
-        window = self._anchors[: self.config.window]
-        victim = min(window, key=lambda a: (a.activations, a.created))
-        self._anchors.remove(victim)
-        return victim
-
-    def _run(self, source_k, source_v, src_pos, dst_pos, edge, build: bool) -> EstimateResult:
-        cfg = self.config
-        s = source_k.shape[1]
-        k_len = s if cfg.gate_len is None else min(s, cfg.gate_len)
-        long_enough = [a for a in self._anchors if a.length >= k_len]
-        eligible = [a for a in long_enough if edge in a.deltas]
-        if len(eligible) < 2:
-            reason = "no_edge" if len(long_enough) >= 2 else "too_few_anchors"
-            return EstimateResult(False, reason, compare_len=k_len)
-        work = torch.float32 if source_v.dtype in (torch.float16, torch.bfloat16) else source_v.dtype
-        src_v = source_v.to(work)
-        nl = source_v.shape[0]
-        v_flat = src_v[:, :k_len].reshape(nl, k_len, -1)
-        d = torch.stack([(v_flat - a.base_v.matrix(k_len, work)).pow(2).sum().sqrt() for a in eligible])
-        g = gate_weights(d, cfg.temperature)
-        h = normalized_entropy(g)
-        ids = [a.id for a in eligible]
-        if h > cfg.tau:
-            return EstimateResult(False, "gate_rejected", h, compare_len=k_len, anchor_ids=ids, gate_weights=g)
-        covered = min(s, max(a.length for a in eligible))
-        result = EstimateResult(True, "accepted", h, covered=covered, compare_len=k_len, anchor_ids=ids,
-                                gate_weights=g)
-        if not build:
-            return result
-        for i in top_mass(g, cfg.activation_mass):
-            eligible[i].activations += 1
-        src_kc = to_canonical(source_k, src_pos, self.spec).to(work)
-        wk = self._token_weights(src_kc, [a.base_k for a in eligible], covered, work)
-        wv = self._token_weights(src_v, [a.base_v for a in eligible], covered, work)
-        dk_hat = self._mix([a.deltas[edge][0] for a in eligible], wk, covered, work)
-        dv_hat = self._mix([a.deltas[edge][1] for a in eligible], wv, covered, work)
-        k_hat = rotate_keys(source_k, dst_pos - src_pos, self.spec).to(work)
-        k_hat[:, :covered] += from_canonical(dk_hat.view(nl, covered, *source_k.shape[2:]), dst_pos, self.spec)
-        v_hat = src_v.clone()
-        v_hat[:, :covered] += dv_hat.view(nl, covered, *source_v.shape[2:])
-        result.k, result.v = k_hat.to(source_k.dtype), v_hat.to(source_v.dtype)
-        result.token_weights_k, result.token_weights_v = wk, wv
-        return result
-
-    def _token_weights(self, src: torch.Tensor, bases: list[Factors], covered: int, work) -> torch.Tensor:
-        """``w_v(t) = softmax_v(-mean|src[t] - base_v[t]| / T)`` over anchors covering t."""
-        nl = src.shape[0]
-        flat = src[:, :covered].reshape(nl, covered, -1)
-        err = torch.zeros(len(bases), covered, dtype=torch.float32, device=src.device)
-        valid = torch.zeros(len(bases), covered, dtype=torch.bool, device=src.device)
-        for i, base in enumerate(bases):
-            n = min(base.length, covered)
-            err[i, :n] = (flat[:, :n] - base.matrix(n, work)).abs().mean(dim=(0, 2)).float()
-            valid[i, :n] = True
-        return token_weights(err, valid, self.config.temperature)
-
     @staticmethod
-    def _mix(deltas: list[Factors], w: torch.Tensor, covered: int, work) -> torch.Tensor:
-        """``sum_v w_v(t) * Delta_v[t]`` as ``[num_layers, covered, D]``."""
-        out = None
-        for i, delta in enumerate(deltas):
-            n = min(delta.length, covered)
-            part = delta.matrix(n, work) * w[i, :n].to(work)[None, :, None]
-            if out is None:
-                out = torch.zeros(part.shape[0], covered, part.shape[2], dtype=work, device=part.device)
-            out[:, :n] += part
-        return out
+    def _gate_sq_distances(anchors: list[Anchor], x: torch.Tensor, k: int) -> torch.Tensor:
+        """sum_layers ||x - base_v[:k]||^2 per anchor, fp32 [V]; x [layers, k, D].
+
+        Low-rank bases: the kernel's expansion with the cached Gram term (no
+        base is reconstructed); full-dimension bases: direct differences.
+        """
+        def low(idx: list[int]) -> torch.Tensor:
+            a, b = stack_factors([anchors[i].base_v for i in idx], 0, k)
+            return gate_sq_distances(x, a, b, torch.stack([anchors[i].base_v_gram[k - 1] for i in idx]))
+
+        return _by_storage([a.base_v for a in anchors], low,
+                           lambda idx: gate_sq_distances_dense(x, [anchors[i].base_v.full for i in idx]), dim=0)
+
+    def _token_weights(self, x: torch.Tensor, bases: list[Factors]) -> torch.Tensor:
+        """``w[t, v] = softmax_v(-mean|x[t] - base_v[t]| / T)`` over the anchors covering t; fp32 [covered, V]."""
+        covered = x.shape[1]
+
+        def low(idx: list[int]) -> torch.Tensor:
+            return token_distances(x, *stack_factors([bases[i] for i in idx], 0, covered))
+
+        dist = _by_storage(bases, low, lambda idx: token_distances_dense(x, [bases[i].full for i in idx]), dim=1)
+        lengths = torch.tensor([min(b.length, covered) for b in bases], device=x.device)
+        return token_weights(dist, self.config.temperature, lengths)

@@ -25,23 +25,37 @@ Usage::
 
     est = make_estimator("kvcmas", spec, tau=0.3)
     res = est.estimate("query", src, dst_agent="critic", dst_pos=212)
-    if not res.accepted:               # prefill densely, then teach the pool
-        est.observe("query", src, dense_target, content_key=h)
+    if res.accepted:                   # plan=None: alignment only
+        k, v = materialize(src.k, src.v, src.start_pos, 212, res.plan, spec)
+    else:                              # prefill densely, then teach the pool
+        prep = est.prepare_observation("query", src, dense_target, content_key=h)  # no lock needed
+        est.commit_observation(prep)                                             # under the caller's lock
+
+Slots and agents are opaque hashables (the cache passes tuples for
+namespaces and hashed agent identities). State is bounded: at most
+``max_slots`` pools (least recently used dropped first) and ``budget_bytes``
+of anchors over all pools (a commit beyond it evicts the least recently used
+pool's oldest-least-activated anchor, never refuses to learn).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, replace
-from typing import Callable, Hashable, Literal
+from collections import OrderedDict
+from dataclasses import dataclass, fields, replace
+from typing import Any, Callable, Hashable, Literal
 
 import torch
 
-from .anchor_pool import AnchorPool, EstimateResult, PoolConfig
-from .rope import RopeSpec, rotate_keys
+from .anchor_pool import AnchorPool, PoolConfig, PreparedObservation, prepare_observation
+from .plan import EstimateResult
+from .rope import RopeSpec
 
 __all__ = ["SegmentCache", "Estimator", "AnchorEstimator", "FullShared", "CacheBlend",
-           "make_estimator", "ESTIMATORS", "REFERENCE_AGENT"]
+           "make_estimator", "ESTIMATORS", "REFERENCE_AGENT", "DEFAULT_MAX_SLOTS", "DEFAULT_BUDGET_BYTES"]
+
+DEFAULT_MAX_SLOTS = 4096
+DEFAULT_BUDGET_BYTES = 512 * 2**20
 
 SourcePolicy = Literal["previous", "first", "reference"]
 REFERENCE_AGENT = "ref"
@@ -71,21 +85,44 @@ class SegmentCache:
 
 
 class Estimator(ABC):
-    """A mode. Subclasses keep whatever per-slot state they need."""
+    """A mode: the narrow interface the cache and the harness use; pools stay inside.
+
+    Contract: ``estimate`` decides and returns a plan (mutates activation
+    counters only); ``prepare_observation`` is pure (no estimator state: run it
+    without any lock); ``commit_observation``, ``reset``, ``configure`` mutate
+    and are cheap. Not thread-safe: the caller serializes everything but
+    ``prepare_observation``.
+    """
 
     name: str
     source_policy: SourcePolicy
+    learns: bool = False
+    """True when observations change later estimates (anchor modes)."""
 
     def __init__(self, spec: RopeSpec) -> None:
         self.spec = spec
 
     @abstractmethod
-    def estimate(self, slot: str, source: SegmentCache, dst_agent: Hashable, dst_pos: int) -> EstimateResult:
-        """Decide and, when accepted, return K/V for ``dst_agent`` at ``dst_pos``."""
+    def estimate(self, slot: Hashable, source: SegmentCache, dst_agent: Hashable, dst_pos: int) -> EstimateResult:
+        """Decide for ``dst_agent`` at ``dst_pos``; when accepted, ``plan`` says what to add (None: align only)."""
 
-    def observe(self, slot: str, source: SegmentCache, target: SegmentCache,
-                content_key: Hashable | None = None) -> None:
-        """Learn from a dense prefill ``target`` of the slot (no-op by default)."""
+    def prepare_observation(self, slot: Hashable, source: SegmentCache, target: SegmentCache,
+                            content_key: Hashable | None = None) -> PreparedObservation | None:
+        """The heavy half of learning from a dense prefill ``target``; None when the mode learns nothing."""
+        return None
+
+    def commit_observation(self, prepared: PreparedObservation | None) -> int | None:
+        """Attach a prepared observation; returns the anchor id, None when nothing was kept."""
+        return None
+
+    def observe(self, slot: Hashable, source: SegmentCache, target: SegmentCache,
+                content_key: Hashable | None = None) -> int | None:
+        """``commit_observation(prepare_observation(...))`` (offline use)."""
+        return self.commit_observation(self.prepare_observation(slot, source, target, content_key))
+
+    def pool_size(self, slot: Hashable) -> int:
+        """Anchors held for ``slot`` (0 for unknown slots and pool-less modes)."""
+        return 0
 
     def memory_bytes(self) -> int:
         return 0
@@ -93,25 +130,25 @@ class Estimator(ABC):
     def full_dim_bytes(self) -> int:
         return 0
 
-    def describe(self) -> dict[str, list[dict]]:
+    def describe(self) -> dict[Hashable, list[dict]]:
+        """Per slot, one dict per anchor (see ``AnchorPool.describe``)."""
         return {}
 
-    def configure(self, **changes) -> None:
-        """Change tau / capacity / rank at runtime (ignored where meaningless)."""
+    def configure(self, **changes: Any) -> None:
+        """Change settings at runtime (ignored where meaningless)."""
 
-    def reset(self) -> None:
-        pass
+    def reset(self, slot: Hashable | None = None) -> None:
+        """Forget what was learned, for one slot or (None) all."""
 
 
 class FullShared(Estimator):
-    """Alignment only: the source's K rotated to the target positions, V as is."""
+    """Alignment only: the source's K rotated to the target positions, V as is (``plan=None``)."""
 
     name = "fullshared"
     source_policy: SourcePolicy = "first"
 
     def estimate(self, slot, source, dst_agent, dst_pos):
-        k = rotate_keys(source.k, dst_pos - source.start_pos, self.spec)
-        return EstimateResult(True, "aligned", covered=source.length, k=k, v=source.v.clone())
+        return EstimateResult(True, "aligned", covered=source.length)
 
 
 @dataclass(frozen=True)
@@ -140,64 +177,122 @@ class CacheBlend(FullShared):
         return res
 
 
+_POOL_FIELDS = {f.name for f in fields(PoolConfig)}
+
+
 class AnchorEstimator(Estimator):
-    """KVCOMM / KVCMAS and their ablations: one ``AnchorPool`` per slot."""
+    """KVCOMM / KVCMAS and their ablations: one ``AnchorPool`` per slot, bounded in slots and bytes."""
+
+    learns = True
 
     def __init__(self, spec: RopeSpec, name: str, source_policy: SourcePolicy,
-                 edge_fn: Callable[[Hashable, Hashable], Hashable], config: PoolConfig) -> None:
+                 edge_fn: Callable[[Hashable, Hashable], Hashable], config: PoolConfig,
+                 max_slots: int = DEFAULT_MAX_SLOTS, budget_bytes: int | None = DEFAULT_BUDGET_BYTES) -> None:
+        """``max_slots``: pools kept; committing to a new slot beyond it drops the least recently
+        used pool (estimate and commit count as use). ``budget_bytes``: anchor bytes over all
+        pools (None: unbounded); a commit beyond it evicts, from the least recently used pool
+        that holds anchors, its oldest-least-activated anchor, until the total fits."""
         super().__init__(spec)
         self.name = name
         self.source_policy = source_policy
         self._edge_fn = edge_fn
         self.config = config
-        self.pools: dict[str, AnchorPool] = {}
-
-    def pool(self, slot: str) -> AnchorPool:
-        if slot not in self.pools:
-            self.pools[slot] = AnchorPool(self.spec, self.config)
-        return self.pools[slot]
+        self.max_slots = 1
+        self.budget_bytes: int | None = None
+        self._pools: OrderedDict[Hashable, AnchorPool] = OrderedDict()  # least recently used first
+        self.evictions = {"slots": 0, "anchors_budget": 0}
+        self.configure(max_slots=max_slots, budget_bytes=budget_bytes)
 
     def edge(self, src_agent: Hashable, dst_agent: Hashable) -> Hashable:
+        """The key deltas are stored under for ``src_agent -> dst_agent``."""
         return self._edge_fn(src_agent, dst_agent)
 
     def estimate(self, slot, source, dst_agent, dst_pos):
-        return self.pool(slot).estimate(source.k, source.v, source.start_pos, dst_pos,
-                                        self.edge(source.agent, dst_agent))
+        pool = self._pools.get(slot)
+        if pool is None:  # NOTE: never creates a pool: unknown slots cost nothing
+            k_len = source.length if self.config.gate_len is None else min(source.length, self.config.gate_len)
+            return EstimateResult(False, "too_few_anchors", compare_len=k_len)
+        self._pools.move_to_end(slot)
+        return pool.estimate(source.k, source.v, source.start_pos, dst_pos, self.edge(source.agent, dst_agent))
 
-    def observe(self, slot, source, target, content_key=None):
+    def prepare_observation(self, slot, source, target, content_key=None):
         if not target.exact:
             raise ValueError("anchors come only from dense prefills; target.exact is False")
-        self.pool(slot).add_observation(source.k, source.v, source.start_pos, target.k, target.v,
-                                        target.start_pos, self.edge(source.agent, target.agent), content_key)
+        prepared = prepare_observation(self.spec, self.config, source.k, source.v, source.start_pos, target.k,
+                                       target.v, target.start_pos, self.edge(source.agent, target.agent),
+                                       content_key)
+        return replace(prepared, slot=slot)
+
+    def commit_observation(self, prepared):
+        if prepared is None:
+            return None
+        pool = self._pools.get(prepared.slot)
+        if pool is None:
+            while len(self._pools) >= self.max_slots:
+                self._pools.popitem(last=False)
+                self.evictions["slots"] += 1
+            pool = self._pools[prepared.slot] = AnchorPool(self.spec, self.config)
+        self._pools.move_to_end(prepared.slot)
+        anchor_id = pool.commit(prepared)
+        self._fit_budget()
+        return anchor_id if any(a.id == anchor_id for a in pool.anchors) else None
+
+    def pool_size(self, slot):
+        pool = self._pools.get(slot)
+        return 0 if pool is None else len(pool)
 
     def memory_bytes(self):
-        return sum(p.memory_bytes() for p in self.pools.values())
+        return sum(p.memory_bytes() for p in self._pools.values())
 
     def full_dim_bytes(self):
-        return sum(p.full_dim_bytes() for p in self.pools.values())
+        return sum(p.full_dim_bytes() for p in self._pools.values())
 
     def describe(self):
-        return {slot: p.describe() for slot, p in self.pools.items()}
+        return {slot: p.describe() for slot, p in self._pools.items()}
 
-    def configure(self, tau: float | None = None, capacity: int | None = None, rank: int | None | str = "keep",
-                  **_ignored) -> None:
-        if tau is not None:
-            self.config = replace(self.config, tau=tau)
-        if capacity is not None:
-            self.config = replace(self.config, capacity=capacity)
-        if rank != "keep":
-            self.config = replace(self.config, rank=rank)
-        for p in self.pools.values():
-            if tau is not None:
-                p.set_tau(tau)
-            if capacity is not None:
-                p.set_capacity(capacity)
-            if rank != "keep":
-                p.set_rank(rank)
+    def configure(self, **changes: Any) -> None:
+        """Change ``PoolConfig`` fields (tau, capacity, rank, window, gate_len, ...) for every pool,
+        and the bounds ``max_slots`` / ``budget_bytes``; tightened bounds evict at once.
+        ``rank=None`` means full dimension (existing anchors keep theirs). Unknown names raise."""
+        unknown = set(changes) - _POOL_FIELDS - {"max_slots", "budget_bytes"}
+        if unknown:
+            raise ValueError(f"unknown setting(s) {sorted(unknown)}; choose from "
+                             f"{sorted(_POOL_FIELDS | {'max_slots', 'budget_bytes'})}")
+        if "max_slots" in changes:
+            if changes["max_slots"] < 1:
+                raise ValueError(f"max_slots must be >= 1, got {changes['max_slots']}")
+            self.max_slots = int(changes["max_slots"])
+        if "budget_bytes" in changes:
+            if changes["budget_bytes"] is not None and changes["budget_bytes"] <= 0:
+                raise ValueError(f"budget_bytes must be positive or None, got {changes['budget_bytes']}")
+            self.budget_bytes = changes["budget_bytes"]
+        pool_changes = {k: v for k, v in changes.items() if k in _POOL_FIELDS}
+        if pool_changes:
+            self.config = replace(self.config, **pool_changes)
+            for p in self._pools.values():
+                p.reconfigure(self.config)
+        while len(self._pools) > self.max_slots:
+            self._pools.popitem(last=False)
+            self.evictions["slots"] += 1
+        self._fit_budget()
 
-    def reset(self):
-        for p in self.pools.values():
-            p.reset()
+    def reset(self, slot=None):
+        if slot is None:
+            self._pools.clear()
+        else:
+            self._pools.pop(slot, None)
+
+    def _fit_budget(self) -> None:
+        """Evict anchors, least recently used pool first, until the total fits ``budget_bytes``."""
+        if self.budget_bytes is None:
+            return
+        total = self.memory_bytes()
+        for pool in list(self._pools.values()):
+            while total > self.budget_bytes and len(pool):
+                total -= pool.evict_one()
+                self.evictions["anchors_budget"] += 1
+            if total <= self.budget_bytes:
+                return
 
 
 def _pair(src, dst):
@@ -208,11 +303,15 @@ def _by_target(src, dst):
     return (REFERENCE_AGENT, dst)
 
 
+_BOUNDS = ("max_slots", "budget_bytes")
+
+
 def _anchor_factory(name, policy, edge_fn, capacity, rank):
     def make(spec: RopeSpec, **cfg) -> AnchorEstimator:
         cfg.setdefault("capacity", capacity)
         cfg.setdefault("rank", rank)
-        return AnchorEstimator(spec, name, policy, edge_fn, PoolConfig(**cfg))
+        bounds = {k: cfg.pop(k) for k in _BOUNDS if k in cfg}
+        return AnchorEstimator(spec, name, policy, edge_fn, PoolConfig(**cfg), **bounds)
     return make
 
 
@@ -235,7 +334,8 @@ ESTIMATORS: dict[str, Callable[..., Estimator]] = {
 
 
 def make_estimator(name: str, spec: RopeSpec, **cfg) -> Estimator:
-    """Build a mode by name; ``cfg`` are ``PoolConfig`` (or ``CacheBlendConfig``) fields."""
+    """Build a mode by name; ``cfg`` are ``PoolConfig`` fields plus ``max_slots``/``budget_bytes``
+    (anchor modes) or ``CacheBlendConfig`` fields (cacheblend)."""
     try:
         factory = ESTIMATORS[name]
     except KeyError:

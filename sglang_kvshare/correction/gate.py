@@ -1,52 +1,20 @@
-"""The reliability gate and the interpolation weights (ALGORITHM.md 3.2, 3.3).
+"""Which anchors an accepted match activates (ALGORITHM.md 3.1).
 
-Pure functions on small tensors; the anchor pool feeds them distances.
+The gate's distances, softmax and entropy and the per-token weights are
+``sglang_kvshare.kernels`` ops (``gate_sq_distances``, ``gate_from_sq_distances``,
+``token_distances``, ``token_weights``); only the activation rule lives here.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-__all__ = ["gate_weights", "normalized_entropy", "token_weights", "top_mass"]
-
-
-def gate_weights(distances: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """``g_v = softmax_v(-d_v / T)`` over a float ``[V]`` tensor of distances."""
-    return torch.softmax(-distances.double() / temperature, dim=0)
-
-
-def normalized_entropy(g: torch.Tensor) -> float:
-    """``-sum g log2 g / log2(V)`` in [0, 1]; 1.0 for a uniform ``g``.
-
-    Undefined for fewer than two anchors (the gate rejects those first).
-    """
-    n = g.numel()
-    if n < 2:
-        raise ValueError("normalized entropy needs at least two anchors")
-    g = g.double()
-    h = -(g * torch.log2(g.clamp_min(1e-300))).sum().item()
-    return max(0.0, min(1.0, h / math.log2(n)))
-
-
-def token_weights(errors: torch.Tensor, valid: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Per-token softmax over anchors.
-
-    Args:
-        errors: ``[V, L]`` mean absolute difference between the new source and
-            each anchor's base, per token.
-        valid: bool ``[V, L]``; False where the anchor does not cover the token.
-            Every column must have at least one valid anchor.
-    Returns: ``[V, L]`` float32 weights, zero on invalid entries, columns sum to 1.
-    """
-    logits = (-errors.float() / temperature).masked_fill(~valid, float("-inf"))
-    return torch.softmax(logits, dim=0)
+__all__ = ["top_mass"]
 
 
 def top_mass(g: torch.Tensor, mass: float = 0.9) -> list[int]:
     """Indices of the fewest anchors whose weights sum to at least ``mass``."""
     order = torch.argsort(g, descending=True)
-    cum = torch.cumsum(g[order], dim=0)
+    cum = torch.cumsum(g[order].double(), dim=0)
     n = int((cum < mass - 1e-12).sum().item()) + 1
     return order[: min(n, g.numel())].tolist()

@@ -16,7 +16,7 @@ from typing import Literal
 
 import torch
 
-__all__ = ["Factors", "factorize", "factor_nbytes"]
+__all__ = ["Factors", "factorize", "factor_nbytes", "stack_factors", "stack_dense"]
 
 
 @dataclass
@@ -53,17 +53,29 @@ class Factors:
             return self.full.numel() * self.full.element_size()
         return self.a.numel() * self.a.element_size() + self.b.numel() * self.b.element_size()
 
-    def matrix(self, rows: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Reconstruct the first ``rows`` rows as ``[num_layers, rows, D]``."""
+    def matrix(self, rows: int | None = None, dtype: torch.dtype | None = None, start: int = 0) -> torch.Tensor:
+        """Reconstruct rows ``[start, rows)`` as ``[num_layers, rows - start, D]`` (``rows`` capped at the length)."""
         rows = self.length if rows is None else min(rows, self.length)
         if self.full is not None:
-            out = self.full[:, :rows]
+            out = self.full[:, start:rows]
             return out.to(dtype) if dtype is not None else out
-        a = self.a[:, :rows]
+        a = self.a[:, start:rows]
         b = self.b
         if dtype is not None:
             a, b = a.to(dtype), b.to(dtype)
         return torch.bmm(a, b)
+
+    def row_sq_norms(self) -> torch.Tensor:
+        """``sum_layers ||row t||^2`` of the reconstruction, float64 ``[L]``, from the factors' Gram matrix.
+
+        Costs ``layers * r * (r * D + L * r)``, never the ``L x D`` product: the
+        anchor pool caches its cumulative sum as the gate's Gram term.
+        """
+        if self.full is not None:
+            return self.full.to(torch.float64).pow(2).sum(dim=(0, 2))
+        a, b = self.a.to(torch.float64), self.b.to(torch.float64)
+        gram = b @ b.transpose(-1, -2)  # [layers, r, r]
+        return ((a @ gram) * a).sum(dim=(0, 2))
 
     def reconstruct(self, rows: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Reconstruct in cache layout ``[num_layers, rows, kv_heads, head_dim]``."""
@@ -111,3 +123,39 @@ def factorize(x: torch.Tensor, rank: int | None, method: Literal["svd", "randomi
         a = u[..., :r] * s[..., None, :r]
         b = vh[..., :r, :]
     return Factors(a.to(store).contiguous(), b.to(store).contiguous(), None, head_shape)
+
+
+def stack_factors(factors: list[Factors], lo: int, hi: int,
+                  dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``[lo, hi)`` of several low-rank stacks as the kernels' ``A [Vn, layers, hi-lo, r]``, ``B [Vn, layers, r, D]``.
+
+    Ranks may differ (short segments cap theirs): A and B are zero-padded to
+    the largest, which leaves every product unchanged; rows past a stack's own
+    length are zero. ``dtype`` defaults to the first stack's.
+    """
+    if not factors or any(f.full is not None for f in factors):
+        raise ValueError("stack_factors needs one or more low-rank stacks; use stack_dense for full-dimension ones")
+    f0 = factors[0]
+    r = max(f.rank for f in factors)
+    dtype = dtype or f0.a.dtype
+    nl, dim = f0.num_layers, f0.b.shape[-1]
+    a = torch.zeros(len(factors), nl, hi - lo, r, dtype=dtype, device=f0.a.device)
+    b = torch.zeros(len(factors), nl, r, dim, dtype=dtype, device=f0.a.device)
+    for i, f in enumerate(factors):  # NOTE: ragged lengths and ranks; one copy per stack, no arithmetic
+        n = max(0, min(f.length, hi) - lo)
+        a[i, :, :n, :f.rank] = f.a[:, lo:lo + n]
+        b[i, :, :f.rank] = f.b
+    return a, b
+
+
+def stack_dense(factors: list[Factors], lo: int, hi: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows ``[lo, hi)`` of several stacks (any ranks) reconstructed as ``[Vn, layers, hi-lo, D]``, zero past each length."""
+    f0 = factors[0]
+    dim = f0.head_shape[0] * f0.head_shape[1]
+    out = torch.zeros(len(factors), f0.num_layers, hi - lo, dim, dtype=dtype,
+                      device=(f0.full if f0.full is not None else f0.a).device)
+    for i, f in enumerate(factors):
+        n = max(0, min(f.length, hi) - lo)
+        if n:
+            out[i, :, :n] = f.matrix(lo + n, dtype, start=lo)
+    return out

@@ -18,9 +18,11 @@ head_dim]``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
+
+from sglang_kvshare.kernels.rope import Layout, check_rotary, rotate
 
 __all__ = [
     "RopeSpec",
@@ -29,8 +31,6 @@ __all__ = [
     "to_canonical",
     "from_canonical",
 ]
-
-Layout = Literal["rotate_half", "interleaved"]
 
 # NOTE: these rope types change their frequencies with the running sequence
 # length, so a key's rotation is not a pure function of its position.
@@ -68,12 +68,7 @@ class RopeSpec:
     attention_scaling: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.layout not in ("rotate_half", "interleaved"):
-            raise ValueError(f"unknown RoPE layout {self.layout!r}")
-        if self.rotary_dim % 2 or self.rotary_dim > self.head_dim:
-            raise ValueError(f"rotary_dim {self.rotary_dim} must be even and <= head_dim {self.head_dim}")
-        if self.inv_freq.shape != (self.rotary_dim // 2,):
-            raise ValueError(f"inv_freq has shape {tuple(self.inv_freq.shape)}, expected ({self.rotary_dim // 2},)")
+        check_rotary(self.inv_freq, self.head_dim, self.rotary_dim, self.layout)  # the kernels' own validation
 
     @classmethod
     def default(cls, head_dim: int, theta: float = 10000.0, layout: Layout = "rotate_half",
@@ -125,41 +120,20 @@ class RopeSpec:
                    layout=layout, attention_scaling=float(scaling))
 
 
-def rotate_keys(k: torch.Tensor, shift: int | torch.Tensor, spec: RopeSpec) -> torch.Tensor:
+def rotate_keys(k: torch.Tensor, shift: int, spec: RopeSpec) -> torch.Tensor:
     """Move post-RoPE keys by ``shift`` positions; returns a new tensor.
 
     Args:
         k: ``[..., L, kv_heads, head_dim]`` keys, any float dtype and device.
-        shift: an int (same offset for every token) or a LongTensor ``[L]``
-            (one offset per token).
+        shift: the same offset for every token.
         spec: the model's rotary configuration.
     Returns: keys of the same shape and dtype; dims past ``rotary_dim`` untouched.
+    The math is ``kernels.rope.rotate``: angles in float64 rounded once, the
+    rotation in fp32 (float64 for float64 keys), one rounding to ``k.dtype``.
     """
     if k.shape[-1] != spec.head_dim:
         raise ValueError(f"key head_dim {k.shape[-1]} does not match RopeSpec.head_dim {spec.head_dim}")
-    if isinstance(shift, int) and shift == 0:
-        return k.clone()
-    inv = spec.inv_freq.to(device=k.device, dtype=torch.float64)
-    if isinstance(shift, torch.Tensor) and shift.dim() > 0:
-        if shift.shape != (k.shape[-3],):
-            raise ValueError(f"per-token shift must have shape ({k.shape[-3]},), got {tuple(shift.shape)}")
-        angle = shift.to(device=k.device, dtype=torch.float64)[:, None, None] * inv  # [L, 1, rd/2]
-    else:
-        angle = float(int(shift)) * inv  # [rd/2]
-    work = torch.float32 if k.dtype in (torch.float16, torch.bfloat16) else k.dtype
-    cos, sin = angle.cos().to(work), angle.sin().to(work)
-    x = k.to(work)
-    rd, half = spec.rotary_dim, spec.rotary_dim // 2
-    out = x.clone()
-    if spec.layout == "rotate_half":
-        x1, x2 = x[..., :half], x[..., half:rd]
-        out[..., :half] = x1 * cos - x2 * sin
-        out[..., half:rd] = x2 * cos + x1 * sin
-    else:
-        xe, xo = x[..., 0:rd:2], x[..., 1:rd:2]
-        out[..., 0:rd:2] = xe * cos - xo * sin
-        out[..., 1:rd:2] = xo * cos + xe * sin
-    return out.to(k.dtype)
+    return rotate(k, int(shift), spec.inv_freq, spec.rotary_dim, spec.layout).to(k.dtype)
 
 
 def to_canonical(k: torch.Tensor, start_pos: int, spec: RopeSpec) -> torch.Tensor:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sglang_kvshare.correction import (AnchorPool, PoolConfig, RopeSpec, SegmentCache, factor_nbytes,
-                                       make_estimator, rotate_keys)
+                                       make_estimator, materialize, rotate_keys)
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +29,12 @@ def _close(a, b):
     torch.testing.assert_close(a, b, atol=2e-4, rtol=2e-4)
 
 
+def _kv(spec, res, k, v, src_pos, dst_pos):
+    """The estimate's K/V through the ops layer (what serving writes)."""
+    assert res.accepted
+    return materialize(k, v, src_pos, dst_pos, res.plan, spec)
+
+
 @pytest.mark.parametrize("rank", [None, 12])  # 12 = min(L, D): factors exact
 def test_exact_deltas_reproduce_exact_target(llama_world, rank):
     spec, seg, (content, _) = llama_world
@@ -38,13 +44,14 @@ def test_exact_deltas_reproduce_exact_target(llama_world, rank):
     for key in ("x", "y"):  # two copies of the same observation: any weights mix equal deltas
         pool.add_observation(src.k, src.v, src.start_pos, dst.k, dst.v, dst.start_pos, ("a", "c"), key)
     res = pool.estimate(src.k, src.v, src.start_pos, dst.start_pos, ("a", "c"))
-    assert res.accepted and res.covered == 12
-    _close(res.k, dst.k)
-    _close(res.v, dst.v)
+    assert res.accepted and res.covered == 12 and res.pool_anchors == 2
+    k, v = _kv(spec, res, src.k, src.v, src.start_pos, dst.start_pos)
+    _close(k, dst.k)
+    _close(v, dst.v)
     # The estimate does not depend on absolute positions: move both ends by +100.
-    moved = pool.estimate(rotate_keys(src.k, 100, spec), src.v, src.start_pos + 100, dst.start_pos + 100,
-                          ("a", "c"))
-    _close(moved.k, rotate_keys(dst.k, 100, spec))
+    moved_k = rotate_keys(src.k, 100, spec)
+    moved = pool.estimate(moved_k, src.v, src.start_pos + 100, dst.start_pos + 100, ("a", "c"))
+    _close(_kv(spec, moved, moved_k, src.v, src.start_pos + 100, dst.start_pos + 100)[0], rotate_keys(dst.k, 100, spec))
 
 
 def test_chaining_over_three_agents_is_exact(llama_world):
@@ -55,12 +62,11 @@ def test_chaining_over_three_agents_is_exact(llama_world):
         est.observe("q", ca, cb, content_key=key)
         est.observe("q", cb, cc, content_key=key)
     hop1 = est.estimate("q", ca, "b", cb.start_pos)
-    assert hop1.accepted
-    hat_b = SegmentCache(hop1.k, hop1.v, cb.start_pos, "b", exact=False)
+    hat_b = SegmentCache(*_kv(spec, hop1, ca.k, ca.v, ca.start_pos, cb.start_pos), cb.start_pos, "b", exact=False)
     hop2 = est.estimate("q", hat_b, "c", cc.start_pos)
-    assert hop2.accepted
-    _close(hop2.k, cc.k)
-    _close(hop2.v, cc.v)
+    k, v = _kv(spec, hop2, hat_b.k, hat_b.v, cb.start_pos, cc.start_pos)
+    _close(k, cc.k)
+    _close(v, cc.v)
     with pytest.raises(ValueError, match="dense"):
         est.observe("q", ca, hat_b)
 
@@ -74,7 +80,7 @@ def test_identical_anchors_have_max_entropy_and_reject(llama_world):
         pool.add_observation(src.k, src.v, 5, dst.k, dst.v, 9, ("a", "b"), key)
     res = pool.estimate(src.k, src.v, 5, 9, ("a", "b"))
     assert res.entropy == pytest.approx(1.0)
-    assert not res.accepted and res.reason == "gate_rejected" and res.k is None
+    assert not res.accepted and res.reason == "gate_rejected" and res.plan is None
     assert pool.estimate(src.k, src.v, 5, 9, ("a", "c")).reason == "no_edge"
     assert all(a["activations"] == 0 for a in pool.describe())
 
@@ -97,8 +103,9 @@ def test_near_identical_anchor_is_accepted_and_returns_its_delta(gen):
     res = pool.estimate(noisy_k, noisy_v, 3, 7, "e")
     assert res.accepted and res.entropy < 0.01
     assert res.gate_weights.argmax().item() == 2
-    torch.testing.assert_close(res.k, rotate_keys(noisy_k, 4, spec) + rotate_keys(dk, 7, spec), atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(res.v, noisy_v + dv, atol=1e-4, rtol=1e-4)
+    k_hat, v_hat = _kv(spec, res, noisy_k, noisy_v, 3, 7)
+    torch.testing.assert_close(k_hat, rotate_keys(noisy_k, 4, spec) + rotate_keys(dk, 7, spec), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(v_hat, noisy_v + dv, atol=1e-4, rtol=1e-4)
     assert [a["activations"] for a in pool.describe()] == [0, 0, 1, 0]
 
 
@@ -148,11 +155,13 @@ def test_longer_segment_is_corrected_only_on_covered_prefix(gen):
     k, v = _rand_seg(gen, 16)
     res = pool.estimate(k, v, 2, 5, "e")
     assert res.accepted and res.covered == 10
+    k_hat, v_hat = _kv(spec, res, k, v, 2, 5)
     aligned = rotate_keys(k, 3, spec)
-    torch.testing.assert_close(res.k[:, 10:], aligned[:, 10:])  # untouched, never extrapolated
-    torch.testing.assert_close(res.v[:, 10:], v[:, 10:])
-    torch.testing.assert_close(res.v[:, :10], v[:, :10] + 1.0)  # every delta is +1
-    assert torch.all(res.token_weights_v[0, 8:] == 0) and torch.all(res.token_weights_v[1, 8:] == 1)
+    torch.testing.assert_close(k_hat[:, 10:], aligned[:, 10:])  # untouched, never extrapolated
+    torch.testing.assert_close(v_hat[:, 10:], v[:, 10:])
+    torch.testing.assert_close(v_hat[:, :10], v[:, :10] + 1.0)  # every delta is +1
+    w = res.plan.weights_v  # [covered, Vn]
+    assert w.shape == (10, 2) and torch.all(w[8:, 0] == 0) and torch.all(w[8:, 1] == 1)
 
 
 def test_memory_report_and_runtime_config(gen):
@@ -162,7 +171,9 @@ def test_memory_report_and_runtime_config(gen):
     pool.add_observation(k, v, 0, k, v, 0, ("a", "b"), "x")
     pool.add_observation(k, v, 0, k, v, 0, ("b", "c"), "x")  # same content: one base, two deltas
     one = factor_nbytes(2, 20, 16, 4, 4)
-    assert pool.memory_bytes() == 6 * one and pool.full_dim_bytes() == 6 * 2 * 20 * 16 * 4
+    gram = 20 * 8  # the gate's cached Gram summary: one float64 per row
+    assert pool.memory_bytes() == 6 * one + gram and pool.full_dim_bytes() == 6 * 2 * 20 * 16 * 4
+    assert pool.memory_bytes() == sum(a["bytes"] for a in pool.describe())
     assert pool.describe()[0]["edges"] == ["('a', 'b')", "('b', 'c')"]
     pool.set_rank(None)
     pool.add_observation(k, v, 0, k, v, 0, ("a", "b"), "y")
@@ -188,6 +199,6 @@ def test_kvcmas_anchor_memory_4x_below_kvcomm_for_2k_segments(gen):
             comm.observe("q", ref, tgt, content_key=content)
             mas.observe("q", SegmentCache(k, v, 0, prev), tgt, content_key=content)
     ratio = comm.memory_bytes() / mas.memory_bytes()
-    assert comm.memory_bytes() == (2 + 2 * 4) * nl * length * 192 * 4
-    assert mas.memory_bytes() == (2 + 2 * 4) * nl * 32 * (length + 192) * 4
+    assert comm.memory_bytes() == (2 + 2 * 4) * nl * length * 192 * 4 + length * 8  # + the gate's Gram summary
+    assert mas.memory_bytes() == (2 + 2 * 4) * nl * 32 * (length + 192) * 4 + length * 8
     assert ratio >= 4.0, ratio

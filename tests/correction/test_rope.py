@@ -48,13 +48,9 @@ def test_interleaved_partial_matches_gptj_forward(gen, p, q):
     torch.testing.assert_close(k_p[..., 8:], k_q[..., 8:])  # pass-through dims
 
 
-def test_per_token_shift_and_canonical_roundtrip(gen):
+def test_canonical_roundtrip_and_composition(gen):
     spec = RopeSpec.default(head_dim=32, theta=1e5)
     k = torch.randn(2, 11, 3, 32, generator=gen)
-    shifts = torch.randint(-500, 500, (11,), generator=gen)
-    per_token = rotate_keys(k, shifts, spec)
-    for t in range(11):
-        torch.testing.assert_close(per_token[:, t], rotate_keys(k[:, t:t + 1], int(shifts[t]), spec)[:, 0])
     torch.testing.assert_close(from_canonical(to_canonical(k, 777, spec), 777, spec), k, atol=1e-5, rtol=1e-5)
     # Composition: rotating by a then b equals rotating by a + b.
     torch.testing.assert_close(rotate_keys(rotate_keys(k, 300, spec), -1200, spec), rotate_keys(k, -900, spec),
@@ -68,6 +64,8 @@ def test_half_precision_rounds_once(gen):
     got = rotate_keys(k.half(), 12345, spec)
     assert got.dtype == torch.float16
     torch.testing.assert_close(got.double(), ref, atol=5e-3, rtol=5e-3)
+    # fp32 math with float64 angles: within fp32 rounding of the float64 yardstick, even 12345 positions away.
+    torch.testing.assert_close(rotate_keys(k, 12345, spec).double(), ref, atol=2e-6, rtol=2e-6)
 
 
 def test_scaled_rope_uses_model_frequencies():

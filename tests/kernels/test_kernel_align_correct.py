@@ -179,3 +179,35 @@ def test_bad_arguments_raise(bad, match, gen):
     kw.update(bad)
     with pytest.raises(ValueError, match=match):
         align_correct_scatter(src, src, idx, idx + 20, backend="torch", **kw)
+
+
+@pytest.mark.parametrize("low_rank", [True, False])
+@pytest.mark.parametrize("dtype,atol,rtol", DTYPE_TOLS, ids=["fp32", "bf16", "fp16"])
+def test_layers_torch_path_matches_per_layer_float64_reference(low_rank, dtype, atol, rtol, gen):
+    """The CPU serving path (all layers batched, fp32) against the float64 reference run layer by layer."""
+    layers, heads, head_dim, L, vn, r, covered = 3, 2, 64, 29, 3, 8, 21
+    k_pool = [torch.randn(96, heads, head_dim, generator=gen).to(dtype) for _ in range(layers)]
+    v_pool = [torch.randn(96, heads, head_dim, generator=gen).to(dtype) for _ in range(layers)]
+    src_idx, dst_idx = torch.randperm(48, generator=gen)[:L], 48 + torch.randperm(48, generator=gen)[:L]
+    D = heads * head_dim
+    if low_rank:
+        fk = dict(k_A=0.3 * torch.randn(layers, vn, covered, r, generator=gen),
+                  k_B=0.3 * torch.randn(layers, vn, r, D, generator=gen))
+        fv = dict(v_A=0.3 * torch.randn(layers, vn, covered, r, generator=gen),
+                  v_B=0.3 * torch.randn(layers, vn, r, D, generator=gen))
+    else:
+        fk = dict(k_delta=0.1 * torch.randn(layers, vn, covered, D, generator=gen))
+        fv = dict(v_delta=0.1 * torch.randn(layers, vn, covered, D, generator=gen))
+    kw = dict(src_start=7, dst_start=3000, inv_freq=llama_inv_freq(48), rotary_dim=48,
+              k_w=torch.softmax(torch.randn(L, vn, generator=gen), 1),
+              v_w=torch.softmax(torch.randn(L, vn, generator=gen), 1), covered=covered)
+    ks, vs = [k.clone() for k in k_pool], [v.clone() for v in v_pool]
+    align_correct_scatter_layers(ks, vs, src_idx, dst_idx, backend="torch", **kw, **fk, **fv)
+    for layer in range(layers):
+        for pool, got, rot, w, f in ((k_pool, ks, True, kw["k_w"], fk), (v_pool, vs, False, kw["v_w"], fv)):
+            want = pool[layer].clone()
+            per_layer = {name[2:]: t[layer] for name, t in f.items()}
+            align_correct_scatter_reference(pool[layer], want, src_idx, dst_idx, rotate=rot, src_start=7,
+                                            dst_start=3000, inv_freq=kw["inv_freq"], rotary_dim=48, w=w,
+                                            covered=covered, **per_layer)
+            torch.testing.assert_close(got[layer].float(), want.float(), atol=atol, rtol=rtol)

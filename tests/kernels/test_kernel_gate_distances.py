@@ -8,7 +8,8 @@ import pytest
 import torch
 from helpers_kernels import DTYPE_TOLS
 
-from sglang_kvshare.kernels import gate_from_sq_distances, gate_sq_distances, token_distances, token_weights
+from sglang_kvshare.kernels import (gate_from_sq_distances, gate_sq_distances, gate_sq_distances_dense, token_distances,
+                                    token_distances_dense, token_weights)
 from sglang_kvshare.kernels.reference import gate_sq_distances_reference, token_distances_reference
 
 # (layers, k, kv_heads * head_dim, rank, Vn): k not a multiple of the 32-row tile,
@@ -98,3 +99,34 @@ def test_gate_and_weights():
 def test_bad_factor_shapes_raise():
     with pytest.raises(ValueError, match="sliced to the first k"):
         gate_sq_distances(torch.randn(2, 10, 64), torch.randn(3, 2, 12, 8), torch.randn(3, 2, 8, 64), backend="torch")
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_precomputed_gram_gives_the_same_distances(backend, device, gen):
+    """An anchor's cached Gram term (sum_layers ||A B||^2) replaces the kernel's own Gram products."""
+    X, A, B = make_factors(2, 37, 192, 32, 4, torch.float32, device, gen)
+    gram = ((A.double() @ B.double()) ** 2).sum(dim=(1, 2, 3))
+    got = gate_sq_distances(X, A, B, gram, backend=backend)
+    want = gate_sq_distances_reference(X, A, B)  # float64 yardstick, Gram computed inside
+    assert torch.all((got - want).abs() <= 1e-5 * _scale(X, A, B) + 1e-4), (got, want)
+    with pytest.raises(ValueError, match="gram"):
+        gate_sq_distances(X, A, B, gram[:2], backend=backend)
+
+
+def test_dense_anchor_distances_match_explicit(gen):
+    X = torch.randn(2, 9, 64, generator=gen)
+    F = [torch.randn(2, n, 64, generator=gen) for n in (9, 14, 5)]
+    d2 = gate_sq_distances_dense(X, F[:2])
+    torch.testing.assert_close(d2, torch.stack([((X - f[:, :9]) ** 2).sum() for f in F[:2]]))
+    dist = token_distances_dense(X, F)
+    padded = [torch.cat([f[:, :9], torch.zeros(2, max(0, 9 - f.shape[1]), 64)], dim=1) for f in F]
+    torch.testing.assert_close(dist, torch.stack([(X - f).abs().mean(dim=(0, 2)) for f in padded], dim=1))
+
+
+def test_token_weights_respect_anchor_lengths():
+    dist = torch.rand(6, 3)
+    w = token_weights(dist, 1.0, torch.tensor([6, 2, 4]))
+    torch.testing.assert_close(w.sum(1), torch.ones(6))
+    assert torch.all(w[2:, 1] == 0) and torch.all(w[4:, 2] == 0) and torch.all(w[4:, 0] == 1)
+    torch.testing.assert_close(w[:2], token_weights(dist[:2]))
