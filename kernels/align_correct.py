@@ -12,7 +12,8 @@ destination row, fp32 accumulation. Grid: (token blocks, kv heads); each program
 owns BLOCK_T tokens of one head and splits the head into the two members of each
 rotary pair plus the pass-through tail, so rotation needs no shuffles.
 
-Reference with the same signature: ``reference.align_correct_scatter_reference``.
+Reference with the same signature (pools, indices, ``AlignParams``):
+``reference.align_correct_scatter_reference``.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import check_align_args
-from .rope import Layout, rotation_cos_sin
+from .reference import AlignParams, check_align_args
+from .rope import rotation_cos_sin
 
 __all__ = ["align_correct_scatter_triton"]
 
@@ -136,33 +137,16 @@ def _block(n: int) -> int:
     return max(16, triton.next_power_of_2(max(n, 1)))
 
 
-def align_correct_scatter_triton(
-    src: torch.Tensor,
-    dst: torch.Tensor,
-    src_idx: torch.Tensor,
-    dst_idx: torch.Tensor,
-    *,
-    rotate: bool,
-    src_start: int = 0,
-    dst_start: int = 0,
-    inv_freq: torch.Tensor | None = None,
-    rotary_dim: int | None = None,
-    layout: Layout = "rotate_half",
-    w: torch.Tensor | None = None,
-    A: torch.Tensor | None = None,
-    B: torch.Tensor | None = None,
-    delta: torch.Tensor | None = None,
-    covered: int | None = None,
-    block_t: int = 32,
-) -> torch.Tensor:
-    """Launch the fused kernel for one layer's K (``rotate=True``) or V pool; returns ``dst``.
+def align_correct_scatter_triton(src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor,
+                                 p: AlignParams, block_t: int = 32) -> torch.Tensor:
+    """Launch the fused kernel for one layer's K (``p.rotate``) or V pool; returns ``dst``.
 
     Contract as ``dispatch.align_correct_scatter``. NOTE: programs run in any
     order, so a destination row must not be another token's source row
     (``dst_idx[t] == src_idx[t]`` in place is fine; fresh slots are the normal case).
     """
-    args = check_align_args(src, dst, src_idx, dst_idx, rotate=rotate, inv_freq=inv_freq, rotary_dim=rotary_dim,
-                            layout=layout, w=w, A=A, B=B, delta=delta, covered=covered)
+    args = check_align_args(src, dst, src_idx, dst_idx, p)
+    rotate, w, A, B, delta = p.rotate, p.w, p.A, p.B, p.delta
     if args.num_tokens == 0:
         return dst
     if src.stride(2) != 1 or dst.stride(2) != 1:
@@ -175,8 +159,8 @@ def align_correct_scatter_triton(
     rd = args.rotary_dim if rotate else 2 * (head_dim // 2)
     half, pas = rd // 2, head_dim - rd
     if rotate:
-        cos_s, sin_s = rotation_cos_sin(inv_freq, dst_start - src_start, dev)
-        cos_d, sin_d = rotation_cos_sin(inv_freq, dst_start, dev)
+        cos_s, sin_s = rotation_cos_sin(p.inv_freq, p.dst_start - p.src_start, dev)
+        cos_d, sin_d = rotation_cos_sin(p.inv_freq, p.dst_start, dev)
     else:
         cos_s = sin_s = cos_d = sin_d = torch.empty(1, dtype=torch.float32, device=dev)
     correct = args.covered > 0
@@ -203,6 +187,6 @@ def align_correct_scatter_triton(
         sb[0], sb[1], sb[2],
         HEAD_DIM=head_dim, HALF=half, PASS=pas,
         BLOCK_T=block_t, BLOCK_HALF=_block(half), BLOCK_PASS=_block(pas), BLOCK_R=_block(R),
-        INTERLEAVED=(layout == "interleaved"), ROTATE=rotate, CORRECT=correct, FULL_RANK=args.full_rank,
+        INTERLEAVED=(p.layout == "interleaved"), ROTATE=rotate, CORRECT=correct, FULL_RANK=args.full_rank,
     )
     return dst

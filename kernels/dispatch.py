@@ -19,6 +19,7 @@ from typing import Literal
 import torch
 
 from . import reference
+from .reference import AlignParams
 from .rope import Layout, compute_dtype
 
 Backend = Literal["auto", "triton", "torch"]
@@ -105,12 +106,16 @@ def align_correct_scatter(
     requires that no destination row is another token's source row.
     Raises ValueError on inconsistent shapes, RuntimeError on an unusable backend.
     """
-    kw = dict(rotate=rotate, src_start=src_start, dst_start=dst_start, inv_freq=inv_freq, rotary_dim=rotary_dim,
-              layout=layout, w=w, A=A, B=B, delta=delta, covered=covered)
+    p = AlignParams(rotate=rotate, src_start=src_start, dst_start=dst_start, inv_freq=inv_freq,
+                    rotary_dim=rotary_dim, layout=layout, w=w, A=A, B=B, delta=delta, covered=covered)
+    return _align_one(src, dst, src_idx, dst_idx, p, backend)
+
+
+def _align_one(src, dst, src_idx, dst_idx, p: AlignParams, backend: Backend) -> torch.Tensor:
     if _use_triton(backend, src.device):
         impl = importlib.import_module(".align_correct", __package__).align_correct_scatter_triton
-        return impl(src, dst, src_idx, dst_idx, **kw)
-    return reference.align_correct_scatter_reference(src, dst, src_idx, dst_idx, compute=compute_dtype(src.dtype), **kw)
+        return impl(src, dst, src_idx, dst_idx, p)
+    return reference.align_correct_scatter_reference(src, dst, src_idx, dst_idx, p, compute=compute_dtype(src.dtype))
 
 
 def align_correct_scatter_layers(
@@ -153,23 +158,17 @@ def align_correct_scatter_layers(
     if not len(k_src) == len(v_src) == len(k_dst) == len(v_dst):
         raise ValueError("k_src, v_src, k_dst, v_dst must list the same number of layers")
     rot = dict(src_start=src_start, dst_start=dst_start, inv_freq=inv_freq, rotary_dim=rotary_dim, layout=layout)
+    kp = AlignParams(rotate=True, **rot, w=k_w, A=k_A, B=k_B, delta=k_delta, covered=covered)
+    vp = AlignParams(rotate=False, w=v_w, A=v_A, B=v_B, delta=v_delta, covered=covered)
     if not k_src:
         return
     if not _use_triton(backend, k_src[0].device):
-        reference.align_correct_scatter_layers_reference(
-            k_src, v_src, src_idx, dst_idx, **rot, k_dst=k_dst, v_dst=v_dst, k_w=k_w, v_w=v_w, k_A=k_A, k_B=k_B,
-            v_A=v_A, v_B=v_B, k_delta=k_delta, v_delta=v_delta, covered=covered,
-            compute=compute_dtype(k_src[0].dtype))
+        reference.align_correct_scatter_layers_reference(k_src, v_src, src_idx, dst_idx, kp, vp, k_dst, v_dst,
+                                                         compute=compute_dtype(k_src[0].dtype))
         return
     for layer in range(len(k_src)):
-        align_correct_scatter(
-            k_src[layer], k_dst[layer], src_idx, dst_idx, rotate=True, **rot, w=k_w,
-            A=None if k_A is None else k_A[layer], B=None if k_B is None else k_B[layer],
-            delta=None if k_delta is None else k_delta[layer], covered=covered, backend=backend)
-        align_correct_scatter(
-            v_src[layer], v_dst[layer], src_idx, dst_idx, rotate=False, w=v_w,
-            A=None if v_A is None else v_A[layer], B=None if v_B is None else v_B[layer],
-            delta=None if v_delta is None else v_delta[layer], covered=covered, backend=backend)
+        _align_one(k_src[layer], k_dst[layer], src_idx, dst_idx, kp.layer(layer), backend)
+        _align_one(v_src[layer], v_dst[layer], src_idx, dst_idx, vp.layer(layer), backend)
 
 
 def gate_sq_distances(X: torch.Tensor, A: torch.Tensor, B: torch.Tensor, gram: torch.Tensor | None = None, *,

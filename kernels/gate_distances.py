@@ -25,14 +25,9 @@ __all__ = ["gate_sq_distances_triton"]
 
 
 @triton.jit
-def _gate_sq_kernel(
-    x_ptr, a_ptr, b_ptr, out_ptr,
-    NL, K, D, R,
-    sx_l, sx_t, sx_d,
-    sa_v, sa_l, sa_t, sa_r,
-    sb_v, sb_l, sb_r, sb_d,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, GRAM: tl.constexpr,
-):
+def _gate_sq_kernel(x_ptr, a_ptr, b_ptr, out_ptr, NL, K, D, R,  # X [NL, K, D], A [Vn, NL, K, R], B [Vn, NL, R, D]
+                    sx_l, sx_t, sx_d, sa_v, sa_l, sa_t, sa_r, sb_v, sb_l, sb_r, sb_d,  # their strides
+                    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, GRAM: tl.constexpr):
     v = tl.program_id(0)
     layer = tl.program_id(1)
     r = tl.arange(0, BLOCK_R)

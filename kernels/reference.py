@@ -12,7 +12,7 @@ Torch only: no Triton, no SGLang, no other sglang_kvshare module.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -21,6 +21,7 @@ from .rope import rotate as rotate_rows  # NOTE: the align functions have a ``ro
 
 __all__ = [
     "AlignArgs",
+    "AlignParams",
     "check_align_args",
     "check_factor_args",
     "align_correct_scatter_reference",
@@ -37,6 +38,35 @@ _CHUNK_BYTES = 32 * 2**20
 
 
 @dataclass(frozen=True)
+class AlignParams:
+    """One ``align_correct_scatter`` call minus the pools and indices; fields as its keyword arguments.
+
+    Why a struct: the dispatcher, the Triton launcher and the torch reference
+    take the same settings; passing them as one value keeps one signature (the
+    dispatcher's) and one validation (``check_align_args``). For the layer-wise
+    functions ``A``/``B``/``delta`` hold one entry per layer (a list or a
+    stacked tensor); ``layer(l)`` picks one.
+    """
+
+    rotate: bool
+    src_start: int = 0
+    dst_start: int = 0
+    inv_freq: torch.Tensor | None = None
+    rotary_dim: int | None = None
+    layout: Layout = "rotate_half"
+    w: torch.Tensor | None = None
+    A: torch.Tensor | None = None
+    B: torch.Tensor | None = None
+    delta: torch.Tensor | None = None
+    covered: int | None = None
+
+    def layer(self, index: int) -> "AlignParams":
+        """The settings of layer ``index`` when the factors are given per layer."""
+        pick = lambda t: None if t is None else t[index]  # noqa: E731
+        return replace(self, A=pick(self.A), B=pick(self.B), delta=pick(self.delta))
+
+
+@dataclass(frozen=True)
 class AlignArgs:
     """What ``check_align_args`` derives from the arguments of ``align_correct_scatter``."""
 
@@ -47,9 +77,10 @@ class AlignArgs:
     full_rank: bool  # correction given as dense ``delta`` instead of ``A @ B``
 
 
-def check_align_args(src, dst, src_idx, dst_idx, *, rotate, inv_freq, rotary_dim, layout,
-                     w, A, B, delta, covered) -> AlignArgs:
+def check_align_args(src, dst, src_idx, dst_idx, p: AlignParams) -> AlignArgs:
     """Validate the arguments of ``align_correct_scatter``; raise ValueError saying what to fix."""
+    rotate, inv_freq, rotary_dim, layout = p.rotate, p.inv_freq, p.rotary_dim, p.layout
+    w, A, B, delta, covered = p.w, p.A, p.B, p.delta, p.covered
     if src.dim() != 3 or dst.dim() != 3 or src.shape[1:] != dst.shape[1:]:
         raise ValueError(f"src and dst must be [pool, kv_heads, head_dim] with equal heads and dims, "
                          f"got {tuple(src.shape)} and {tuple(dst.shape)}")
@@ -104,57 +135,49 @@ def check_factor_args(X: torch.Tensor, A: torch.Tensor, B: torch.Tensor) -> None
                          f"B [{vn}, {nl}, r, {d}]; got {tuple(A.shape)}, {tuple(B.shape)}")
 
 
-def _correction(args: AlignArgs, w, A, B, delta, compute: torch.dtype) -> torch.Tensor:
-    """sum_v w[t, v] * Delta_v[t] for t < covered, ``compute`` [covered, D], without an [Vn, Lc, D] temporary."""
-    lc = args.covered
-    wc = w[:lc].to(compute)
-    if args.full_rank:
-        return torch.einsum("tv,vtd->td", wc, delta[:, :lc].to(compute))
-    vn, _, r = A.shape
-    wa = (A[:, :lc].to(compute) * wc.t()[:, :, None]).transpose(0, 1).reshape(lc, vn * r)
-    return wa @ B.to(compute).reshape(vn * r, -1)
-
-
-def align_correct_scatter_reference(
-    src: torch.Tensor,
-    dst: torch.Tensor,
-    src_idx: torch.Tensor,
-    dst_idx: torch.Tensor,
-    *,
-    rotate: bool,
-    src_start: int = 0,
-    dst_start: int = 0,
-    inv_freq: torch.Tensor | None = None,
-    rotary_dim: int | None = None,
-    layout: Layout = "rotate_half",
-    w: torch.Tensor | None = None,
-    A: torch.Tensor | None = None,
-    B: torch.Tensor | None = None,
-    delta: torch.Tensor | None = None,
-    covered: int | None = None,
-    compute: torch.dtype = torch.float64,
-) -> torch.Tensor:
+def align_correct_scatter_reference(src: torch.Tensor, dst: torch.Tensor, src_idx: torch.Tensor, dst_idx: torch.Tensor,
+                                    p: AlignParams, compute: torch.dtype = torch.float64) -> torch.Tensor:
     """Torch reference of ``align_correct.align_correct_scatter_triton``; see ``dispatch.align_correct_scatter``.
 
     Gathers ``src[src_idx]`` first, so any aliasing of src and dst rows is fine
     here (the kernel needs dst rows not to alias other tokens' src rows).
     Mutates ``dst`` rows ``dst_idx``; returns ``dst``.
     """
-    args = check_align_args(src, dst, src_idx, dst_idx, rotate=rotate, inv_freq=inv_freq, rotary_dim=rotary_dim,
-                            layout=layout, w=w, A=A, B=B, delta=delta, covered=covered)
-    if args.num_tokens == 0:
-        return dst
-    _, heads, head_dim = src.shape
-    x = src[src_idx.long()].to(compute)  # [L, H, Dh]
-    if rotate:
-        x = rotate_rows(x, dst_start - src_start, inv_freq, args.rotary_dim, layout, compute)
-    if args.covered:
-        corr = _correction(args, w, A, B, delta, compute).view(args.covered, heads, head_dim)
-        if rotate:
-            corr = rotate_rows(corr, dst_start, inv_freq, args.rotary_dim, layout, compute)
-        x[: args.covered] += corr
-    dst[dst_idx.long()] = x.to(dst.dtype)
+    args = check_align_args(src, dst, src_idx, dst_idx, p)
+    if args.num_tokens:
+        rows = _aligned_rows([src], src_idx, p, args, compute, per_layer=False)[0]
+        dst[dst_idx.long()] = rows.to(dst.dtype)
     return dst
+
+
+def _aligned_rows(srcs: Sequence[torch.Tensor], src_idx: torch.Tensor, p: AlignParams, args: AlignArgs,
+                  compute: torch.dtype, per_layer: bool) -> torch.Tensor:
+    """Rows ``src_idx`` of every pool in ``srcs``, aligned and corrected: ``compute`` [len(srcs), L, H, Dh].
+
+    ``per_layer``: ``p`` holds the factors per layer (stacked here); else one
+    set for the single pool. Everything runs batched over the pools.
+    """
+    n = len(srcs)
+    _, heads, head_dim = srcs[0].shape
+    idx = src_idx.long()
+    x = torch.stack([s[idx] for s in srcs]).to(compute)  # [n, L, H, Dh]
+    if p.rotate:
+        x = rotate_rows(x, p.dst_start - p.src_start, p.inv_freq, args.rotary_dim, p.layout, compute)
+    lc = args.covered
+    if lc:
+        A, B, delta = (_stacked(t) if per_layer or t is None else t[None] for t in (p.A, p.B, p.delta))
+        wc = p.w[:lc].to(compute)
+        if args.full_rank:
+            corr = torch.einsum("tv,lvtd->ltd", wc, delta[:, :, :lc].to(compute))
+        else:
+            vn, r = A.shape[1], A.shape[3]
+            wa = (A[:, :, :lc].to(compute) * wc.t()[None, :, :, None]).transpose(1, 2)
+            corr = wa.reshape(n, lc, vn * r) @ B.to(compute).reshape(n, vn * r, -1)
+        corr = corr.view(n, lc, heads, head_dim)
+        if p.rotate:
+            corr = rotate_rows(corr, p.dst_start, p.inv_freq, args.rotary_dim, p.layout, compute)
+        x[:, :lc] += corr
+    return x
 
 
 def _stacked(t) -> torch.Tensor | None:
@@ -164,67 +187,30 @@ def _stacked(t) -> torch.Tensor | None:
     return torch.stack(list(t))
 
 
-def align_correct_scatter_layers_reference(
-    k_src: Sequence[torch.Tensor],
-    v_src: Sequence[torch.Tensor],
-    src_idx: torch.Tensor,
-    dst_idx: torch.Tensor,
-    *,
-    src_start: int,
-    dst_start: int,
-    inv_freq: torch.Tensor,
-    rotary_dim: int | None = None,
-    layout: Layout = "rotate_half",
-    k_dst: Sequence[torch.Tensor],
-    v_dst: Sequence[torch.Tensor],
-    k_w: torch.Tensor | None = None,
-    v_w: torch.Tensor | None = None,
-    k_A=None, k_B=None, v_A=None, v_B=None, k_delta=None, v_delta=None,
-    covered: int | None = None,
-    compute: torch.dtype = torch.float64,
-) -> None:
-    """``align_correct_scatter_reference`` for K and V of every layer, batched over layers.
+def align_correct_scatter_layers_reference(k_src: Sequence[torch.Tensor], v_src: Sequence[torch.Tensor],
+                                           src_idx: torch.Tensor, dst_idx: torch.Tensor, k: AlignParams,
+                                           v: AlignParams, k_dst: Sequence[torch.Tensor],
+                                           v_dst: Sequence[torch.Tensor], compute: torch.dtype = torch.float64) -> None:
+    """``align_correct_scatter_reference`` for K (``k``, factors per layer) and V of every layer, batched.
 
     Contract as ``dispatch.align_correct_scatter_layers``. One gather and one
     scatter per layer (the pools are separate tensors); the rotation and the
     correction run once over the stacked [layers, L, kv_heads, head_dim] rows,
     so the Python work does not grow with the number of anchors.
     """
-    n_layers = len(k_src)
-    if n_layers == 0:
-        return
-    idx_s, idx_d = src_idx.long(), dst_idx.long()
-    for srcs, dsts, rot, w, A, B, delta in ((k_src, k_dst, True, k_w, k_A, k_B, k_delta),
-                                            (v_src, v_dst, False, v_w, v_A, v_B, v_delta)):
-        A, B, delta = _stacked(A), _stacked(B), _stacked(delta)
-        for name, t in (("A", A), ("B", B), ("delta", delta)):
-            if t is not None and t.shape[0] != n_layers:
-                raise ValueError(f"{name} must hold one entry per layer ({n_layers}), got {t.shape[0]}")
-        args = check_align_args(srcs[0], dsts[0], src_idx, dst_idx, rotate=rot, inv_freq=inv_freq,
-                                rotary_dim=rotary_dim, layout=layout, w=w,
-                                A=None if A is None else A[0], B=None if B is None else B[0],
-                                delta=None if delta is None else delta[0], covered=covered)
+    idx = dst_idx.long()
+    for srcs, dsts, p in ((k_src, k_dst, k), (v_src, v_dst, v)):
+        for name, t in (("A", p.A), ("B", p.B), ("delta", p.delta)):
+            if t is not None and len(t) != len(srcs):
+                raise ValueError(f"{name} must hold one entry per layer ({len(srcs)}), got {len(t)}")
+        if not srcs:
+            return
+        args = check_align_args(srcs[0], dsts[0], src_idx, dst_idx, p.layer(0))
         if args.num_tokens == 0:
             return
-        _, heads, head_dim = srcs[0].shape
-        x = torch.stack([s[idx_s] for s in srcs]).to(compute)  # [layers, L, H, Dh]
-        if rot:
-            x = rotate_rows(x, dst_start - src_start, inv_freq, args.rotary_dim, layout, compute)
-        lc = args.covered
-        if lc:
-            wc = w[:lc].to(compute)
-            if args.full_rank:
-                corr = torch.einsum("tv,lvtd->ltd", wc, delta[:, :, :lc].to(compute))
-            else:
-                vn, r = A.shape[1], A.shape[3]
-                wa = (A[:, :, :lc].to(compute) * wc.t()[None, :, :, None]).transpose(1, 2)
-                corr = wa.reshape(n_layers, lc, vn * r) @ B.to(compute).reshape(n_layers, vn * r, -1)
-            corr = corr.view(n_layers, lc, heads, head_dim)
-            if rot:
-                corr = rotate_rows(corr, dst_start, inv_freq, args.rotary_dim, layout, compute)
-            x[:, :lc] += corr
+        rows = _aligned_rows(srcs, src_idx, p, args, compute, per_layer=True)
         for layer, d in enumerate(dsts):
-            d[idx_d] = x[layer].to(d.dtype)
+            d[idx] = rows[layer].to(d.dtype)
 
 
 def gate_sq_distances_reference(X: torch.Tensor, A: torch.Tensor, B: torch.Tensor, gram: torch.Tensor | None = None,

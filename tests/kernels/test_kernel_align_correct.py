@@ -7,7 +7,7 @@ import torch
 from helpers_kernels import DTYPE_TOLS, llama_inv_freq, paged_indices
 
 from sglang_kvshare.kernels import align_correct_scatter, align_correct_scatter_layers
-from sglang_kvshare.kernels.reference import align_correct_scatter_reference
+from sglang_kvshare.kernels.reference import AlignParams, align_correct_scatter_reference
 
 # (L, kv_heads, head_dim, rotary_dim, rank or None=full, Vn, covered, page_size, layout, same_buffer)
 # Sampled to cover: L not a multiple of the 32-token block, 1..8 heads, head_dim 64/128,
@@ -134,8 +134,8 @@ def test_reference_matches_dense(layout, low_rank, rotate, gen):
     dense = torch.stack([A[v] @ B[v] for v in range(vn)])  # [Vn, Lc, D]
     delta_sum = sum(w[:covered, v, None].double() * dense[v] for v in range(vn))
     corr = dict(A=A, B=B) if low_rank else dict(delta=dense)
-    align_correct_scatter_reference(src, dst, src_idx, dst_idx, rotate=rotate, src_start=9, dst_start=1234,
-                                    inv_freq=inv_freq, layout=layout, w=w, covered=covered, **corr)
+    align_correct_scatter_reference(src, dst, src_idx, dst_idx, AlignParams(
+        rotate=rotate, src_start=9, dst_start=1234, inv_freq=inv_freq, layout=layout, w=w, covered=covered, **corr))
     expected = _dense_expected(src, src_idx, 1234 - 9, 1234, inv_freq, rd, layout, delta_sum, covered, rotate)
     torch.testing.assert_close(dst[dst_idx], expected, atol=1e-10, rtol=1e-10)
 
@@ -207,7 +207,7 @@ def test_layers_torch_path_matches_per_layer_float64_reference(low_rank, dtype, 
         for pool, got, rot, w, f in ((k_pool, ks, True, kw["k_w"], fk), (v_pool, vs, False, kw["v_w"], fv)):
             want = pool[layer].clone()
             per_layer = {name[2:]: t[layer] for name, t in f.items()}
-            align_correct_scatter_reference(pool[layer], want, src_idx, dst_idx, rotate=rot, src_start=7,
-                                            dst_start=3000, inv_freq=kw["inv_freq"], rotary_dim=48, w=w,
-                                            covered=covered, **per_layer)
+            align_correct_scatter_reference(pool[layer], want, src_idx, dst_idx, AlignParams(
+                rotate=rot, src_start=7, dst_start=3000, inv_freq=kw["inv_freq"], rotary_dim=48, w=w,
+                covered=covered, **per_layer))
             torch.testing.assert_close(got[layer].float(), want.float(), atol=atol, rtol=rtol)

@@ -8,7 +8,7 @@ from helpers_kernels import llama_inv_freq
 
 from sglang_kvshare.kernels import align_correct_scatter, gate_sq_distances, token_distances
 from sglang_kvshare.kernels.dispatch import _use_triton
-from sglang_kvshare.kernels.reference import align_correct_scatter_reference, gate_sq_distances_reference
+from sglang_kvshare.kernels.reference import AlignParams, align_correct_scatter_reference, gate_sq_distances_reference
 from sglang_kvshare.kernels.rope import rotate
 
 
@@ -20,9 +20,9 @@ def test_auto_uses_torch_off_cuda(gen):
     a, b, c = src.clone(), src.clone(), src.clone()
     kw = dict(rotate=True, src_start=3, dst_start=70, inv_freq=llama_inv_freq(64))
     align_correct_scatter(a, a, idx, idx + 20, **kw)
-    align_correct_scatter_reference(b, b, idx, idx + 20, compute=torch.float32, **kw)
+    align_correct_scatter_reference(b, b, idx, idx + 20, AlignParams(**kw), compute=torch.float32)
     assert torch.equal(a, b)  # the CPU path is the reference computing in fp32 (the kernel's precision) ...
-    align_correct_scatter_reference(c, c, idx, idx + 20, **kw)
+    align_correct_scatter_reference(c, c, idx, idx + 20, AlignParams(**kw))
     torch.testing.assert_close(a, c, atol=1e-5, rtol=1e-5)  # ... within fp32 rounding of the float64 yardstick
     X, A, B = torch.randn(2, 5, 64), torch.randn(3, 2, 5, 8), torch.randn(3, 2, 8, 64)
     assert torch.equal(gate_sq_distances(X, A, B), gate_sq_distances_reference(X, A, B, compute=torch.float32))

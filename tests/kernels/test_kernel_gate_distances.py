@@ -37,28 +37,21 @@ def _scale(X, A, B):
     return ((x * x).sum() + ((a @ b) ** 2).sum(dim=(1, 2, 3))).float()
 
 
-@pytest.mark.triton
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=pytest.mark.triton), "torch"])
 @pytest.mark.parametrize("dtype", [t[0] for t in DTYPE_TOLS], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("case", CASES, ids=[f"NL{c[0]}-k{c[1]}-D{c[2]}-r{c[3]}-V{c[4]}" for c in CASES])
-def test_gate_kernel_matches_reference(case, dtype, device, gen):
+def test_distances_match_float64_reference(case, dtype, backend, device, gen):
+    """The kernel and the CPU path (both fp32) against the float64 yardstick, on the same inputs."""
     X, A, B = make_factors(*case, dtype, device, gen)
-    got = gate_sq_distances(X, A, B, backend="triton")
-    want = gate_sq_distances(X, A, B, backend="torch")
-    assert got.dtype == torch.float32 and got.shape == (case[4],)
-    # Both read the same inputs, so only fp32-vs-float64 accumulation differs, whatever the input
-    # dtype; the expansion's error is relative to ||X||^2 + ||A B||^2, not to d2 (see gate_distances.py).
-    assert torch.all((got - want).abs() <= 1e-5 * _scale(X, A, B) + 1e-4), (got, want)
-
-
-@pytest.mark.triton
-@pytest.mark.parametrize("dtype", [t[0] for t in DTYPE_TOLS], ids=["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("case", CASES, ids=[f"NL{c[0]}-k{c[1]}-D{c[2]}-r{c[3]}-V{c[4]}" for c in CASES])
-def test_token_kernel_matches_reference(case, dtype, device, gen):
-    X, A, B = make_factors(*case, dtype, device, gen)
-    got = token_distances(X, A, B, backend="triton")
-    want = token_distances(X, A, B, backend="torch")
-    assert got.dtype == torch.float32 and got.shape == (case[1], case[4])
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)  # same inputs: fp32 vs float64 sums only
+    d2 = gate_sq_distances(X, A, B, backend=backend)
+    assert d2.dtype == torch.float32 and d2.shape == (case[4],)
+    # Only fp32-vs-float64 accumulation differs, whatever the input dtype; the expansion's
+    # error is relative to ||X||^2 + ||A B||^2, not to d2 (see gate_distances.py).
+    want = gate_sq_distances_reference(X, A, B)
+    assert torch.all((d2 - want).abs() <= 1e-5 * _scale(X, A, B) + 1e-4), (d2, want)
+    dist = token_distances(X, A, B, backend=backend)
+    assert dist.dtype == torch.float32 and dist.shape == (case[1], case[4])
+    torch.testing.assert_close(dist, token_distances_reference(X, A, B), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("case", CASES[:3])
