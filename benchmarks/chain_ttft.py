@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from benchmarks.harness import RESULTS, machine, start_server, stream_generate, write_json
 from benchmarks.texts import context_tokens
-from sglang_kvshare.segments import build_request, private, shared
+from sglang_kvshare.segments import build_request, private_part, shared_part
 
 AGENTS = {
     "planner": "You are the planner. Break the task into steps.",
@@ -37,7 +37,8 @@ SUFFIX = "\nWhat is the key point?<|im_end|>\n<|im_start|>assistant\n"
 def run_chain(server, tok, ctx: list[int]) -> dict:
     rows = {}
     for agent in AGENTS:
-        ids, cp = build_request(tok, agent, [private(system(agent)), shared(ctx, "context"), private(SUFFIX)])
+        ids, cp = build_request(tok, agent, [private_part(system(agent)), shared_part(ctx, "context"),
+                                             private_part(SUFFIX)])
         timed = stream_generate(server.url, ids, custom_params=cp, max_new_tokens=1)
         meta, rep = timed.meta, timed.report
         rows[agent] = {"ttft_s": timed.ttft, "prompt_tokens": meta["prompt_tokens"],
@@ -51,7 +52,7 @@ def run_chain(server, tok, ctx: list[int]) -> dict:
 
 def warm_agents(server, tok) -> None:
     for agent in AGENTS:
-        ids, cp = build_request(tok, agent, [private(system(agent))])
+        ids, cp = build_request(tok, agent, [private_part(system(agent))])
         stream_generate(server.url, ids, custom_params=cp, max_new_tokens=1)
 
 

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from sglang_kvshare.data import gsm8k_path
-from sglang_kvshare.segments import build_request, private, shared
+from sglang_kvshare.segments import build_request, private_part, shared_part
 from sglang_kvshare.server_process import ServerProcess
 
 ROLES = {
@@ -35,12 +35,12 @@ def load_questions(n: int) -> list[str]:
 
 
 def agent_request(tok, agent: str, question: str, previous: tuple[str, list[int]] | None):
-    parts = [private(f"<|im_start|>system\n{ROLES[agent]}<|im_end|>\n<|im_start|>user\nProblem: "),
-             shared(question, "query")]
+    parts = [private_part(f"<|im_start|>system\n{ROLES[agent]}<|im_end|>\n<|im_start|>user\nProblem: "),
+             shared_part(question, "query")]
     if previous is not None:
         prev_agent, prev_ids = previous
-        parts += [private(f"\nThe {prev_agent} said: "), shared(prev_ids, f"out:{prev_agent}")]
-    parts.append(private("<|im_end|>\n<|im_start|>assistant\n"))
+        parts += [private_part(f"\nThe {prev_agent} said: "), shared_part(prev_ids, f"out:{prev_agent}")]
+    parts.append(private_part("<|im_end|>\n<|im_start|>assistant\n"))
     return build_request(tok, agent, parts, output_slot=f"out:{agent}")
 
 

@@ -28,7 +28,7 @@ from tqdm import tqdm
 from benchmarks.harness import (RESULTS, machine, process_tree_rss_mb, start_server, stream_generate, summary,
                                 write_json)
 from benchmarks.texts import context_tokens
-from sglang_kvshare.segments import build_request, private, shared
+from sglang_kvshare.segments import build_request, private_part, shared_part
 
 AGENTS = ("planner", "researcher", "coder", "reviewer")
 ROLE = {
@@ -41,11 +41,11 @@ ROLE = {
 
 def agent_parts(j: int, ctx: list[int], prev_out: list[int] | None):
     agent = AGENTS[j]
-    parts = [private(f"<|im_start|>system\n{ROLE[agent]}<|im_end|>\n<|im_start|>user\nMaterial:\n"),
-             shared(ctx, "context")]
+    parts = [private_part(f"<|im_start|>system\n{ROLE[agent]}<|im_end|>\n<|im_start|>user\nMaterial:\n"),
+             shared_part(ctx, "context")]
     if prev_out:
-        parts += [private(f"\nThe {AGENTS[j - 1]} wrote:\n"), shared(prev_out, f"out:{AGENTS[j - 1]}")]
-    parts.append(private("\nYour turn.<|im_end|>\n<|im_start|>assistant\n"))
+        parts += [private_part(f"\nThe {AGENTS[j - 1]} wrote:\n"), shared_part(prev_out, f"out:{AGENTS[j - 1]}")]
+    parts.append(private_part("\nYour turn.<|im_end|>\n<|im_start|>assistant\n"))
     return agent, parts
 
 

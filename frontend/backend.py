@@ -1,7 +1,7 @@
 """``KVShareEndpoint``: SGLang's ``RuntimeEndpoint`` that sends kvshare annotations.
 
 For a ``gen`` whose program carries ``shared``/``agent`` marks it builds the
-prompt's ``input_ids`` segment by segment (``segments.build_request``), puts
+prompt's ``input_ids`` segment by segment (``segments.request_from_marks``), puts
 the annotation into ``sampling_params.custom_params`` and warms the agent's
 leading private segment once (a ``max_new_tokens=0`` request, as SGLang's
 frontend does with ``cache_prefix``), so the server can place shared segments
@@ -39,8 +39,9 @@ from sglang.lang.ir import SglSamplingParams
 from sglang.utils import http_request
 
 from sglang_kvshare.frontend.primitives import GenSpan, collect_marks, record_gen
-from sglang_kvshare.frontend.segments import BuiltRequest, build_request
+from sglang_kvshare.frontend.segments import request_from_marks
 from sglang_kvshare.protocol import Segment
+from sglang_kvshare.segments import BuiltRequest
 
 logger = logging.getLogger(__name__)
 
@@ -126,8 +127,8 @@ class KVShareEndpoint(RuntimeEndpoint):
         marks = collect_marks(s.variables, len(s.text_))
         if marks.empty:
             return None
-        return build_request(s.text_, marks, self.tokenize, prefix_ids=self.prefix_ids,
-                             lookup_output=self.lookup_output)
+        return request_from_marks(s.text_, marks, self.tokenize, prefix_ids=self.prefix_ids,
+                                  lookup_output=self.lookup_output)
 
     # ------------------------------------------------------------ generated ids
     def lookup_output(self, text: str) -> Optional[tuple[int, ...]]:

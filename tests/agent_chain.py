@@ -6,7 +6,7 @@ import json
 from functools import lru_cache
 
 from sglang_kvshare.data import gsm8k_path
-from sglang_kvshare.segments import build_request, private, shared
+from sglang_kvshare.segments import build_request, private_part, shared_part
 
 AGENTS = {
     "solver": "You are a math solver. Solve the problem step by step and give the final number.",
@@ -36,13 +36,13 @@ SUFFIX = "\nAnswer briefly.<|im_end|>\n<|im_start|>assistant\n"
 
 
 def agent_request(tokenizer, agent: str, shared_text: str, slot: str = "query"):
-    return build_request(tokenizer, agent, [private(system_part(agent)), shared(shared_text, slot),
-                                            private(SUFFIX)])
+    return build_request(tokenizer, agent, [private_part(system_part(agent)), shared_part(shared_text, slot),
+                                            private_part(SUFFIX)])
 
 
 def warm_request(tokenizer, agent: str):
     """The agent's private prefix alone, so later requests find it in the tree."""
-    return build_request(tokenizer, agent, [private(system_part(agent))])
+    return build_request(tokenizer, agent, [private_part(system_part(agent))])
 
 
 def report(out: dict) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sglang_kvshare.frontend.primitives import GenSpan, Marks, SharedSpan
-from sglang_kvshare.frontend.segments import build_request
+from sglang_kvshare.frontend.segments import request_from_marks
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,7 @@ def test_shared_text_gets_the_same_ids_behind_any_prefix(tokenizer):
         text = f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{query}<|im_end|>\n<|im_start|>assistant\n"
         start = text.index(query)
         marks = Marks("a", (SharedSpan(start, start + len(query), "query"),), ())
-        built.append(build_request(text, marks, _tok(tokenizer)))
+        built.append(request_from_marks(text, marks, _tok(tokenizer)))
         req = built[-1]
         segs = req.annotation.segments
         assert [s.kind for s in segs] == ["private", "shared", "private"]
@@ -42,14 +42,14 @@ def test_generated_ids_and_pinned_ids_are_kept(tokenizer):
     g0 = text.index("Hi there")
     odd_ids = (12589, 665)  # any ids: the backend must send what the server generated
     marks = Marks("b", (), (GenSpan(g0, g0 + len("Hi there"), odd_ids),))
-    req = build_request(text, marks, _tok(tokenizer))
+    req = request_from_marks(text, marks, _tok(tokenizer))
     assert tuple(req.input_ids[len(_tok(tokenizer)(text[:g0])):][:2]) == odd_ids
     marks = Marks("b", (SharedSpan(g0, g0 + 8, "out:x", (7, 8, 9)),), ())
-    req = build_request(text, marks, _tok(tokenizer))
+    req = request_from_marks(text, marks, _tok(tokenizer))
     seg = req.annotation.segments[1]
     assert seg.slot == "out:x" and req.input_ids[seg.start:seg.end] == [7, 8, 9]
-    req = build_request(text, Marks("b", (SharedSpan(g0, g0 + 8, "out:x"),), ()), _tok(tokenizer),
-                        lookup_output=lambda t: (5, 6) if t == "Hi there" else None)
+    req = request_from_marks(text, Marks("b", (SharedSpan(g0, g0 + 8, "out:x"),), ()), _tok(tokenizer),
+                             lookup_output=lambda t: (5, 6) if t == "Hi there" else None)
     assert req.input_ids[req.annotation.segments[1].start:req.annotation.segments[1].end] == [5, 6]
 
 
