@@ -18,6 +18,7 @@ from typing import Literal, Optional
 Mode = Literal["off", "fullshared", "kvcomm", "kvcmas"]
 MODES: tuple[str, ...] = ("off", "fullshared", "kvcomm", "kvcmas")
 ENV_VAR = "SGLANG_KVSHARE_CONFIG"
+BACKEND_NAME = "kvshare"  # our tree cache in SGLang's registry: --radix-cache-backend kvshare
 
 
 @dataclass(frozen=True)
@@ -36,9 +37,11 @@ class KVShareConfig:
     max_slots: int = field(default=256, metadata={"help": "Most slot names whose copy records are kept per namespace; least recently used dropped first."})
     learn_queue_max: int = field(default=16, metadata={"help": "Most dense-prefill observations waiting to be learned; a full queue drops new ones (counted)."})
     learn_queue_mb: float = field(default=256.0, metadata={"help": "Most memory (MiB) the K/V copies of waiting observations may hold."})
+    recompute_head: int = field(default=0, metadata={"help": "K: the first K tokens of every reused segment are prefilled densely in the request's own context (EPIC-style boundary recompute); only the rest is re-aligned (and corrected). 0 = reuse whole segments."})
+    staged: bool = field(default=True, metadata={"help": "Staged prefill: after a dense stretch (an unseen segment, or a recomputed head) resume reuse for the segments behind it, within the same request. false = stop reusing at the first segment that needs prefill."})
     max_segments: int = field(default=64, metadata={"help": "Most segments one request may declare."})
     learn_async: bool = field(default=True, metadata={"help": "Record anchors from dense prefills on a background thread (keeps the SVD out of the scheduler loop); false records them inside checkpoint, deterministic for tests."})
-    auto: bool = field(default=False, metadata={"help": "Annotate /v1/chat/completions requests that carry no kvshare field: agent = digest of the system messages, every other message's content shared under auto:<role>, answers shared under auto:assistant (see README, 'Using kvshare from an agent framework'). Off by default: every chat request then receives estimated KV."})
+    auto: bool = field(default=False, metadata={"help": "Annotate /v1/chat/completions requests that carry no kvshare field: agent = digest of the system messages, every other message's content and every answer shared under the slot auto:message (see README, 'Using kvshare from an agent framework'). Off by default: every chat request then receives estimated KV."})
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -51,6 +54,8 @@ class KVShareConfig:
             raise ValueError(f"rank must be >= 0 (0 = full dimension), got {self.rank}")
         if self.evict_window < 1:
             raise ValueError(f"evict_window must be >= 1, got {self.evict_window}")
+        if self.recompute_head < 0:
+            raise ValueError(f"recompute_head must be >= 0, got {self.recompute_head}")
         if self.gate_max_tokens is not None and self.gate_max_tokens < 0:
             raise ValueError("gate_max_tokens must be >= 0 (0 = whole segment)")
         if self.pool_budget_mb <= 0 or self.learn_queue_mb <= 0:

@@ -32,7 +32,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang_kvshare.cache import assembly, tree_paths
 from sglang_kvshare.cache.cache_admin import CacheAdmin
 from sglang_kvshare.cache.counters import Counters
-from sglang_kvshare.cache.kv_pool_io import read_segment
+from sglang_kvshare.cache.kv_pool_io import read_segment, sync_device
 from sglang_kvshare.cache.learner import Learner, Observation
 from sglang_kvshare.cache.registry import ContentHasher, Materialization, PlaceholderRegistry, RegistryLimits
 from sglang_kvshare.cache.request_state import (RequestPlan, SegmentOutcome, attach, plan_of,
@@ -118,8 +118,8 @@ class KVShareRadixCache(CacheAdmin, RadixCache):
         if plan is None or not self.active:
             return
         try:
-            if not plan.counted:
-                self._count(plan)
+            if not plan.counted and (up_to >= len(plan.tokens) or req.finished()):
+                self._count(plan)  # once the whole prompt is in: staged segments are decided by then
                 plan.counted = True
             self._learn(req, plan, up_to)
             if plan.annotation.output_slot and req.finished():
@@ -189,30 +189,89 @@ class KVShareRadixCache(CacheAdmin, RadixCache):
         records = self.registry.namespace(plan.namespace)
         locks = [node]
         self.inc_lock_ref(node)
+        head = self.kvshare_config.recompute_head
         try:
-            pieces = assembly.plan_pieces(self.resolver, records, plan, m, limit, locks)
-            if not pieces:
-                plan.assembled_end = max(plan.assembled_end, m)
-                return m, node
-            last = assembly.write_and_insert(self, plan, node, m, pieces)
+            pieces = assembly.plan_pieces(self.resolver, records, plan, m, limit, locks, head)
+            last = assembly.write_and_insert(self, plan, node, m, pieces) if pieces else node
         finally:
             for held in locks:
                 self.dec_lock_ref(held)
+        end = m + sum(p.hi - p.lo for p in pieces)
         if last is None:
             for p in pieces:
                 o = plan.outcomes[p.index]
-                o.resolved_by, o.reason, o.resolved_tokens = "dense", "alloc_failed", 0
+                o.resolved_by, o.reason, o.resolved_tokens, o.head_recomputed = "dense", "alloc_failed", 0, None
             self.counters.add("alloc_failed")
-            return m, node
-        if plan.est_start is None:
-            plan.est_start = m
-        end = m + sum(p.hi - p.lo for p in pieces)
-        plan.assembled_end = end
-        for p in pieces:
-            seg = plan.annotation.segments[p.index]
-            if seg.start + p.hi == seg.end:
-                self._record(plan, p.index, exact=False)
+            last, end = node, m
+        elif pieces:
+            if plan.est_start is None:
+                plan.est_start = m
+            for p in pieces:
+                seg = plan.annotation.segments[p.index]
+                if seg.start + p.hi == seg.end:
+                    self._record(plan, p.index, exact=False)
+        plan.assembled_end = max(plan.assembled_end, end)
+        plan.next_stage = None
+        if self.kvshare_config.staged:
+            plan.next_stage = assembly.next_stage(
+                plan, end, limit, head, lambda o: bool(self.resolver.candidates(records, plan, o)))
         return end, last
+
+    # ------------------------------------------------------------ staged prefill
+    def kvshare_stage_end(self, req, prefix_len: int) -> Optional[int]:
+        """Where the request's current dense stretch should end (a chunk boundary), or None.
+
+        Read by the scheduler hooks (``sglang_kvshare.staged_prefill``) when SGLang
+        decides how much of a request to prefill in this round.
+        """
+        plan = plan_of(req)
+        if plan is None or not self.active or plan.next_stage is None:
+            return None
+        end = plan.next_stage
+        return end if prefix_len < end < len(req.full_untruncated_fill_ids) else None
+
+    def kvshare_resume(self, req) -> int:
+        """Between two stages of one request: reuse what can be reused from ``req.prefix_len`` on.
+
+        Called by the scheduler hook before the request's next chunk is sized;
+        the checkpoint of the previous chunk has put its rows in the tree and
+        locked the node that ends them (``req.last_node``). Assembled rows are
+        inserted below it (estimate namespace), written into the request's row
+        and handed to the tree (``cache_protected_len``); the request's prefix
+        grows past them. Returns the number of rows reused (0 when nothing could be).
+        Never raises: an error leaves the request to dense prefill.
+        """
+        plan = plan_of(req)
+        if plan is None or not self.active or plan.next_stage is None:
+            return 0
+        p = req.prefix_len
+        if p < plan.next_stage:
+            return 0  # SGLang's own chunking stopped short of the stage end
+        try:
+            limit = req._compute_max_prefix_len(len(req.full_untruncated_fill_ids))
+            t0 = time.perf_counter()
+            end, last = self._assemble(plan, p, limit, req.last_node)
+            plan.assembly_seconds += time.perf_counter() - t0
+        except Exception:  # noqa: BLE001 - never fail a request because of kvshare
+            logger.exception("sglang-kvshare: resuming reuse failed; prefilling densely")
+            self.counters.add("internal_errors")
+            plan.next_stage = None
+            return 0
+        if end > p:
+            rows = self.path_device_indices(last)[p:end]
+            self.req_to_token_pool.write((req.kv.req_pool_idx, slice(p, end)), rows)
+            kv = req.kv
+            # NOTE: the tree owns rows [p, end): nothing of the request's own to free there.
+            kv.cache_protected_len = end
+            kv.cache_inserted_len = max(kv.cache_inserted_len, end)
+            kv.kv_allocated_len = kv.kv_committed_len = end
+            self.unlock(req.lock)
+            req.lock = self.lock(last)
+            req.last_node = last
+            req.prefix_len = end
+            self.counters.add("stages_resumed")
+        publish_report(req, plan)
+        return end - p
 
     def _mark_unsupported(self, plan: RequestPlan) -> None:
         for o in plan.outcomes:
@@ -286,14 +345,11 @@ class KVShareRadixCache(CacheAdmin, RadixCache):
         seg = plan.annotation.segments[index]
         kvcache = self.token_to_kv_pool_allocator.get_kvcache()
         t0 = time.perf_counter()
+        sync_device(src_idx)  # the rows may still be in flight on the forward stream (overlap scheduling)
         k_src, v_src = read_segment(kvcache, src_idx)
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
         k_tgt, v_tgt = read_segment(kvcache, row[seg.start:seg.start + k_src.shape[1]])
-        if k_src.is_cuda:
-            # NOTE: the worker thread must not read the copies before they exist.
-            import torch
-
-            torch.cuda.current_stream(k_src.device).synchronize()
+        sync_device(k_src)  # the worker thread must not read the copies before they exist
         self.counters.add("observation_copy_seconds", time.perf_counter() - t0)
         self.learner.submit(Observation(
             slot=(plan.namespace, seg.slot),

@@ -20,6 +20,7 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
 from sglang_kvshare.cache import tree_paths
+from sglang_kvshare.cache.kv_pool_io import sync_device
 from sglang_kvshare.cache.kv_writer import write_resolved
 from sglang_kvshare.cache.registry import NamespaceRecords
 from sglang_kvshare.cache.request_state import RequestPlan
@@ -38,16 +39,29 @@ class Piece:
     res: Resolution
 
 
+def head_len(seg, recompute_head: int) -> int:
+    """Rows of ``seg`` prefilled densely before reuse starts (its recomputed head)."""
+    return min(recompute_head, seg.length)
+
+
 def plan_pieces(resolver: Resolver, records: NamespaceRecords, plan: RequestPlan, m: int, limit: int,
-                locks: list) -> list[Piece]:
-    """Resolve segments from position ``m`` on; stops at the first unresolved one or at ``limit``."""
+                locks: list, recompute_head: int = 0) -> list[Piece]:
+    """Resolve segments from position ``m`` on, contiguously.
+
+    Stops at the first segment it cannot resolve (its reason goes into the
+    report), at a segment whose recomputed head (``recompute_head`` rows) has
+    not been prefilled yet, or at ``limit``.
+    """
     pieces: list[Piece] = []
     pos = m
     for o, seg in zip(plan.outcomes, plan.annotation.segments):
-        if seg.end <= m:
+        if seg.end <= pos:
             continue
         if pos >= limit:
             break
+        head = head_len(seg, recompute_head)
+        if pos < seg.start + head:
+            break  # the head is prefilled densely first (staged prefill resumes after it)
         try:
             res = resolver.resolve(records, plan, o, locks)
         except Unresolved as exc:
@@ -59,13 +73,37 @@ def plan_pieces(resolver: Resolver, records: NamespaceRecords, plan: RequestPlan
         if row_end <= pos:
             o.reason = "source_too_short"
             break
-        pieces.append(Piece(o.index, pos - seg.start, row_end - seg.start, res))
-        o.resolved_by, o.reason, o.resolved_tokens = res.how, None, row_end - seg.start
+        lo, hi = pos - seg.start, row_end - seg.start
+        pieces.append(Piece(o.index, lo, hi, res))
+        o.resolved_by, o.reason, o.resolved_tokens = res.how, None, hi - lo
+        o.head_recomputed = head or None
         pos = row_end
         if row_end < seg.end:
             o.reason = "partial" if row_end < limit else None
             break  # the last prompt token is always computed
     return pieces
+
+
+def next_stage(plan: RequestPlan, a: int, limit: int, recompute_head: int, has_source) -> Optional[int]:
+    """Where reuse can resume after a dense stretch starting at ``a``, or None.
+
+    The first segment behind ``a`` whose head ends after ``a`` and that has a
+    copy to reuse (``has_source(outcome)``): reuse resumes right after its
+    head. A segment whose head ends at or before ``a`` was just tried at ``a``
+    and failed, so it is prefilled whole. Mutates: segments passed over for
+    want of a copy get the reason ``no_source``.
+    """
+    for o, seg in zip(plan.outcomes, plan.annotation.segments):
+        if seg.end <= a:
+            continue
+        resume = seg.start + head_len(seg, recompute_head)
+        if resume <= a or resume >= seg.end or resume >= limit:
+            continue
+        if has_source(o):
+            return resume
+        if o.reason is None:
+            o.reason = "no_source"  # passed over: prefilled in this dense stretch
+    return None
 
 
 def alloc(cache: Any, n: int) -> Optional[torch.Tensor]:
@@ -90,6 +128,7 @@ def write_and_insert(cache: Any, plan: RequestPlan, node: Any, m: int, pieces: l
     owned = False
     try:
         kvcache = cache.token_to_kv_pool_allocator.get_kvcache()
+        sync_device(new_idx)  # source rows a recent batch computed may still be in flight
         offset = 0
         for p in pieces:
             seg = plan.annotation.segments[p.index]
@@ -97,9 +136,7 @@ def write_and_insert(cache: Any, plan: RequestPlan, node: Any, m: int, pieces: l
                            src_start=p.res.source.start, dst_start=seg.start, lo=p.lo, hi=p.hi,
                            correction=p.res.correction)
             offset += p.hi - p.lo
-        if new_idx.is_cuda:
-            # NOTE: the forward may run on another stream; the rows must be written first.
-            torch.cuda.current_stream(new_idx.device).synchronize()
+        sync_device(new_idx)  # the next forward (another stream) must see the rows
         present, last = tree_paths.insert_estimate(cache, node, plan.tokens[m:end], new_idx,
                                                    plan.namespace[0], plan.namespace[1])
         owned = True

@@ -120,9 +120,11 @@ class CacheAdmin:
 
     # ------------------------------------------------------------ writes
     def kvshare_configure(self, *, tau: Optional[float] = None, capacity: Optional[int] = None,
-                          rank: Optional[int] = None, mode: Optional[str] = None) -> KVShareConfig:
+                          rank: Optional[int] = None, mode: Optional[str] = None,
+                          recompute_head: Optional[int] = None, staged: Optional[bool] = None) -> KVShareConfig:
         """Apply a validated change atomically (all or nothing); returns the new config.
 
+        ``recompute_head`` and ``staged`` apply to requests admitted from now on.
         ``mode`` may switch among ``off``, ``fullshared`` and ``kvcmas`` at runtime,
         under the same checks as the launch (page size 1; kvcmas needs TP 1);
         switching between fullshared and kvcmas starts with empty pools.
@@ -130,7 +132,8 @@ class CacheAdmin:
         """
         from sglang_kvshare.cache.factory import check_mode
 
-        changes = {k: v for k, v in dict(tau=tau, capacity=capacity, rank=rank, mode=mode).items() if v is not None}
+        changes = {k: v for k, v in dict(tau=tau, capacity=capacity, rank=rank, mode=mode,
+                                         recompute_head=recompute_head, staged=staged).items() if v is not None}
         if changes.get("mode") == "kvcomm":
             raise ValueError("mode kvcomm is not served (it needs reference prefills); use fullshared or kvcmas")
         new = self.kvshare_config.replace(**changes)  # validates; raises ValueError

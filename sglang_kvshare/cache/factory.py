@@ -48,6 +48,9 @@ def build_kvshare_cache(ctx):
 
     config = KVShareConfig.from_env()
     check_setup(ctx, config)
+    from sglang_kvshare import staged_prefill
+
+    staged_prefill.register()  # inert for requests the cache gives no stage end
     cache = KVShareRadixCache(ctx.params, config=config, model_config=ctx.model_config, tp_size=ctx.tp_size)
     logger.info("sglang-kvshare: KVShareRadixCache live (mode=%s%s)", config.mode,
                 f", disabled: {cache.unsupported_reason}" if cache.unsupported_reason else "")

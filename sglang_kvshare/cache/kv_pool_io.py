@@ -22,3 +22,17 @@ def read_segment(kvcache, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     ks = [kvcache.get_key_buffer(layer)[idx] for layer in pool_layers(kvcache)]
     vs = [kvcache.get_value_buffer(layer)[idx] for layer in pool_layers(kvcache)]
     return torch.stack(ks), torch.stack(vs)
+
+
+def sync_device(tensor: torch.Tensor) -> None:
+    """Wait for every stream of ``tensor``'s CUDA device (no-op on CPU).
+
+    Why device-wide: with SGLang's overlap scheduling the forward of a batch
+    runs on its own stream while the scheduler already prepares the next one,
+    so KV rows a checkpoint just published may not be written yet, and rows we
+    write must land before the next forward reads them. Called around every
+    read of source rows and after every write (once per assembly or
+    observation, not per layer).
+    """
+    if tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)

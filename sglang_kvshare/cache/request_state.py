@@ -29,7 +29,8 @@ class SegmentOutcome:
     slot: Optional[str]
     tokens: int
     resolved_by: str = "dense"  # hit | alignment | correction | dense
-    resolved_tokens: int = 0  # rows served without prefill (a partial source covers fewer)
+    resolved_tokens: int = 0  # rows served without prefill (a partial source or a recomputed head covers fewer)
+    head_recomputed: Optional[int] = None  # rows of a reused segment's head prefilled densely
     reason: Optional[str] = None
     source_agent: Optional[str] = None
     entropy: Optional[float] = None
@@ -58,6 +59,7 @@ class RequestPlan:
     exact_len: int = 0  # radix hit before any assembly (first match)
     assembled_end: int = 0  # prefix length after assembly
     est_start: Optional[int] = None
+    next_stage: Optional[int] = None  # where staged prefill resumes reuse (None: prefill the rest)
     sources: dict[int, Materialization] = field(default_factory=dict)
     learned: set[int] = field(default_factory=set)
     counted: bool = False
@@ -87,6 +89,7 @@ class RequestPlan:
             "shared_tokens": sum(o.tokens for o in self.outcomes if o.kind == "shared"),
             "shared_tokens_reused": sum(o.resolved_tokens for o in self.outcomes
                                         if o.kind == "shared" and o.resolved_by in ("alignment", "correction")),
+            "tokens_head_recomputed": sum(o.head_recomputed or 0 for o in self.outcomes),
             "assembly_seconds": round(self.assembly_seconds, 6),
             "segments": [o.as_dict() for o in self.outcomes],
             "fallbacks": [{"segment": o.index, "slot": o.slot, "reason": o.reason}

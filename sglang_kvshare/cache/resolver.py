@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from sglang_kvshare.cache import tree_paths
-from sglang_kvshare.cache.kv_pool_io import read_segment
+from sglang_kvshare.cache.kv_pool_io import read_segment, sync_device
 from sglang_kvshare.cache.registry import Materialization, NamespaceRecords
 from sglang_kvshare.cache.request_state import RequestPlan, SegmentOutcome
 
@@ -94,6 +94,7 @@ class Resolver:
                  src_idx: torch.Tensor) -> Resolution:
         from sglang_kvshare.correction import SegmentCache
 
+        sync_device(src_idx)  # the source rows may still be in flight (overlap scheduling)
         k_src, v_src = read_segment(self.cache.token_to_kv_pool_allocator.get_kvcache(), src_idx)
         src_cache = SegmentCache(k_src, v_src, source.start, source.agent, exact=source.exact)
         with self._lock:

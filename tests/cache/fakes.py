@@ -110,7 +110,13 @@ class FakeReq:
 
     def __post_init__(self) -> None:
         self.sampling_params = SimpleNamespace(custom_params=self.custom_params)
-        self.kv = SimpleNamespace(req_pool_idx=None, cache_inserted_len=0, cache_protected_len=0, swa_evict_floor=0)
+        self.kv = SimpleNamespace(req_pool_idx=None, cache_inserted_len=0, cache_protected_len=0, swa_evict_floor=0,
+                                  kv_allocated_len=0, kv_committed_len=0)
+        self.prefix_len = 0
+        self.stages = 0
+
+    def _compute_max_prefix_len(self, input_len: int) -> int:
+        return max(input_len - 1, 0)
 
     @property
     def full_untruncated_fill_ids(self) -> array:
@@ -161,13 +167,25 @@ class MiniScheduler:
         """
         cache, pool = self.cache, self.cache.req_to_token_pool
         m = self.match(req)
+        req.prefix_len = m
         req.lock = cache.lock(req.last_node)
         req.kv.req_pool_idx = pool.free_rows.pop()
         req.kv.cache_protected_len = m
         row = pool.req_to_token[req.kv.req_pool_idx]
         row[:m] = cache.path_device_indices(req.last_node)[:m]
-        self._prefill(req, m, len(req.origin_input_ids))
-        cache.checkpoint(req, up_to=len(req.origin_input_ids))
+        total = len(req.origin_input_ids)
+        pos = m
+        while True:  # SGLang's chunked prefill, cut where the cache asks (staged prefill)
+            end = cache.kvshare_stage_end(req, pos) or total
+            self._prefill(req, pos, end)
+            if end >= total:
+                break
+            req.stages += 1
+            cache.checkpoint(req, up_to=end)  # stash_chunked_request
+            req.prefix_len = end
+            cache.kvshare_resume(req)  # the hook before add_chunked_req
+            pos = req.prefix_len
+        cache.checkpoint(req, up_to=total)
         for t in range(new_tokens):
             req.output_ids.append(1000 + t)
             if t < new_tokens - 1:  # the last sampled token never runs through the model

@@ -1,0 +1,84 @@
+"""Staged prefill: SGLang's chunked prefill, cut where reuse can resume.
+
+Why hooks on the prefill adder: SGLang 0.5.23 calls ``match_prefix`` once,
+when a request is admitted; a chunked request's next chunk starts from its
+own row (``init_next_round_input`` gets no tree cache). To prefill an unseen
+stretch densely and then *resume* reuse for the segments behind it within the
+same request, the cache must (1) end the current chunk where reuse can resume
+and (2) assemble the next segments between two chunks. Both fit SGLang's own
+chunked-prefill machinery, so nothing else in the scheduler changes:
+
+* AROUND ``PrefillAdder._select_prefill_admission`` (a new request): when the
+  cache has a stage end inside the request's extend, the admission becomes a
+  chunk that ends there. SGLang tracks one chunked request at a time, so a
+  request that needs staging while another is mid-chunk waits for the next
+  round (``AddReqResult.CONTINUE``: the other waiting requests still go).
+* AROUND ``PrefillAdder.add_chunked_req`` (the next chunk of a request): first
+  ``cache.kvshare_resume(req)`` assembles what can be reused from the
+  request's prefix on (the previous chunk is in the tree by then: the
+  scheduler's ``stash_chunked_request`` checkpointed it), then the chunk is
+  capped at the next stage end through SGLang's own ``chunked_req_limit``.
+
+Cost of a stage: one more scheduling round and forward pass for the request
+(measured in ``benchmarks.chain_ttft``; see docs/STAGED_PREFILL.md). The
+alternative, a sparse extend (recomputed and reused tokens interleaved in one
+forward, as EPIC does in vLLM), needs attention metadata SGLang's extend path
+does not have; see docs/STAGED_PREFILL.md for the comparison.
+
+Everything that names an SGLang scheduler symbol for staging is in this module.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+SELECT_TARGET = "sglang.srt.managers.schedule_policy.PrefillAdder._select_prefill_admission"
+CHUNKED_TARGET = "sglang.srt.managers.schedule_policy.PrefillAdder.add_chunked_req"
+
+
+def around_select_prefill_admission(original, adder, req, *args, **kwargs):
+    """End a new request's first chunk where the cache's first dense stretch ends."""
+    admission = original(adder, req, *args, **kwargs)
+    stage_end = getattr(adder.tree_cache, "kvshare_stage_end", None)
+    if stage_end is None or not hasattr(admission, "extend_len"):
+        return admission
+    end = stage_end(req, admission.prefix_len)
+    if end is None or admission.prefix_len + admission.extend_len <= end:
+        return admission
+    from sglang.srt.managers.schedule_policy import AddReqResult
+
+    if kwargs.get("has_chunked_req") and not admission.is_chunked:
+        return AddReqResult.CONTINUE  # one chunked request at a time: this one waits a round
+    return type(admission)(admission.prefix_len, end - admission.prefix_len, 0, True, admission.replay_len)
+
+
+def around_add_chunked_req(original, adder, req):
+    """Between two chunks: resume reuse, then cap the chunk at the next stage end."""
+    cache = adder.tree_cache
+    if hasattr(cache, "kvshare_resume"):
+        cache.kvshare_resume(req)  # never raises
+        end = cache.kvshare_stage_end(req, req.prefix_len)
+        if end is not None:
+            limit = end - req.prefix_len
+            adder.chunked_req_limit = limit if adder.chunked_req_limit is None else min(adder.chunked_req_limit,
+                                                                                         limit)
+    return original(adder, req)
+
+
+_registered = False
+
+
+def register() -> None:
+    """Install both hooks (idempotent). Called by the cache factory in the scheduler
+    process, after SGLang applied the plugins' hooks, so it applies its own."""
+    global _registered
+    if _registered:
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(SELECT_TARGET, around_select_prefill_admission, HookType.AROUND)
+    HookRegistry.register(CHUNKED_TARGET, around_add_chunked_req, HookType.AROUND)
+    HookRegistry.apply_hooks()
+    _registered = True

@@ -1,0 +1,96 @@
+"""Staged prefill and head recompute on fake pools (issue 14, items 1 and 2).
+
+``MiniScheduler`` cuts the prefill where ``kvshare_stage_end`` asks and calls
+``kvshare_resume`` between chunks, as the scheduler hooks do in a server.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from tests.cache.fakes import LAYERS, FakeReq, MiniScheduler, dense_kv, make_cache
+from tests.cache.test_adapter import QUERY, SUFFIX, SYS, annotated, assert_pool_accounted, warm
+
+DOC = list(range(5000, 5040))
+
+
+def with_doc(agent: str) -> FakeReq:
+    """[system | doc (never seen) | query (seen) | suffix]."""
+    sys_ids = SYS[agent]
+    tokens = sys_ids + DOC + QUERY + SUFFIX
+    a, b, c = len(sys_ids), len(sys_ids) + len(DOC), len(sys_ids) + len(DOC) + len(QUERY)
+    ann = {"agent": agent, "segments": [
+        {"kind": "private", "start": 0, "end": a},
+        {"kind": "shared", "start": a, "end": b, "slot": "doc"},
+        {"kind": "shared", "start": b, "end": c, "slot": "query"},
+        {"kind": "private", "start": c, "end": len(tokens)}]}
+    return FakeReq(tokens, custom_params={"kvshare": json.dumps(ann)})
+
+
+def test_cold_agent_reuses_the_shared_segment_of_its_first_request():
+    sched = MiniScheduler(make_cache("fullshared"))
+    sched.run(annotated("A"))
+    b = annotated("B")  # B's system prompt was never seen: no warm-up request
+    sched.run(b)
+    rep = b.report()
+    assert rep["tokens_aligned"] == len(QUERY)
+    assert rep["tokens_prefilled"] == len(SYS["B"]) + len(SUFFIX)
+    assert b.stages == 1
+    assert_pool_accounted(sched.cache)
+
+
+def test_a_miss_on_one_segment_does_not_make_later_segments_dense():
+    sched = MiniScheduler(make_cache("fullshared"))
+    sched.run(annotated("A"))
+    req = with_doc("B")
+    sched.run(req)
+    segs = req.report()["segments"]
+    assert segs[1]["resolved_by"] == "dense" and segs[1]["reason"] == "no_source"
+    assert segs[2]["resolved_by"] == "alignment" and segs[2]["resolved_tokens"] == len(QUERY)
+    assert_pool_accounted(sched.cache)
+
+
+def test_staging_off_stops_at_the_first_miss():
+    sched = MiniScheduler(make_cache("fullshared", staged=False))
+    sched.run(annotated("A"))
+    req = with_doc("B")
+    sched.run(req)
+    assert req.report()["tokens_aligned"] == 0 and req.stages == 0
+
+
+def test_head_recompute_prefills_the_first_k_tokens_in_the_request_context():
+    k = 8
+    sched = MiniScheduler(make_cache("fullshared", recompute_head=k))
+    a = annotated("A")
+    sched.run(a)
+    warm(sched, "B")
+    b = annotated("B")
+    sched.run(b)
+    rep = b.report()
+    seg = rep["segments"][1]
+    assert seg["resolved_by"] == "alignment" and seg["head_recomputed"] == k
+    assert rep["tokens_aligned"] == len(QUERY) - k  # reuse counts only rows not prefilled
+    assert rep["tokens_head_recomputed"] == k
+    cache = sched.cache
+    start = len(SYS["B"])
+    rows = cache.path_device_indices(b.last_node)[start:start + len(QUERY)].tolist()
+    kv = cache.token_to_kv_pool_allocator.get_kvcache()
+    head_k, _ = dense_kv(b.origin_input_ids, start)  # computed densely behind B's own system prompt
+    torch.testing.assert_close(kv.get_key_buffer(0)[rows[0]], head_k[0])
+    _, tail_v = dense_kv(a.origin_input_ids, len(SYS["A"]) + k)  # the rest: A's copy, aligned
+    for layer in range(LAYERS):
+        torch.testing.assert_close(kv.get_value_buffer(layer)[rows[k]], tail_v[layer])
+    assert_pool_accounted(cache)
+
+
+def test_plain_request_after_a_staged_assembly_sees_exact_kv_only():
+    sched = MiniScheduler(make_cache("fullshared", recompute_head=4))
+    sched.run(annotated("A"))
+    sched.run(annotated("B"))  # cold B: dense system prompt, dense head, aligned rest
+    plain = FakeReq(annotated("B").origin_input_ids)
+    m = sched.run(plain)
+    assert m == len(SYS["B"]) + 4  # exact rows only: B's system prompt and the dense head
+    assert sched.cache.counters.get("plain_tokens_from_estimates") == 0
+    assert_pool_accounted(sched.cache)
