@@ -3,7 +3,8 @@
 SGLang calls ``load_plugin`` in each of its processes (HTTP, scheduler,
 detokenizer). It registers the ``kvshare`` tree-cache backend, so that
 ``--radix-cache-backend kvshare`` selects our cache, and a hook that rejects
-malformed request annotations with an HTTP 400 (``request_validation``), and the
+malformed request annotations with an HTTP 400 (``request_validation``), the
+kvshare layer of ``/v1/chat/completions`` (``chat_hooks``), and the
 ``/kvshare/`` admin routes and metrics (``admin``). It is cheap and idempotent:
 the cache module is imported only when SGLang builds the cache.
 """
@@ -36,6 +37,9 @@ def load_plugin() -> None:
     from sglang_kvshare import request_validation
 
     request_validation.register()
+    from sglang_kvshare import chat_hooks
+
+    chat_hooks.register()
     from sglang_kvshare import admin
 
     admin.register()

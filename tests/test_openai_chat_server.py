@@ -1,0 +1,177 @@
+"""kvshare through ``/v1/chat/completions`` with the ``openai`` SDK, against a real server.
+
+One server (``fullshared``, ``--kvshare-auto true``) serves both modes: a request
+with the ``kvshare`` field is explicit, one without is annotated by the server.
+"""
+
+from __future__ import annotations
+
+import pytest
+import requests
+
+openai = pytest.importorskip("openai")
+
+pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
+
+SERVER_ARGS = ("--kvshare-mode", "fullshared", "--kvshare-auto", "true", "--kvshare-learn-async", "false")
+TASK = ("Task: a farmer has 17 sheep. He buys 5 more and then sells 8. How many sheep does he have now? "
+        "Answer in two short sentences.")
+
+
+@pytest.fixture(scope="module")
+def server(server_pool):
+    return server_pool("fullshared-auto", kvshare_args=SERVER_ARGS)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+
+
+def _ask(client, system, messages, kvshare=None, *, stream=False, max_tokens=24, **extra):
+    body = dict(extra)
+    if kvshare is not None:
+        body["kvshare"] = kvshare
+    msgs = [{"role": "system", "content": system}, *messages]
+    if not stream:
+        resp = client.chat.completions.create(model="default", messages=msgs, temperature=0, max_tokens=max_tokens,
+                                              extra_body=body or None)
+        return resp.choices[0].message.content, (resp.model_extra or {}).get("kvshare"), resp
+    text, report, chunks = "", None, []
+    for chunk in client.chat.completions.create(model="default", messages=msgs, temperature=0,
+                                                max_tokens=max_tokens, extra_body=body or None, stream=True):
+        chunks.append(chunk)
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+        if (chunk.model_extra or {}).get("kvshare"):
+            report = chunk.model_extra["kvshare"]
+    return text, report, chunks
+
+
+def _reused(report) -> int:
+    return report["tokens_aligned"] + report["tokens_corrected"]
+
+
+def _slot(report, slot):
+    return [s for s in report["segments"] if s.get("slot") == slot]
+
+
+def test_explicit_annotation_reuses_marked_messages_and_answers(client, server):
+    kv = {"agent": "planner", "shared": [{"message": 1, "slot": "task"}], "output_slot": "out:planner"}
+    plan, report, resp = _ask(client, "You write a short plan.", [{"role": "user", "content": TASK}], kv)
+    assert plan and report["chat"]["mode"] == "explicit" and report["chat"]["same_as_stock"]
+    assert report["chat"]["segments"][-1]["end"] == resp.usage.prompt_tokens  # the annotation covers the prompt
+    assert _slot(report, "task")[0]["resolved_by"] == "dense"  # nobody had the task before
+
+    kv = {"agent": "solver", "shared": [{"message": 1, "slot": "task"}, {"message": 2, "slot": "out:planner"}],
+          "output_slot": "out:solver"}
+    solution, report, _ = _ask(client, "You solve problems step by step.",
+                               [{"role": "user", "content": TASK}, {"role": "assistant", "content": plan}], kv)
+    assert solution and report["chat"]["warmed"]  # a new agent: its prefix is prefilled first
+    assert report["segments"][0]["resolved_by"] == "hit"
+    task = _slot(report, "task")[0]
+    assert task["resolved_by"] == "alignment" and task["source_agent"] == "planner"
+    answer = [m for m in report["chat"]["messages"] if m["index"] == 2][0]
+    assert answer["source"] == "output" and answer["retokenized_equal"]
+    # The planner's answer: its KV computed while generating (all but its last, unfed token).
+    out = _slot(report, "out:planner")[0]
+    assert out["resolved_by"] == "alignment" and out["resolved_tokens"] >= out["tokens"] - 1
+
+    # A third agent, streamed: the report arrives in one extra chunk without choices.
+    kv = {"agent": "critic", "shared": [{"message": 1, "slot": "task"}, {"message": 2, "slot": "out:planner"},
+                                        {"message": 3, "slot": "out:solver"}]}
+    critique, report, chunks = _ask(client, "You critique solutions.",
+                                    [{"role": "user", "content": TASK}, {"role": "assistant", "content": plan},
+                                     {"role": "assistant", "content": solution}], kv, stream=True)
+    assert critique and report is not None
+    assert [c for c in chunks if (c.model_extra or {}).get("kvshare")][0].choices == []
+    shared = report["shared_tokens"]
+    assert _reused(report) >= 0.9 * shared - 2, report  # everything but an unfed last token is reused
+
+
+def test_explicit_ids_match_what_sglang_renders(client, model_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    messages = [{"role": "system", "content": "You check arithmetic."}, {"role": "user", "content": TASK},
+                {"role": "user", "content": "(1) 17 + 5 = 22\n(2) 22 - 8 = 14"}]
+    kv = {"agent": "checker", "shared": [{"message": 1, "slot": "task"}, {"message": 2, "slot": "steps"}]}
+    _, report, resp = _ask(client, messages[0]["content"], messages[1:], kv)
+    stock = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    assert report["chat"]["same_as_stock"] and resp.usage.prompt_tokens == len(stock)
+
+
+@pytest.mark.parametrize("field, message", [
+    ({"agent": "a", "shared": [{"message": 7, "slot": "q"}]}, "has 2 messages"),
+    ({"agent": "a", "shared": [{"message": 1}]}, "kvshare.shared.0.slot"),
+    ({"shared": []}, "kvshare.agent"),
+    ("critic", "must be an object"),
+    ({"agent": "a", "shared": [{"message": 0, "slot": "q"}], "output": "x"}, "kvshare.output"),
+])
+def test_malformed_field_is_a_400_and_changes_nothing(client, server, field, message):
+    before = requests.get(server.url + "/kvshare/chat", timeout=30).json()["requests"]
+    with pytest.raises(openai.BadRequestError) as err:
+        _ask(client, "You plan.", [{"role": "user", "content": TASK}], field)
+    assert message in str(err.value)
+    assert requests.get(server.url + "/kvshare/chat", timeout=30).json()["requests"] == before
+    text, _, _ = _ask(client, "You plan.", [{"role": "user", "content": "Say hi."}], max_tokens=4)
+    assert text  # still serving
+
+
+def test_a_message_the_template_does_not_render_verbatim_is_a_400(client):
+    # An empty content cannot be a shared segment; the message names it.
+    with pytest.raises(openai.BadRequestError, match="cannot share message 2"):
+        _ask(client, "You plan.", [{"role": "user", "content": TASK}, {"role": "user", "content": ""}],
+             {"agent": "a", "shared": [{"message": 2, "slot": "q"}]})
+
+
+def test_auto_mode_reuses_the_shared_task_across_agents(client, server):
+    def stats():
+        return requests.get(server.url + "/kvshare/stats", timeout=30).json()["slots"].get("auto:message", {})
+
+    task = TASK + " (asked of every agent in the automatic test)"
+    before = stats()
+    reports = []
+    for k, system in enumerate(["You are agent one; answer briefly.", "You are agent two, a careful checker.",
+                                "You are agent three, a terse summarizer."]):
+        text, report, chunks = _ask(client, system, [{"role": "user", "content": task}], stream=(k == 2))
+        assert text
+        if k == 2:  # a stream without the field keeps the stock wire format: no extra chunk
+            assert all(c.choices for c in chunks[:-1]) and report is None
+        else:
+            assert report["chat"]["mode"] == "auto" and report["chat"]["same_as_stock"]
+            assert report["agent"].startswith("auto-")
+            reports.append(report)
+    assert _slot(reports[0], "auto:message")[0]["resolved_by"] == "dense"
+    task_seg = _slot(reports[1], "auto:message")[0]
+    assert task_seg["resolved_by"] == "alignment" and task_seg["resolved_tokens"] == task_seg["tokens"]
+    after = stats()
+    reused = after["resolved_alignment"] + after["resolved_correction"] - (
+        before.get("resolved_alignment", 0) + before.get("resolved_correction", 0))
+    assert reused >= 2 * task_seg["tokens"]  # agents two and three (the stream) both reused the task
+
+
+def test_auto_mode_reuses_an_answer_that_comes_back_as_a_message(client, server):
+    question = "Name three primary colours, comma separated."
+    answer, _, _ = _ask(client, "You answer questions.", [{"role": "user", "content": question}], max_tokens=16)
+    _, report, _ = _ask(client, "You grade answers.",
+                        [{"role": "user", "content": question}, {"role": "assistant", "content": answer},
+                         {"role": "user", "content": "Is this answer right? Say yes or no."}], max_tokens=4)
+    back = [m for m in report["chat"]["messages"] if m["index"] == 2][0]
+    assert back["source"] == "output" and back["retokenized_equal"]
+    seg = [s for s in report["segments"] if s["index"] == 3][0]  # private, task, glue, answer, ...
+    assert seg["resolved_by"] == "alignment" and seg["source_agent"] == report["segments"][1]["source_agent"]
+    counts = requests.get(server.url + "/kvshare/chat", timeout=30).json()["outputs"]
+    assert counts["seen_again"] >= 1 and counts["retokenized_equal"] >= 1
+
+
+def test_auto_mode_never_reuses_across_cache_salts(client):
+    task = TASK + " (namespace test)"
+    _, first, _ = _ask(client, "You are tenant A's agent.", [{"role": "user", "content": task}],
+                       cache_salt="tenant-a")
+    _, other, _ = _ask(client, "You are tenant B's agent.", [{"role": "user", "content": task}],
+                       cache_salt="tenant-b")
+    _, same, _ = _ask(client, "You are tenant A's second agent.", [{"role": "user", "content": task}],
+                      cache_salt="tenant-a")
+    assert _reused(other) == 0 and all("source_agent" not in s for s in other["segments"])
+    assert _reused(same) > 0  # the same text within tenant A is reused
