@@ -102,7 +102,8 @@ class KVShareRadixCache(CacheAdmin, RadixCache):
                     self.counters.add("plain_tokens_from_estimates", leaked)
             return result
         try:
-            return self._match_annotated(req, plan, params)
+            with self.counters.timed("match"):
+                return self._match_annotated(req, plan, params)
         except Exception:  # noqa: BLE001 - never fail a request because of kvshare
             logger.exception("sglang-kvshare: assembly failed; prefilling densely")
             self.counters.add("internal_errors")
@@ -350,7 +351,7 @@ class KVShareRadixCache(CacheAdmin, RadixCache):
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
         k_tgt, v_tgt = read_segment(kvcache, row[seg.start:seg.start + k_src.shape[1]])
         sync_device(k_src)  # the worker thread must not read the copies before they exist
-        self.counters.add("observation_copy_seconds", time.perf_counter() - t0)
+        self.counters.add("learn_copy_seconds", time.perf_counter() - t0)
         self.learner.submit(Observation(
             slot=(plan.namespace, seg.slot),
             source=SegmentCache(k_src, v_src, source.start, source.agent, exact=source.exact),

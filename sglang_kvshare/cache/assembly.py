@@ -128,17 +128,19 @@ def write_and_insert(cache: Any, plan: RequestPlan, node: Any, m: int, pieces: l
     owned = False
     try:
         kvcache = cache.token_to_kv_pool_allocator.get_kvcache()
-        sync_device(new_idx)  # source rows a recent batch computed may still be in flight
-        offset = 0
-        for p in pieces:
-            seg = plan.annotation.segments[p.index]
-            write_resolved(kvcache, cache.spec, src_idx=p.res.src_idx, dst_idx=new_idx[offset:offset + p.hi - p.lo],
-                           src_start=p.res.source.start, dst_start=seg.start, lo=p.lo, hi=p.hi,
-                           correction=p.res.correction)
-            offset += p.hi - p.lo
-        sync_device(new_idx)  # the next forward (another stream) must see the rows
-        present, last = tree_paths.insert_estimate(cache, node, plan.tokens[m:end], new_idx,
-                                                   plan.namespace[0], plan.namespace[1])
+        with cache.counters.timed("write"):
+            sync_device(new_idx)  # source rows a recent batch computed may still be in flight
+            offset = 0
+            for p in pieces:
+                seg = plan.annotation.segments[p.index]
+                write_resolved(kvcache, cache.spec, src_idx=p.res.src_idx,
+                               dst_idx=new_idx[offset:offset + p.hi - p.lo], src_start=p.res.source.start,
+                               dst_start=seg.start, lo=p.lo, hi=p.hi, correction=p.res.correction)
+                offset += p.hi - p.lo
+            sync_device(new_idx)  # the next forward (another stream) must see the rows
+        with cache.counters.timed("insert"):
+            present, last = tree_paths.insert_estimate(cache, node, plan.tokens[m:end], new_idx,
+                                                       plan.namespace[0], plan.namespace[1])
         owned = True
         if present:  # part of it appeared meanwhile: give our duplicate slots back
             cache.token_to_kv_pool_allocator.free(new_idx[:present])

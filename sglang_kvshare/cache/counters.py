@@ -8,7 +8,10 @@ intermittent 500. Reads return a copy.
 from __future__ import annotations
 
 import threading
+import time
 from collections import defaultdict
+from contextlib import contextmanager
+from typing import Iterator
 
 
 class Counters:
@@ -30,3 +33,12 @@ class Counters:
         with self._lock:
             return {k: (round(v, 6) if isinstance(v, float) and not v.is_integer() else int(v))
                     for k, v in self._values.items()}
+
+    @contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        """Add the wall time of the block to ``<phase>_seconds`` (a Prometheus phase)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(f"{phase}_seconds", time.perf_counter() - t0)

@@ -17,6 +17,7 @@ queued before a reset never refill the pools after it.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -38,6 +39,7 @@ class Observation:
     target: Any
     content_key: Hashable
     generation: int = 0
+    queued_at: float = 0.0
 
     @property
     def nbytes(self) -> int:
@@ -80,6 +82,7 @@ class Learner:
                 return False
             self._bytes += size
         self._ensure_worker()
+        obs.queued_at = time.perf_counter()
         self._queue.put(obs)
         return True
 
@@ -120,6 +123,8 @@ class Learner:
         if estimator is None:
             return
         t0 = time.perf_counter()
+        if obs.queued_at:
+            self._counters.add("learn_queue_wait_seconds", t0 - obs.queued_at)
         prepared = estimator.prepare_observation(obs.slot, obs.source, obs.target, content_key=obs.content_key)
         t1 = time.perf_counter()
         if prepared is None:  # a mode that learns nothing
@@ -130,14 +135,20 @@ class Learner:
                 return
             estimator.commit_observation(prepared)
         self._counters.add("observations")
-        self._counters.add("observe_prepare_seconds", t1 - t0)
-        self._counters.add("observe_commit_seconds", time.perf_counter() - t1)
+        self._counters.add("learn_prepare_seconds", t1 - t0)
+        self._counters.add("learn_commit_seconds", time.perf_counter() - t1)
 
     def _ensure_worker(self) -> None:
         if self._worker is not None and self._worker.is_alive():
             return
 
         def run() -> None:
+            # NOTE: lowest CPU priority for this thread (and the OpenMP team its torch ops
+            # start, which inherits it): on a machine with few cores the forward wins.
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            except (AttributeError, OSError):
+                pass
             while True:
                 obs = self._queue.get()
                 try:

@@ -76,12 +76,13 @@ class Resolver:
         mats = self.candidates(records, plan, o)
         if not mats:
             raise Unresolved("no_source")
-        for source in mats:  # latest first; skip copies the tree has evicted
-            src_idx = tree_paths.rows(source.node, source.start, source.end)
-            if src_idx is not None:
-                break
-        else:
-            raise Unresolved("source_evicted")
+        with self.cache.counters.timed("locate"):
+            for source in mats:  # latest first; skip copies the tree has evicted
+                src_idx = tree_paths.rows(source.node, source.start, source.end)
+                if src_idx is not None:
+                    break
+            else:
+                raise Unresolved("source_evicted")
         self.cache.inc_lock_ref(source.node)
         locks.append(source.node)
         o.source_agent = source.agent_name
@@ -94,10 +95,12 @@ class Resolver:
                  src_idx: torch.Tensor) -> Resolution:
         from sglang_kvshare.correction import SegmentCache
 
-        sync_device(src_idx)  # the source rows may still be in flight (overlap scheduling)
-        k_src, v_src = read_segment(self.cache.token_to_kv_pool_allocator.get_kvcache(), src_idx)
+        counters = self.cache.counters
+        with counters.timed("read_source"):
+            sync_device(src_idx)  # the source rows may still be in flight (overlap scheduling)
+            k_src, v_src = read_segment(self.cache.token_to_kv_pool_allocator.get_kvcache(), src_idx)
         src_cache = SegmentCache(k_src, v_src, source.start, source.agent, exact=source.exact)
-        with self._lock:
+        with counters.timed("gate_estimate"), self._lock:
             estimator = self._estimator()
             est = estimator.estimate((plan.namespace, seg.slot), src_cache, plan.agent_id, seg.start)
         o.pool_anchors = est.pool_anchors
