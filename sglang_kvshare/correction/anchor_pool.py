@@ -81,44 +81,50 @@ class PoolConfig:
 class PreparedObservation:
     """One dense observation, factorized and ready to attach (``AnchorPool.commit``).
 
-    Built by ``prepare_observation`` without touching any pool. ``slot`` is
-    filled in by the estimator (None for a bare pool).
+    Built by ``prepare_observation`` without touching any pool. The base is
+    None when the caller knew the pool already holds the content (then only
+    the deltas were factorized). ``slot`` is filled in by the estimator.
     """
 
     edge: Edge
     content_key: Hashable | None
-    base_k: Factors  # canonical-frame keys of the source
-    base_v: Factors
-    base_v_gram: torch.Tensor  # float64 [L]: cumulative sum_layers ||base_v row||^2 (the gate's Gram term)
+    length: int
     delta_k: Factors  # canonical frame
     delta_v: Factors
+    base_k: Factors | None = None  # canonical-frame keys of the source
+    base_v: Factors | None = None
+    base_v_gram: torch.Tensor | None = None  # float64 [L]: cumulative sum_layers ||base_v row||^2 (the gate's Gram term)
     slot: Hashable | None = None
-
-    @property
-    def length(self) -> int:
-        return self.base_k.length
 
 
 def prepare_observation(spec: RopeSpec, config: PoolConfig, source_k: torch.Tensor, source_v: torch.Tensor,
                         src_pos: int, target_k: torch.Tensor, target_v: torch.Tensor, dst_pos: int, edge: Edge,
-                        content_key: Hashable | None = None) -> PreparedObservation:
+                        content_key: Hashable | None = None, with_base: bool = True) -> PreparedObservation:
     """Factorize the exact correction of a dense prefill (the heavy, lock-free half of learning).
 
     ``target_*`` must come from a real (dense) prefill of the target; the
     source may be an estimate (a chain's previous hop) or dense. Pure: reads
-    only its arguments. The base is factorized even when the pool already holds
-    the content (the commit then keeps the old base).
+    only its arguments. ``with_base=False`` skips the base's two SVDs when the
+    pool already holds ``content_key`` (the commit then attaches the deltas to
+    that anchor, or drops them if it was evicted meanwhile).
     """
     if source_k.shape != target_k.shape or source_v.shape != target_v.shape:
         raise ValueError(f"source {tuple(source_k.shape)} and target {tuple(target_k.shape)} "
                          "caches of one segment must have the same shape")
-    src_c = to_canonical(source_k, src_pos, spec)
-    dk = to_canonical(target_k, dst_pos, spec) - src_c
-    dv = target_v - source_v
+    if not with_base and content_key is None:
+        raise ValueError("with_base=False needs the content_key of an anchor the pool holds")
     fac = lambda x: factorize(x, config.rank, config.svd_method)  # noqa: E731
-    base_v = fac(source_v)
-    return PreparedObservation(edge=edge, content_key=content_key, base_k=fac(src_c), base_v=base_v,
-                               base_v_gram=base_v.row_sq_norms().cumsum(0), delta_k=fac(dk), delta_v=fac(dv))
+    src_c = to_canonical(source_k, src_pos, spec)
+    base = {}
+    # NOTE: the order base K, base V, delta K, delta V is kept because randomized SVD draws
+    # from torch's RNG: a seeded offline run gets the same factors as before plans existed.
+    if with_base:
+        base_k = fac(src_c)
+        base_v = fac(source_v)
+        base = dict(base_k=base_k, base_v=base_v, base_v_gram=base_v.row_sq_norms().cumsum(0))
+    dk = to_canonical(target_k, dst_pos, spec) - src_c
+    return PreparedObservation(edge=edge, content_key=content_key, length=int(source_k.shape[1]), delta_k=fac(dk),
+                               delta_v=fac(target_v - source_v), **base)
 
 
 @dataclass
@@ -230,15 +236,22 @@ class AnchorPool:
         return EstimateResult(True, "accepted", h, covered=covered, compare_len=k_len, pool_anchors=size,
                               anchor_ids=ids, gate_weights=g, plan=plan)
 
-    def commit(self, prepared: PreparedObservation) -> int:
-        """Attach a prepared observation; returns the anchor id.
+    def has_content(self, content_key: Hashable | None) -> bool:
+        """True when an anchor of ``content_key`` is held (its base need not be prepared again)."""
+        return self._find(content_key) is not None
+
+    def commit(self, prepared: PreparedObservation) -> int | None:
+        """Attach a prepared observation; returns the anchor id, or None when it was dropped.
 
         With a ``content_key`` already in the pool the edge is attached to that
         anchor (its base is kept); otherwise a new anchor is made, evicting
-        first when the pool is full. Raises ValueError when the content was
+        first when the pool is full; a prepared observation without a base
+        whose anchor is gone is dropped. Raises ValueError when the content was
         seen with another length (a content-key collision).
         """
         anchor = self._find(prepared.content_key)
+        if anchor is None and prepared.base_k is None:
+            return None
         if anchor is None:
             while len(self._anchors) >= self.config.capacity:
                 self.evict_one()
@@ -260,8 +273,8 @@ class AnchorPool:
                         target_k: torch.Tensor, target_v: torch.Tensor, dst_pos: int, edge: Edge,
                         content_key: Hashable | None = None) -> int:
         """``commit(prepare_observation(...))`` in one call (offline use); returns the anchor id."""
-        return self.commit(prepare_observation(self.spec, self.config, source_k, source_v, src_pos,
-                                               target_k, target_v, dst_pos, edge, content_key))
+        return self.commit(prepare_observation(self.spec, self.config, source_k, source_v, src_pos, target_k, target_v,
+                                               dst_pos, edge, content_key, with_base=not self.has_content(content_key)))
 
     def evict_one(self) -> int:
         """Drop the least-activated of the ``window`` oldest anchors (ties: the oldest); returns bytes freed."""

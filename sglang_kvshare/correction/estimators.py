@@ -106,9 +106,17 @@ class Estimator(ABC):
     def estimate(self, slot: Hashable, source: SegmentCache, dst_agent: Hashable, dst_pos: int) -> EstimateResult:
         """Decide for ``dst_agent`` at ``dst_pos``; when accepted, ``plan`` says what to add (None: align only)."""
 
+    def has_content(self, slot: Hashable, content_key: Hashable | None) -> bool:
+        """True when ``slot``'s pool holds an anchor of ``content_key`` (cheap; call under the caller's lock)."""
+        return False
+
     def prepare_observation(self, slot: Hashable, source: SegmentCache, target: SegmentCache,
-                            content_key: Hashable | None = None) -> PreparedObservation | None:
-        """The heavy half of learning from a dense prefill ``target``; None when the mode learns nothing."""
+                            content_key: Hashable | None = None, with_base: bool = True) -> PreparedObservation | None:
+        """The heavy half of learning from a dense prefill ``target``; None when the mode learns nothing.
+
+        ``with_base=False`` (pass ``not has_content(slot, content_key)``, read under the lock) skips
+        factorizing a base the pool already holds: half the SVDs for a content seen on another edge.
+        """
         return None
 
     def commit_observation(self, prepared: PreparedObservation | None) -> int | None:
@@ -117,8 +125,9 @@ class Estimator(ABC):
 
     def observe(self, slot: Hashable, source: SegmentCache, target: SegmentCache,
                 content_key: Hashable | None = None) -> int | None:
-        """``commit_observation(prepare_observation(...))`` (offline use)."""
-        return self.commit_observation(self.prepare_observation(slot, source, target, content_key))
+        """``has_content`` + ``prepare_observation`` + ``commit_observation`` in one call (offline use)."""
+        return self.commit_observation(self.prepare_observation(
+            slot, source, target, content_key, with_base=not self.has_content(slot, content_key)))
 
     def pool_size(self, slot: Hashable) -> int:
         """Anchors held for ``slot`` (0 for unknown slots and pool-less modes)."""
@@ -215,18 +224,24 @@ class AnchorEstimator(Estimator):
         self._pools.move_to_end(slot)
         return pool.estimate(source.k, source.v, source.start_pos, dst_pos, self.edge(source.agent, dst_agent))
 
-    def prepare_observation(self, slot, source, target, content_key=None):
+    def has_content(self, slot, content_key):
+        pool = self._pools.get(slot)
+        return pool is not None and pool.has_content(content_key)
+
+    def prepare_observation(self, slot, source, target, content_key=None, with_base=True):
         if not target.exact:
             raise ValueError("anchors come only from dense prefills; target.exact is False")
         prepared = prepare_observation(self.spec, self.config, source.k, source.v, source.start_pos, target.k,
                                        target.v, target.start_pos, self.edge(source.agent, target.agent),
-                                       content_key)
+                                       content_key, with_base)
         return replace(prepared, slot=slot)
 
     def commit_observation(self, prepared):
         if prepared is None:
             return None
         pool = self._pools.get(prepared.slot)
+        if pool is None and prepared.base_k is None:
+            return None  # prepared without a base for an anchor that is gone: nothing to attach to
         if pool is None:
             while len(self._pools) >= self.max_slots:
                 self._pools.popitem(last=False)
@@ -235,7 +250,7 @@ class AnchorEstimator(Estimator):
         self._pools.move_to_end(prepared.slot)
         anchor_id = pool.commit(prepared)
         self._fit_budget()
-        return anchor_id if any(a.id == anchor_id for a in pool.anchors) else None
+        return anchor_id if anchor_id is not None and any(a.id == anchor_id for a in pool.anchors) else None
 
     def pool_size(self, slot):
         pool = self._pools.get(slot)

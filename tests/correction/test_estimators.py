@@ -117,6 +117,13 @@ def test_prepare_is_pure_and_commit_attaches(gen):
     (anchor,) = est.describe()[("ns", "q")]
     assert anchor["id"] == anchor_id and len(anchor["edges"]) == 2
     assert est.memory_bytes() == anchor["bytes"]
+    # A content the pool holds needs no base again: only the deltas are factorized.
+    assert est.has_content(("ns", "q"), "c0") and not est.has_content(("ns", "q"), "c9")
+    lean = est.prepare_observation(("ns", "q"), src, SegmentCache(tgt.k, tgt.v, 9, "d"), "c0", with_base=False)
+    assert lean.base_k is None and est.commit_observation(lean) == anchor_id
+    assert len(est.describe()[("ns", "q")][0]["edges"]) == 3
+    orphan = est.prepare_observation(("ns", "q"), src, tgt, "gone", with_base=False)
+    assert est.commit_observation(orphan) is None and not est.has_content(("ns", "q"), "gone")  # dropped, not invented
     # observe == prepare + commit; the estimate of an unknown slot creates no pool.
     est.observe(("ns", "q"), *_obs(gen), content_key="c1")
     assert est.pool_size(("ns", "q")) == 2
