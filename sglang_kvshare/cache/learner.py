@@ -125,7 +125,10 @@ class Learner:
         t0 = time.perf_counter()
         if obs.queued_at:
             self._counters.add("learn_queue_wait_seconds", t0 - obs.queued_at)
-        prepared = estimator.prepare_observation(obs.slot, obs.source, obs.target, content_key=obs.content_key)
+        with self._lock:  # cheap: half the SVDs are skipped for a content the pool already holds
+            with_base = not estimator.has_content(obs.slot, obs.content_key)
+        prepared = estimator.prepare_observation(obs.slot, obs.source, obs.target, content_key=obs.content_key,
+                                                 with_base=with_base)
         t1 = time.perf_counter()
         if prepared is None:  # a mode that learns nothing
             return
