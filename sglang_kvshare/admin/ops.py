@@ -75,7 +75,8 @@ class Reply:
 
 
 def execute(cache: Any, op: str, *, slot: Optional[str] = None, tau: Optional[float] = None,
-            capacity: Optional[int] = None, rank: Optional[int] = None, mode: Optional[str] = None) -> Reply:
+            capacity: Optional[int] = None, rank: Optional[int] = None, mode: Optional[str] = None,
+            recompute_head: Optional[int] = None, staged: Optional[bool] = None) -> Reply:
     """Run one write on the cache; never raises for bad input (it becomes a 4xx ``Reply``).
 
     * ``configure``: ``cache.kvshare_configure`` (all or nothing; ``ValueError`` -> 422);
@@ -91,7 +92,8 @@ def execute(cache: Any, op: str, *, slot: Optional[str] = None, tau: Optional[fl
                           "(start the server with --radix-cache-backend kvshare)")
     if op == "configure":
         try:
-            new = cache.kvshare_configure(tau=tau, capacity=capacity, rank=rank, mode=mode)
+            new = cache.kvshare_configure(tau=tau, capacity=capacity, rank=rank, mode=mode,
+                                          recompute_head=recompute_head, staged=staged)
         except (TypeError, ValueError) as exc:
             return Reply(422, str(exc))
         return Reply(200, "config applied", {"config": _plain(dataclasses.asdict(new))})

@@ -38,8 +38,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from sglang_kvshare.admin.channel import AdminChannel, ChannelError
-from sglang_kvshare.config import KVShareConfig
-from sglang_kvshare.plugin import BACKEND_NAME
+from sglang_kvshare.config import BACKEND_NAME, KVShareConfig
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +46,7 @@ PREFIX = "/kvshare"
 SETUP_TARGET = "sglang.srt.entrypoints.http_server._setup_and_run_http_server"
 MAX_CAPACITY = 4096  # bounds that keep values inside SGLang's msgpack IPC (int64)
 MAX_RANK = 65536
+MAX_HEAD = 65536
 
 _HELP = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(KVShareConfig)}
 _channel: Optional[AdminChannel] = None
@@ -65,11 +65,15 @@ class ConfigUpdate(BaseModel):
     mode: Optional[Literal["off", "fullshared", "kvcmas"]] = Field(
         None, description="off | fullshared | kvcmas (kvcomm is offline only); switching between "
                           "fullshared and kvcmas starts with empty pools.")
+    recompute_head: Optional[int] = Field(None, ge=0, le=MAX_HEAD, strict=True,
+                                          description=_HELP["recompute_head"])
+    staged: Optional[bool] = Field(None, strict=True, description=_HELP["staged"])
 
     @model_validator(mode="after")
     def _not_empty(self) -> "ConfigUpdate":
         if not self.changes():
-            raise ValueError("nothing to change: give at least one of tau, capacity, rank, mode")
+            raise ValueError("nothing to change: give at least one of tau, capacity, rank, mode, "
+                             "recompute_head, staged")
         return self
 
     def changes(self) -> dict[str, Any]:

@@ -28,8 +28,8 @@ class FakeCache:
             return {slot: self.pools[slot]}
         return dict(self.pools)
 
-    def kvshare_configure(self, *, tau=None, capacity=None, rank=None, mode=None) -> KVShareConfig:
-        changes = {k: v for k, v in dict(tau=tau, capacity=capacity, rank=rank, mode=mode).items() if v is not None}
+    def kvshare_configure(self, **settings) -> KVShareConfig:
+        changes = {k: v for k, v in settings.items() if v is not None}
         self.kvshare_config = self.kvshare_config.replace(**changes)
         return self.kvshare_config
 
@@ -129,3 +129,23 @@ def test_metrics_count_increases_and_survive_a_reset():
     assert _value(registry, "sglang_kvshare_anchors", slot="query") == 0
     metrics.update(stats(7, 0, 1))
     assert _value(registry, "sglang_kvshare_requests_total", slot="query") == 13
+
+
+def test_configure_sets_head_recompute_and_staging():
+    cache = FakeCache()
+    reply = ops.execute(cache, "configure", recompute_head=8, staged=False)
+    assert reply.status == 200
+    assert cache.kvshare_config.recompute_head == 8 and cache.kvshare_config.staged is False
+    assert ops.execute(cache, "configure", recompute_head=-1).status == 422
+
+
+def test_config_body_accepts_head_recompute_and_rejects_bad_values():
+    import pytest
+    from pydantic import ValidationError
+
+    from sglang_kvshare.admin.routes import ConfigUpdate
+
+    assert ConfigUpdate(recompute_head=16).changes() == {"recompute_head": 16}
+    for bad in ({"recompute_head": -1}, {"recompute_head": "8"}, {"staged": "yes"}):
+        with pytest.raises(ValidationError):
+            ConfigUpdate(**bad)
