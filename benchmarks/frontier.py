@@ -1,0 +1,508 @@
+"""``python -m benchmarks.frontier``: the fidelity frontier, reuse against agreement with ``off``.
+
+    python -m benchmarks.frontier --task retrieval --limit 100
+    python -m benchmarks.frontier --task gsm8k --limit 50 --max-tokens 128
+
+For each task the arms are ``off``; ``fullshared`` and ``kvcmas`` with
+``--kvshare-recompute-head K`` for K in ``--heads``; and the *random-mix
+baseline*: fullshared with a share ``p`` of the consumers' shared segments
+prefilled densely (for this baseline only, client-side: such a segment gets a
+slot name no producer used, so the server finds no source and staged prefill
+resumes reuse after it). The sweep runs p in ``--mix`` and uses ``fullshared``
+K=0 as p=0 and ``off`` as p=1; the line through those points is what a coin
+buys at each reuse ratio. An arm adds value only above that line.
+
+Every arm runs the same samples (seeded) on a fresh server (one at a time),
+after ``--warmup`` unscored samples. Then, on the same server, every consumer
+request is *teacher-forced*: ``off``'s prompt + ``off``'s continuation,
+annotated like the real request, with ``return_logprob`` and the top-20 of
+every continuation position; compared with ``off``'s own teacher-forced
+top-20 (top-1 agreement, mean KL over the top-k support; see
+``benchmarks.frontier_metrics``).
+
+Workflows, built directly on ``/generate`` (so the teacher-forced replay is
+the same request, token for token): ``retrieval`` (``benchmarks.workloads.retrieval``:
+four agents, one lookup each in a shared 12-fact document) and the ``refer``
+workflow of GSM8K / HumanEval with the roles and instructions of
+``benchmarks.workloads`` (three role agents read the shared query, the final
+agent reads the query and their answers; the first role agent is the producer).
+
+Numbers per arm (``consumer`` = agents 2-4, where reuse can happen):
+``reuse_ratio`` = shared tokens served by alignment or correction / shared
+tokens, over consumer requests, from the server reports (a recomputed head
+counts as prefilled); ``agreement_final`` = the final answer equals off's
+(retrieval: each consumer lookup's value; GSM8K: the final agent's number;
+HumanEval: its pass/fail); ``identical_text``; ``teacher_forced_top1`` and
+``teacher_forced_kl``; ``accuracy`` (retrieval: consumer lookups right;
+otherwise the final answer) with the paired difference to off and its 95 %
+bootstrap interval; ``ttft_agents_2_4_s`` (client-side, streamed: request
+sent -> first chunk; with ``--concurrency`` > 1 it includes queueing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import signal
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Generator, Optional, Sequence
+
+import requests
+from tqdm import tqdm
+
+from benchmarks import frontier_metrics as fm
+from benchmarks.harness import RESULTS, machine, stream_generate, write_json
+from sglang_kvshare.segments import Piece, assemble
+
+TASKS = ("retrieval", "gsm8k", "humaneval")
+TOP_K = 20
+END_USER = "<|im_end|>\n<|im_start|>assistant\n"
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    mode: str
+    recompute_head: int = 0
+    mix_p: Optional[float] = None  # random-mix share of consumer shared segments prefilled densely
+
+    def server_args(self) -> list[str]:
+        if self.mode == "off":
+            return ["--kvshare-mode", "off"]
+        return ["--kvshare-mode", self.mode, "--kvshare-recompute-head", str(self.recompute_head)]
+
+
+def default_arms(heads: Sequence[int], mix: Sequence[float]) -> list[Arm]:
+    arms = [Arm("off", "off")]
+    arms += [Arm(f"{m}_k{k}", m, k) for m in ("fullshared", "kvcmas") for k in heads]
+    arms += [Arm(f"mix_p{p:g}", "fullshared", 0, p) for p in mix]
+    return arms
+
+
+@dataclass(frozen=True)
+class Call:
+    """One agent request of a workflow: ordered pieces, and where its output goes."""
+
+    agent: str
+    position: int  # 1-based order inside the sample; position 1 is the producer
+    pieces: tuple[Piece, ...]
+    max_tokens: int
+    output_slot: Optional[str] = None
+
+
+# A program yields Calls and receives each call's output ids (trailing EOS stripped).
+Program = Generator[Call, list, None]
+
+
+def system_header(system: str) -> str:
+    return f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n"
+
+
+def retrieval_program(sample, enc, max_tokens: int) -> Program:
+    from benchmarks.workloads.retrieval import ROLES, answer_prefix, question
+
+    doc = enc(sample.document)
+    for i, (role, lookup) in enumerate(zip(ROLES, sample.lookups)):
+        yield Call(role.name, i + 1, (
+            Piece("private", None, enc(system_header(role.system))),
+            Piece("shared", "doc", doc),
+            Piece("private", None, enc(question(lookup.key) + END_USER + answer_prefix(lookup.key))),
+        ), max_tokens)
+
+
+def refer_program(task, sample, enc, max_tokens: int) -> Program:
+    """GSM8K / HumanEval ``refer``: the roles read the query; the final agent reads query + answers."""
+    query = enc(sample.query)
+    answers = []
+    for i, role in enumerate(task.roles):
+        out = yield Call(role.name, i + 1, (
+            Piece("private", None, enc(system_header(role.system))),
+            Piece("shared", "query", query),
+            Piece("private", None, enc(f"\n\n{task.instruction}{END_USER}")),
+        ), max_tokens, output_slot=f"out:{role.name}")
+        answers.append((role, out))
+    pieces = [Piece("private", None, enc(system_header(task.final.system))), Piece("shared", "query", query)]
+    for role, out in answers:
+        pieces += [Piece("private", None, enc(f"\n\n{role.title} said:\n")), Piece("shared", f"out:{role.name}", out)]
+    pieces.append(Piece("private", None, enc(f"\n\n{task.final_instruction}{END_USER}")))
+    yield Call(task.final.name, len(task.roles) + 1, tuple(pieces), max_tokens)
+
+
+def mixed(call: Call, arm: Arm, sample_id: str, seed: int) -> tuple[Piece, ...]:
+    """The call's pieces in ``arm``: the random mix renames the shared slots it prefills densely."""
+    if arm.mix_p is None or call.position == 1:
+        return call.pieces
+    return tuple(Piece(p.kind, fm.fresh_slot(p.slot, sample_id, call.agent), p.ids)
+                 if p.kind == "shared" and fm.dense_in_mix(arm.mix_p, seed, sample_id, call.agent, p.slot) else p
+                 for p in call.pieces)
+
+
+class Runner:
+    """Runs one arm's workflows against one server URL."""
+
+    def __init__(self, url: str, arm: Arm, seed: int, eos: int):
+        self.url, self.arm, self.seed, self.eos = url, arm, seed, eos
+
+    def call(self, call: Call, sample_id: str) -> dict:
+        built = assemble(call.agent, mixed(call, self.arm, sample_id, self.seed), call.output_slot)
+        timed = stream_generate(self.url, built.input_ids, custom_params=built.annotation.to_custom_params(),
+                                max_new_tokens=call.max_tokens)
+        out = list(timed.output_ids)
+        return {"agent": call.agent, "position": call.position, "call": call, "prompt_len": len(built.input_ids),
+                "output_ids": out, "ttft_s": timed.ttft, "report": timed.report}
+
+    def sample(self, program: Program, sample_id: str) -> list[dict]:
+        rows, out = [], None
+        try:
+            call = next(program)
+            while True:
+                row = self.call(call, sample_id)
+                rows.append(row)
+                ids = row["output_ids"]
+                call = program.send(ids[:-1] if ids and ids[-1] == self.eos else ids)
+        except StopIteration:
+            return rows
+
+    def teacher_forced(self, call: Call, sample_id: str, continuation: list[int]) -> dict:
+        """Top-k logprobs at every continuation position of ``call``'s prompt + ``continuation``."""
+        pieces = mixed(call, self.arm, sample_id, self.seed) + (Piece("private", None, continuation),)
+        built = assemble(call.agent, pieces)
+        prompt_len = len(built.input_ids) - len(continuation)
+        body = {"input_ids": built.input_ids, "return_logprob": True, "top_logprobs_num": TOP_K,
+                "logprob_start_len": prompt_len - 1,
+                "sampling_params": {"max_new_tokens": TF_MAX_NEW_TOKENS, "temperature": 0.0,
+                                    "custom_params": built.annotation.to_custom_params()}}
+        resp = requests.post(self.url + "/generate", json=body, timeout=900)
+        if resp.status_code != 200:
+            raise RuntimeError(f"teacher-forced request failed ({resp.status_code}): {resp.text[:300]}")
+        meta = resp.json()["meta_info"]
+        tops = [fm.top_entries(e) for e in meta["input_top_logprobs"]]
+        # Entry i is the distribution that predicted input token prompt_len - 1 + i: entry 0 predicts
+        # the prompt's last token, entries 1.. the continuation.
+        positions = tops[1:1 + len(continuation)]
+        rep = (meta.get("kvshare") or [None])[0] or {}
+        return {"tops": positions, "report": rep}
+
+
+TF_MAX_NEW_TOKENS = 0  # SGLang 0.5.23 accepts 0: prefill only, logprobs of the input
+
+
+# ------------------------------------------------------------------ tasks
+@dataclass
+class TaskSpec:
+    name: str
+    load: Callable[[int, int], list]
+    program: Callable[..., Program]
+    score_rows: Callable[[object, list[dict], Callable], list[dict]]  # one scored item per final answer
+
+
+def _retrieval_spec(seed: int) -> TaskSpec:
+    from benchmarks.workloads import retrieval as rt
+
+    def score_rows(sample, rows, decode):
+        items = []
+        for row, lookup in zip(rows, sample.lookups):
+            text = decode(row["output_ids"])
+            ans = rt.extract_value(text)
+            items.append({"id": f"{sample.id}/{row['agent']}", "position": row["position"], "text": text,
+                          "answer": ans, "correct": rt.score(ans, lookup), "gold": lookup.value,
+                          "consumer": row["position"] > 1})
+        return items
+
+    return TaskSpec("retrieval", lambda limit, offset: rt.load(limit, offset, seed),
+                    lambda smp, enc, mt: retrieval_program(smp, enc, mt), score_rows)
+
+
+def _refer_spec(name: str) -> TaskSpec:
+    from benchmarks.workloads.tasks import TASKS as WTASKS
+
+    task = WTASKS[name]
+
+    def score_rows(sample, rows, decode):
+        text = decode(rows[-1]["output_ids"])
+        ans = task.extract(text, sample)
+        correct = bool(task.score(ans, sample))
+        # HumanEval agreement compares pass/fail (as benchmarks.workflow does), GSM8K the number.
+        key = str(correct) if name == "humaneval" else ans
+        return [{"id": sample.id, "position": rows[-1]["position"], "text": text, "answer": key,
+                 "correct": correct, "consumer": True}]
+
+    return TaskSpec(name, lambda limit, offset: task.load(limit, offset),
+                    lambda smp, enc, mt: refer_program(task, smp, enc, mt), score_rows)
+
+
+def task_spec(name: str, seed: int) -> TaskSpec:
+    if name == "retrieval":
+        return _retrieval_spec(seed)
+    if name in ("gsm8k", "humaneval"):
+        return _refer_spec(name)
+    raise ValueError(f"unknown task {name!r}; choose from {TASKS}")
+
+
+# ------------------------------------------------------------------ one arm
+_ACTIVE: list = []
+
+
+def _on_sigterm(*_) -> None:
+    import os
+
+    for server in list(_ACTIVE):
+        server.stop()
+    os._exit(143)
+
+
+def run_arm(arm: Arm, spec: TaskSpec, samples, warm, tok, args, off_raw: Optional[dict]) -> dict:
+    """Start a server for ``arm``, run warm-up and scored samples, then the teacher-forced pass."""
+    from sglang_kvshare.server_process import ServerProcess
+
+    enc = _encoder(tok)
+    t0 = time.perf_counter()
+    with ServerProcess(model_path=args.model_path, kvshare_args=arm.server_args()) as server:
+        _ACTIVE.append(server)
+        try:
+            runner = Runner(server.url, arm, args.seed, tok.eos_token_id)
+
+            def one(smp) -> list[dict]:
+                return runner.sample(spec.program(smp, enc, args.max_tokens), smp.id)
+
+            for smp in warm:  # unscored: pools and caches see other contents first
+                one(smp)
+            with ThreadPoolExecutor(args.concurrency) as pool:
+                raw = list(tqdm(pool.map(one, samples), total=len(samples), desc=f"{spec.name}/{arm.name}",
+                                disable=args.no_progress))
+            run_s = time.perf_counter() - t0
+            ref = raw if off_raw is None else off_raw["raw"]
+            jobs = [(si, ri) for si, rows in enumerate(ref) for ri, row in enumerate(rows) if row["position"] > 1]
+
+            def tf(job):
+                si, ri = job
+                row = ref[si][ri]
+                return runner.teacher_forced(row["call"], samples[si].id, row["output_ids"])
+
+            with ThreadPoolExecutor(args.concurrency) as pool:
+                tfs = list(tqdm(pool.map(tf, jobs), total=len(jobs), desc=f"{spec.name}/{arm.name}/teacher-forced",
+                                disable=args.no_progress))
+        finally:
+            _ACTIVE.remove(server)
+    return {"arm": arm, "raw": raw, "tf": dict(zip(jobs, tfs)), "run_s": run_s,
+            "wall_s": time.perf_counter() - t0}
+
+
+def _encoder(tok):
+    def enc(text: str) -> list[int]:
+        return list(tok(text, add_special_tokens=False).input_ids)
+
+    return enc
+
+
+# ------------------------------------------------------------------ summary
+def summarize_arm(run: dict, off: dict, spec: TaskSpec, samples, decode) -> dict:
+    arm: Arm = run["arm"]
+    items = [it for smp, rows in zip(samples, run["raw"]) for it in spec.score_rows(smp, rows, decode)]
+    off_items = [it for smp, rows in zip(samples, off["raw"]) for it in spec.score_rows(smp, rows, decode)]
+    cons = [(a, b) for a, b in zip(items, off_items) if a["consumer"]]
+    reuse = _reuse(run["raw"], consumers_only=True)
+    tf_rows = [fm.compare_positions(off["tf"][job]["tops"], run["tf"][job]["tops"]) for job in run["tf"]]
+    tf = fm.pooled(tf_rows)
+    # Self-check of the reference: off's teacher-forced top-1 against its own greedy continuation.
+    greedy = [fm.argmax(top) == tok_id for job, t in run["tf"].items()
+              for top, tok_id in zip(t["tops"], off["raw"][job[0]][job[1]]["output_ids"]) if top]
+    tf_shared = sum(t["report"].get("shared_tokens", 0) for t in run["tf"].values())
+    tf_reused = sum(t["report"].get("shared_tokens_reused", 0) for t in run["tf"].values())
+    ttft = [row["ttft_s"] for rows in run["raw"] for row in rows if row["position"] > 1]
+    acc = [1.0 if a["correct"] else 0.0 for a, _ in cons]
+    acc_off = [1.0 if b["correct"] else 0.0 for _, b in cons]
+    return {
+        "arm": arm.name, "mode": arm.mode, "recompute_head": arm.recompute_head, "random_mix_p": arm.mix_p,
+        "reuse_ratio": reuse["ratio"], "shared_tokens": reuse["shared"], "shared_tokens_reused": reuse["reused"],
+        "tokens_head_recomputed": reuse["head"],
+        "reuse_ratio_all_requests": _reuse(run["raw"], consumers_only=False)["ratio"],
+        "fallback_reasons": reuse["reasons"],
+        "agreement_final": fm.statistics.fmean(1.0 if a["answer"] == b["answer"] else 0.0 for a, b in cons),
+        "identical_text": fm.statistics.fmean(1.0 if a["text"] == b["text"] else 0.0 for a, b in cons),
+        "teacher_forced_top1": tf["top1"], "teacher_forced_kl": tf["kl"], "teacher_forced_positions": tf["positions"],
+        "teacher_forced_reuse_ratio": tf_reused / tf_shared if tf_shared else None,
+        "teacher_forced_top1_vs_off_greedy_tokens": fm.statistics.fmean(greedy) if greedy else None,
+        "accuracy": fm.statistics.fmean(acc) if acc else None,
+        "accuracy_all_items": fm.statistics.fmean(1.0 if a["correct"] else 0.0 for a in items),
+        "accuracy_vs_off_paired": fm.paired_bootstrap(acc, acc_off),
+        "scored_items": len(cons),
+        "ttft_agents_2_4_s": fm.spread(ttft),
+        "run_s": round(run["run_s"], 1), "wall_s": round(run["wall_s"], 1),
+        "per_item": [{"id": a["id"], "answer": a["answer"], "correct": a["correct"]} for a, _ in cons],
+    }
+
+
+def _reuse(raw: list[list[dict]], consumers_only: bool) -> dict:
+    shared = reused = head = 0
+    reasons: dict[str, int] = {}
+    for rows in raw:
+        for row in rows:
+            if consumers_only and row["position"] == 1:
+                continue
+            rep = row["report"] or {}
+            shared += rep.get("shared_tokens", 0)
+            reused += rep.get("shared_tokens_reused", 0)
+            head += rep.get("tokens_head_recomputed", 0)
+            for fb in rep.get("fallbacks", []):
+                reasons[fb.get("reason")] = reasons.get(fb.get("reason"), 0) + 1
+    return {"ratio": reused / shared if shared else None, "shared": shared, "reused": reused, "head": head,
+            "reasons": reasons}
+
+
+def random_mix_line(arms: dict) -> list[tuple[float, float, str]]:
+    """(reuse, agreement, arm) points of the random-mix baseline: off (p=1), the mix sweep, fullshared K=0 (p=0)."""
+    pts = []
+    for name, a in arms.items():
+        if a["mode"] == "off" or a["random_mix_p"] is not None or (a["mode"] == "fullshared" and a["recompute_head"] == 0):
+            pts.append((a["reuse_ratio"] or 0.0, a["agreement_final"], name))
+    return sorted(pts)
+
+
+def add_line_gaps(arms: dict) -> None:
+    pts = [(x, y) for x, y, _ in random_mix_line(arms)]
+    tpts = [(a["reuse_ratio"] or 0.0, a["teacher_forced_top1"]) for a in arms.values()
+            if a["mode"] == "off" or a["random_mix_p"] is not None
+            or (a["mode"] == "fullshared" and a["recompute_head"] == 0)]
+    for a in arms.values():
+        line = fm.interpolate(pts, a["reuse_ratio"] or 0.0)
+        a["random_mix_agreement_at_same_reuse"] = line
+        a["above_random_mix"] = None if line is None else a["agreement_final"] - line
+        tline = fm.interpolate(tpts, a["reuse_ratio"] or 0.0) if all(y is not None for _, y in tpts) else None
+        a["random_mix_top1_at_same_reuse"] = tline
+        a["top1_above_random_mix"] = None if tline is None or a["teacher_forced_top1"] is None \
+            else a["teacher_forced_top1"] - tline
+
+
+# ------------------------------------------------------------------ plot
+def plot(out: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = out["arms"]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    line = random_mix_line(arms)
+    colors = {"off": "black", "fullshared": "tab:red", "kvcmas": "tab:blue"}
+    for ax, key, label in ((axes[0], "agreement_final", "final-answer agreement with off"),
+                           (axes[1], "teacher_forced_top1", "teacher-forced top-1 agreement with off")):
+        lx = [arms[n]["reuse_ratio"] or 0.0 for _, _, n in line]
+        ly = [arms[n][key] for _, _, n in line]
+        ax.plot(lx, ly, "--", color="gray", label="random mix (fullshared, share p dense)")
+        for name, a in arms.items():
+            if a["random_mix_p"] is not None:
+                ax.plot(a["reuse_ratio"], a[key], "s", color="gray")
+                ax.annotate(f"p={a['random_mix_p']:g}", (a["reuse_ratio"], a[key]), fontsize=7,
+                            textcoords="offset points", xytext=(4, -10))
+                continue
+            ax.plot(a["reuse_ratio"] or 0.0, a[key], "o", color=colors[a["mode"]])
+            ax.annotate(name, (a["reuse_ratio"] or 0.0, a[key]), fontsize=7, textcoords="offset points", xytext=(4, 4))
+        ax.set_xlabel("reuse ratio (consumer shared tokens not prefilled)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7, loc="lower left")
+    names = list(arms)
+    med = [arms[n]["ttft_agents_2_4_s"]["median"] for n in names]
+    lo = [m - arms[n]["ttft_agents_2_4_s"]["p10"] for m, n in zip(med, names)]
+    hi = [arms[n]["ttft_agents_2_4_s"]["p90"] - m for m, n in zip(med, names)]
+    axes[2].bar(range(len(names)), med, yerr=[lo, hi], capsize=3,
+                color=[colors.get(arms[n]["mode"], "gray") if arms[n]["random_mix_p"] is None else "lightgray"
+                       for n in names])
+    axes[2].set_xticks(range(len(names)), names, rotation=60, ha="right", fontsize=7)
+    axes[2].set_ylabel("TTFT agents 2-4 (s): median, p10-p90")
+    fig.suptitle(f"fidelity frontier: {out['task']}, {out['samples']} samples ({out['scored_items']} scored items)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------ main
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.frontier", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--task", choices=TASKS + ("all",), default="all")
+    ap.add_argument("--limit", type=int, default=None,
+                    help="scored samples (default: retrieval 100 = 300 consumer lookups; gsm8k/humaneval 50)")
+    ap.add_argument("--warmup", type=int, default=8, help="unscored samples each server sees first")
+    ap.add_argument("--max-tokens", type=int, default=None, help="default: retrieval 8, gsm8k/humaneval 128")
+    ap.add_argument("--heads", type=int, nargs="+", default=[0, 8, 32])
+    ap.add_argument("--mix", type=float, nargs="*", default=[0.25, 0.5, 0.75])
+    ap.add_argument("--arms", default=None, help="comma-separated subset of arm names (off is always run)")
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--out-dir", default=str(RESULTS))
+    ap.add_argument("--tag", default="", help="suffix of the output names (frontier_<task><tag>.json)")
+    ap.add_argument("--no-progress", action="store_true")
+    return ap.parse_args(argv)
+
+
+def run_task(name: str, args, tok, argv_used: Sequence[str]) -> dict:
+    spec = task_spec(name, args.seed)
+    limit = args.limit or (100 if name == "retrieval" else 50)
+    max_tokens = args.max_tokens or (8 if name == "retrieval" else 128)
+    args.max_tokens = max_tokens
+    samples = spec.load(limit, 0)
+    warm = spec.load(args.warmup, 100_000 if name == "retrieval" else limit + 500)[: args.warmup]
+    arms = default_arms(args.heads, args.mix)
+    if args.arms:
+        keep = {"off", *args.arms.split(",")}
+        arms = [a for a in arms if a.name in keep]
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    out = {"command": "python -m benchmarks.frontier " + " ".join(shlex.quote(a) for a in argv_used),
+           "machine": machine(), "model": args.model, "model_path": args.model_path, "task": name,
+           "workflow": "retrieval: 4 agents, one lookup each" if name == "retrieval" else "refer, 3 roles + final",
+           "samples": len(samples), "warmup_samples": len(warm), "max_tokens": max_tokens,
+           "concurrency": args.concurrency, "seed": args.seed, "top_k": TOP_K,
+           "random_mix": {"p": args.mix, "endpoints": "p=0 is fullshared_k0, p=1 is off",
+                          "how": "client-side: a dense segment gets a fresh slot name (no source)"},
+           "definitions": {
+               "reuse_ratio": "consumer requests (agents 2-4): shared_tokens_reused / shared_tokens (server reports)",
+               "agreement_final": ("each consumer lookup's value equals off's" if name == "retrieval" else
+                                   "final agent's extracted answer equals off's (humaneval: pass/fail)"),
+               "teacher_forced": "off's prompt + off's continuation on the arm's server, top-20 per position; "
+                                 "KL over off's top-20 support, renormalized; missing tokens get the arm's 20th logprob",
+               "ttft": "client-side streamed, request sent -> first chunk; includes queueing at concurrency > 1"},
+           "complete": False, "arms": {}}
+    path = Path(args.out_dir) / f"frontier_{name}{args.tag}.json"
+    off = None
+    for arm in arms:
+        run = run_arm(arm, spec, samples, warm, tok, args, off)
+        if arm.mode == "off":
+            off = run
+        out["arms"][arm.name] = summarize_arm(run, off, spec, samples, decode)
+        out["scored_items"] = out["arms"]["off"]["scored_items"]
+        add_line_gaps(out["arms"])
+        write_json(path, out)
+        a = out["arms"][arm.name]
+        print(f"[{name}] {arm.name}: reuse {a['reuse_ratio']} agreement {a['agreement_final']:.3f} "
+              f"top1 {a['teacher_forced_top1']} kl {a['teacher_forced_kl']} acc {a['accuracy']:.3f} "
+              f"ttft {a['ttft_agents_2_4_s']['median']:.3f}s ({a['run_s']}s)", file=sys.stderr, flush=True)
+    out["complete"] = True
+    write_json(path, out)
+    plot(out, path.with_suffix(".png"))
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    from transformers import AutoTokenizer
+
+    from sglang_kvshare.models import prepare
+
+    args.model_path = str(prepare(args.model))
+    tok = AutoTokenizer.from_pretrained(args.model_path)
+    argv_used = sys.argv[1:] if argv is None else list(argv)
+    for name in (TASKS if args.task == "all" else (args.task,)):
+        run_task(name, args, tok, argv_used)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,140 @@
+"""The frontier's pure parts: teacher-forced fidelity, the random-mix baseline, paired intervals.
+
+Kept apart from ``benchmarks.frontier`` (which starts servers) so each piece is
+tested without a server (``tests/benchmarks/test_frontier_metrics.py``).
+
+Teacher-forced KL, how: at every position of ``off``'s continuation, ``P`` is
+off's top-k next-token distribution and ``Q`` the arm's top-k, both
+teacher-forced on the same prompt + continuation. The KL is taken over P's
+top-k support, both renormalized on it; a token of P's support missing from
+Q's top-k gets Q's k-th logprob (the largest it can have, so the KL is a
+lower bound of what a full-vocabulary KL would give there).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+import statistics
+from typing import Iterable, Optional, Sequence
+
+TopK = dict[int, float]  # token id -> logprob
+
+
+def top_entries(raw: Optional[Sequence]) -> TopK:
+    """SGLang's top-logprob entry (a list of ``[logprob, token_id, text]``) as ``{token_id: logprob}``."""
+    if not raw:
+        return {}
+    return {int(e[1]): float(e[0]) for e in raw if e is not None and e[0] is not None}
+
+
+def kl_topk(p: TopK, q: TopK) -> float:
+    """KL(P || Q) over P's support, both renormalized there; missing Q entries get Q's smallest logprob."""
+    if not p:
+        raise ValueError("P has no entries: teacher forcing returned no top logprobs for this position")
+    if not q:
+        raise ValueError("Q has no entries: teacher forcing returned no top logprobs for this position")
+    floor = min(q.values())
+    support = list(p)
+    lp = [p[t] for t in support]
+    lq = [q.get(t, floor) for t in support]
+    zp = _logsumexp(lp)
+    zq = _logsumexp(lq)
+    return max(0.0, sum(math.exp(a - zp) * ((a - zp) - (b - zq)) for a, b in zip(lp, lq)))
+
+
+def _logsumexp(xs: Sequence[float]) -> float:
+    m = max(xs)
+    return m + math.log(sum(math.exp(x - m) for x in xs))
+
+
+def argmax(d: TopK) -> int:
+    """The most likely token; ties go to the smaller id so both sides break them the same way."""
+    return min(d, key=lambda t: (-d[t], t))
+
+
+def compare_positions(ref: Sequence[TopK], arm: Sequence[TopK]) -> dict:
+    """Top-1 agreement and mean top-k KL along one continuation (position by position)."""
+    if len(ref) != len(arm):
+        raise ValueError(f"the two teacher-forced passes cover {len(ref)} and {len(arm)} positions; "
+                         "they must be run on the same prompt + continuation")
+    pairs = [(p, q) for p, q in zip(ref, arm) if p and q]
+    if not pairs:
+        return {"positions": 0, "top1": None, "kl": None}
+    return {"positions": len(pairs),
+            "top1": statistics.fmean(1.0 if argmax(p) == argmax(q) else 0.0 for p, q in pairs),
+            "kl": statistics.fmean(kl_topk(p, q) for p, q in pairs)}
+
+
+def pooled(per_request: Iterable[dict]) -> dict:
+    """Position-weighted means over requests (each row from ``compare_positions``)."""
+    rows = [r for r in per_request if r["positions"]]
+    n = sum(r["positions"] for r in rows)
+    if not n:
+        return {"positions": 0, "top1": None, "kl": None}
+    return {"positions": n,
+            "top1": sum(r["top1"] * r["positions"] for r in rows) / n,
+            "kl": sum(r["kl"] * r["positions"] for r in rows) / n}
+
+
+# ------------------------------------------------------------------ random mix
+def unit_draw(seed: int, *key: object) -> float:
+    """A uniform draw in [0, 1) fixed by ``seed`` and ``key`` (independent of call order and process)."""
+    digest = hashlib.sha256(repr((seed, key)).encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+def dense_in_mix(p: float, seed: int, *key: object) -> bool:
+    """Whether the random mix prefills the segment named by ``key`` densely at share ``p``.
+
+    Nested in ``p``: a segment dense at p stays dense at every larger p, so the
+    sweep's points differ only by the segments added."""
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"the random-mix share must be in [0, 1], got {p}")
+    return unit_draw(seed, *key) < p
+
+
+def fresh_slot(slot: str, *key: object) -> str:
+    """A slot name no producer ever used, so the server finds no source and prefills it densely."""
+    return f"{slot}#mix-dense:" + ":".join(str(k) for k in key)
+
+
+def interpolate(points: Sequence[tuple[float, float]], x: float) -> Optional[float]:
+    """Piecewise-linear y at ``x`` through ``points`` (x, y), sorted by x; None outside their range."""
+    pts = sorted(points)
+    if not pts or x < pts[0][0] - 1e-12 or x > pts[-1][0] + 1e-12:
+        return None
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if x0 - 1e-12 <= x <= x1 + 1e-12:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return pts[0][1]
+
+
+# ------------------------------------------------------------------ paired differences
+def paired_bootstrap(arm: Sequence[float], ref: Sequence[float], reps: int = 4000, seed: int = 0) -> dict:
+    """Mean of ``arm - ref`` (same items, same order) and its 95 % percentile-bootstrap interval."""
+    if len(arm) != len(ref):
+        raise ValueError(f"paired samples differ in length ({len(arm)} vs {len(ref)}): "
+                         "both arms must score the same items")
+    if not arm:
+        return {"n": 0, "mean": None, "ci95": None}
+    d = [a - b for a, b in zip(arm, ref)]
+    rng = random.Random(seed)
+    n = len(d)
+    means = sorted(sum(d[rng.randrange(n)] for _ in range(n)) / n for _ in range(reps))
+    return {"n": n, "mean": sum(d) / n,
+            "ci95": [means[int(0.025 * (reps - 1))], means[int(round(0.975 * (reps - 1)))]],
+            "discordant": {"arm_only_right": sum(1 for x in d if x > 0), "ref_only_right": sum(1 for x in d if x < 0)}}
+
+
+def spread(values: Sequence[float]) -> dict:
+    """Median and the 10th / 90th percentiles (nearest rank)."""
+    vals = sorted(v for v in values if v is not None)
+    if not vals:
+        return {"n": 0, "median": None, "p10": None, "p90": None}
+
+    def q(f: float) -> float:
+        return vals[min(len(vals) - 1, int(round(f * (len(vals) - 1))))]
+
+    return {"n": len(vals), "median": statistics.median(vals), "p10": q(0.1), "p90": q(0.9)}

@@ -1,0 +1,198 @@
+"""The frontier's pure parts: retrieval samples and scoring, top-k KL, random-mix selection, summaries."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from benchmarks import frontier as fr
+from benchmarks import frontier_metrics as fm
+from benchmarks.workloads import retrieval as rt
+from sglang_kvshare.segments import Piece, assemble
+
+
+# ------------------------------------------------------------------ retrieval workload
+def test_retrieval_samples_are_deterministic_distinct_and_answerable():
+    a, b = rt.load(5, 0, seed=3), rt.load(5, 0, seed=3)
+    assert a == b
+    assert rt.load(5, 0, seed=4) != a
+    for smp in a:
+        keys = [f.key for f in smp.facts]
+        assert len(set(keys)) == rt.FACTS
+        assert len({f.value for f in smp.facts}) == rt.FACTS
+        assert len({lk.key for lk in smp.lookups}) == rt.AGENTS
+        for lk in smp.lookups:  # every asked key is stated in the document with its value
+            assert f"The code of {lk.key} is {lk.value}." in smp.document
+
+
+def test_retrieval_extract_and_score():
+    lk = rt.Lookup("Falcon", "4821")
+    assert rt.score(rt.extract_value(" 4821."), lk)
+    assert rt.score(rt.extract_value(" 4,821"), lk)
+    assert not rt.score(rt.extract_value(" 4812."), lk)
+    assert rt.extract_value(" unknown") == ""
+    assert not rt.score("", lk)
+
+
+def test_retrieval_program_shares_the_document_under_one_slot():
+    smp = rt.make_sample(0)
+    enc = lambda text: [ord(c) for c in text]  # noqa: E731 -- any tokenizer will do for the layout
+    calls = list(fr.retrieval_program(smp, enc, 8))
+    assert [c.position for c in calls] == [1, 2, 3, 4]
+    docs = [[p for p in c.pieces if p.kind == "shared"] for c in calls]
+    assert all(len(d) == 1 and d[0].slot == "doc" and d[0].ids == docs[0][0].ids for d in docs)
+    assert len({c.agent for c in calls}) == 4
+
+
+def test_refer_program_passes_role_outputs_to_the_final_agent():
+    from benchmarks.workloads.tasks import GSM8K, Sample
+
+    enc = lambda text: [ord(c) for c in text]  # noqa: E731
+    prog = fr.refer_program(GSM8K, Sample("s", "What is 2+2?", "4"), enc, 16)
+    call = next(prog)
+    outs = []
+    while True:
+        outs.append([100 + call.position, 7])
+        try:
+            call = prog.send(outs[-1])
+        except StopIteration:
+            break
+        if call.agent == "final":
+            break
+    shared = [(p.slot, list(p.ids)) for p in call.pieces if p.kind == "shared"]
+    assert shared[0][0] == "query"
+    assert shared[1:] == [(f"out:{r.name}", o) for r, o in zip(GSM8K.roles, outs)]
+
+
+# ------------------------------------------------------------------ teacher-forced metrics
+def test_kl_topk_is_zero_for_equal_and_matches_the_closed_form():
+    p = {1: math.log(0.7), 2: math.log(0.2), 3: math.log(0.1)}
+    assert fm.kl_topk(p, dict(p)) == pytest.approx(0.0, abs=1e-12)
+    q = {1: math.log(0.5), 2: math.log(0.3), 3: math.log(0.2)}
+    want = sum(pp * math.log(pp / qq) for pp, qq in ((0.7, 0.5), (0.2, 0.3), (0.1, 0.2)))
+    assert fm.kl_topk(p, q) == pytest.approx(want, rel=1e-9)
+
+
+def test_kl_topk_renormalizes_and_floors_missing_tokens():
+    # P's support is {1, 2}; Q lacks token 2, so it gets Q's smallest logprob (0.1).
+    p = {1: math.log(0.6), 2: math.log(0.3)}
+    q = {1: math.log(0.8), 5: math.log(0.1)}
+    p1, p2 = 0.6 / 0.9, 0.3 / 0.9
+    q1, q2 = 0.8 / 0.9, 0.1 / 0.9
+    assert fm.kl_topk(p, q) == pytest.approx(p1 * math.log(p1 / q1) + p2 * math.log(p2 / q2), rel=1e-9)
+    with pytest.raises(ValueError):
+        fm.kl_topk({}, q)
+
+
+def test_compare_positions_counts_top1_and_rejects_mismatched_lengths():
+    ref = [{1: -0.1, 2: -2.0}, {3: -0.5, 4: -0.9}]
+    arm = [{1: -0.2, 2: -1.5}, {3: -1.0, 4: -0.4}]
+    row = fm.compare_positions(ref, arm)
+    assert row["positions"] == 2 and row["top1"] == 0.5 and row["kl"] > 0
+    with pytest.raises(ValueError):
+        fm.compare_positions(ref, arm[:1])
+    pooled = fm.pooled([row, {"positions": 0, "top1": None, "kl": None}, {"positions": 2, "top1": 1.0, "kl": 0.0}])
+    assert pooled["positions"] == 4 and pooled["top1"] == pytest.approx(0.75)
+
+
+def test_top_entries_reads_sglang_triples():
+    assert fm.top_entries([[-0.5, 12, "a"], [-1.5, 7, "b"]]) == {12: -0.5, 7: -1.5}
+    assert fm.top_entries(None) == {}
+
+
+def test_argmax_breaks_ties_by_token_id():
+    assert fm.argmax({9: -1.0, 3: -1.0, 5: -2.0}) == 3
+
+
+# ------------------------------------------------------------------ random mix
+def test_random_mix_is_nested_deterministic_and_near_its_share():
+    keys = [("s", i, "doc") for i in range(2000)]
+    sets = {p: {k for k in keys if fm.dense_in_mix(p, 0, *k)} for p in (0.0, 0.25, 0.5, 0.75, 1.0)}
+    assert sets[0.0] == set() and sets[1.0] == set(keys)
+    assert sets[0.25] <= sets[0.5] <= sets[0.75]
+    for p in (0.25, 0.5, 0.75):
+        assert abs(len(sets[p]) / len(keys) - p) < 0.04
+    assert sets[0.5] == {k for k in keys if fm.dense_in_mix(0.5, 0, *k)}
+    assert sets[0.5] != {k for k in keys if fm.dense_in_mix(0.5, 1, *k)}
+    with pytest.raises(ValueError):
+        fm.dense_in_mix(1.5, 0, "x")
+
+
+def test_mixed_renames_only_consumer_shared_pieces_and_keeps_ids():
+    call = fr.Call("clerk", 2, (Piece("private", None, [1, 2]), Piece("shared", "doc", [3, 4, 5]),
+                                Piece("private", None, [6])), 8)
+    full = fr.Arm("mix_p1", "fullshared", 0, 1.0)
+    renamed = fr.mixed(call, full, "s0", 0)
+    assert renamed[1].slot != "doc" and renamed[1].slot.startswith("doc#mix-dense:")
+    assert [p.ids for p in renamed] == [p.ids for p in call.pieces]
+    assert fr.mixed(call, fr.Arm("mix_p0", "fullshared", 0, 0.0), "s0", 0) == call.pieces
+    producer = fr.Call("archivist", 1, call.pieces, 8)
+    assert fr.mixed(producer, full, "s0", 0) == call.pieces
+    # The renamed request is still a valid annotation of the same ids.
+    built = assemble("clerk", renamed)
+    assert built.input_ids == [1, 2, 3, 4, 5, 6]
+
+
+def test_interpolate_and_line_gaps():
+    assert fm.interpolate([(0.0, 1.0), (1.0, 0.0)], 0.25) == pytest.approx(0.75)
+    assert fm.interpolate([(0.0, 1.0), (0.5, 0.9), (1.0, 0.0)], 0.75) == pytest.approx(0.45)
+    assert fm.interpolate([(0.2, 1.0), (0.8, 0.0)], 0.9) is None
+
+    def arm(mode, k, p, reuse, agree, top1):
+        return {"mode": mode, "recompute_head": k, "random_mix_p": p, "reuse_ratio": reuse,
+                "agreement_final": agree, "teacher_forced_top1": top1}
+
+    arms = {"off": arm("off", 0, None, 0.0, 1.0, 1.0), "fullshared_k0": arm("fullshared", 0, None, 0.8, 0.2, 0.9),
+            "mix_p0.5": arm("fullshared", 0, 0.5, 0.4, 0.6, 0.95), "kvcmas_k8": arm("kvcmas", 8, None, 0.6, 0.7, 0.97)}
+    fr.add_line_gaps(arms)
+    assert arms["kvcmas_k8"]["random_mix_agreement_at_same_reuse"] == pytest.approx(0.4)
+    assert arms["kvcmas_k8"]["above_random_mix"] == pytest.approx(0.3)
+    assert arms["off"]["above_random_mix"] == pytest.approx(0.0)
+
+
+# ------------------------------------------------------------------ summaries
+def test_paired_bootstrap_interval_covers_the_mean_and_detects_a_shift():
+    ref = [1.0] * 150 + [0.0] * 150
+    same = fm.paired_bootstrap(ref, ref)
+    assert same["mean"] == 0.0 and same["ci95"] == [0.0, 0.0]
+    worse = [0.0 if i % 5 == 0 and r == 1.0 else r for i, r in enumerate(ref)]  # 30 right answers lost
+    res = fm.paired_bootstrap(worse, ref)
+    assert res["mean"] == pytest.approx(-0.1)
+    assert res["ci95"][0] < -0.1 < res["ci95"][1] < 0
+    assert res["discordant"] == {"arm_only_right": 0, "ref_only_right": 30}
+    with pytest.raises(ValueError):
+        fm.paired_bootstrap(ref, ref[:-1])
+
+
+def test_summarize_arm_fields_from_synthetic_runs():
+    smp = rt.make_sample(0)
+
+    def rows(values, reused):
+        return [{"agent": r.name, "position": i + 1, "output_ids": [ord(c) for c in f" {v}."], "ttft_s": 0.1 * (i + 1),
+                 "report": {"shared_tokens": 100, "shared_tokens_reused": reused if i else 0,
+                            "tokens_head_recomputed": 8 if i and reused else 0}}
+                for i, (r, v) in enumerate(zip(rt.ROLES, values))]
+
+    gold = [lk.value for lk in smp.lookups]
+    off_raw = [rows(gold, 0)]
+    arm_raw = [rows(gold[:3] + ["0000"], 92)]
+    tops = {(0, i): {"tops": [{1: -0.1, 2: -2.5}], "report": {}} for i in (1, 2, 3)}
+    off = {"arm": fr.Arm("off", "off"), "raw": off_raw, "tf": tops, "run_s": 1.0, "wall_s": 2.0}
+    run = {"arm": fr.Arm("kvcmas_k8", "kvcmas", 8), "raw": arm_raw, "tf": tops, "run_s": 1.0, "wall_s": 2.0}
+    spec = fr.task_spec("retrieval", 0)
+    decode = lambda ids: "".join(chr(i) for i in ids)  # noqa: E731
+    s = fr.summarize_arm(run, off, spec, [smp], decode)
+    for key in ("mode", "recompute_head", "reuse_ratio", "agreement_final", "identical_text", "teacher_forced_top1",
+                "teacher_forced_kl", "accuracy", "ttft_agents_2_4_s"):
+        assert key in s
+    assert s["mode"] == "kvcmas" and s["recompute_head"] == 8
+    assert s["reuse_ratio"] == pytest.approx(0.92)
+    assert s["reuse_ratio_all_requests"] == pytest.approx(3 * 92 / 400)
+    assert s["tokens_head_recomputed"] == 24
+    assert s["scored_items"] == 3
+    assert s["agreement_final"] == pytest.approx(2 / 3)
+    assert s["accuracy"] == pytest.approx(2 / 3)
+    assert s["accuracy_vs_off_paired"]["mean"] == pytest.approx(-1 / 3)
+    assert s["teacher_forced_top1"] == 1.0 and s["teacher_forced_kl"] == pytest.approx(0.0)
+    assert s["ttft_agents_2_4_s"]["median"] == pytest.approx(0.3)
