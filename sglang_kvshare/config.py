@@ -39,6 +39,7 @@ class KVShareConfig:
     learn_queue_mb: float = field(default=256.0, metadata={"help": "Most memory (MiB) the K/V copies of waiting observations may hold."})
     recompute_head: int = field(default=0, metadata={"help": "K: the first K tokens of every reused segment are prefilled densely in the request's own context (EPIC-style boundary recompute); only the rest is re-aligned (and corrected). 0 = reuse whole segments."})
     staged: bool = field(default=True, metadata={"help": "Staged prefill: after a dense stretch (an unseen segment, or a recomputed head) resume reuse for the segments behind it, within the same request. false = stop reusing at the first segment that needs prefill."})
+    min_stage_tokens: int = field(default=32, metadata={"help": "Staged prefill resumes reuse after a dense stretch only for a segment with at least this many reusable tokens: a stage costs one more forward, and a short private tail (the instruction before the answer) is cheaper, and more faithful, prefilled."})
     max_segments: int = field(default=64, metadata={"help": "Most segments one request may declare."})
     learn_async: bool = field(default=True, metadata={"help": "Record anchors from dense prefills on a background thread (keeps the SVD out of the scheduler loop); false records them inside checkpoint, deterministic for tests."})
     auto: bool = field(default=False, metadata={"help": "Annotate /v1/chat/completions requests that carry no kvshare field: agent = digest of the system messages, every other message's content and every answer shared under the slot auto:message (see README, 'Using kvshare from an agent framework'). Off by default: every chat request then receives estimated KV."})
@@ -54,6 +55,8 @@ class KVShareConfig:
             raise ValueError(f"rank must be >= 0 (0 = full dimension), got {self.rank}")
         if self.evict_window < 1:
             raise ValueError(f"evict_window must be >= 1, got {self.evict_window}")
+        if self.min_stage_tokens < 1:
+            raise ValueError(f"min_stage_tokens must be >= 1, got {self.min_stage_tokens}")
         if self.recompute_head < 0:
             raise ValueError(f"recompute_head must be >= 0, got {self.recompute_head}")
         if self.gate_max_tokens is not None and self.gate_max_tokens < 0:

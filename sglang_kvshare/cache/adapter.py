@@ -215,7 +215,8 @@ class KVShareRadixCache(CacheAdmin, RadixCache):
         plan.next_stage = None
         if self.kvshare_config.staged:
             plan.next_stage = assembly.next_stage(
-                plan, end, limit, head, lambda o: bool(self.resolver.candidates(records, plan, o)))
+                plan, end, limit, head, lambda o: bool(self.resolver.candidates(records, plan, o)),
+                self.kvshare_config.min_stage_tokens)
         return end, last
 
     # ------------------------------------------------------------ staged prefill

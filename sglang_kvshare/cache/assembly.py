@@ -84,20 +84,22 @@ def plan_pieces(resolver: Resolver, records: NamespaceRecords, plan: RequestPlan
     return pieces
 
 
-def next_stage(plan: RequestPlan, a: int, limit: int, recompute_head: int, has_source) -> Optional[int]:
+def next_stage(plan: RequestPlan, a: int, limit: int, recompute_head: int, has_source,
+               min_rows: int = 1) -> Optional[int]:
     """Where reuse can resume after a dense stretch starting at ``a``, or None.
 
-    The first segment behind ``a`` whose head ends after ``a`` and that has a
-    copy to reuse (``has_source(outcome)``): reuse resumes right after its
-    head. A segment whose head ends at or before ``a`` was just tried at ``a``
-    and failed, so it is prefilled whole. Mutates: segments passed over for
-    want of a copy get the reason ``no_source``.
+    The first segment behind ``a`` whose head ends after ``a``, that leaves at
+    least ``min_rows`` rows to reuse after its head (a stage costs a forward)
+    and that has a copy to reuse (``has_source(outcome)``): reuse resumes right
+    after its head. A segment whose head ends at or before ``a`` was just tried
+    at ``a`` and failed, so it is prefilled whole. Mutates: segments passed
+    over for want of a copy get the reason ``no_source``.
     """
     for o, seg in zip(plan.outcomes, plan.annotation.segments):
         if seg.end <= a:
             continue
         resume = seg.start + head_len(seg, recompute_head)
-        if resume <= a or resume >= seg.end or resume >= limit:
+        if resume <= a or min(seg.end, limit) - resume < min_rows:
             continue
         if has_source(o):
             return resume

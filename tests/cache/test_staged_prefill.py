@@ -94,3 +94,12 @@ def test_plain_request_after_a_staged_assembly_sees_exact_kv_only():
     assert m == len(SYS["B"]) + 4  # exact rows only: B's system prompt and the dense head
     assert sched.cache.counters.get("plain_tokens_from_estimates") == 0
     assert_pool_accounted(sched.cache)
+
+
+def test_a_short_private_tail_after_a_dense_stretch_is_not_staged():
+    sched = MiniScheduler(make_cache("fullshared"))
+    sched.run(annotated("A"))
+    second = annotated("A", query=list(range(7000, 7060)))  # new content, then A's own short suffix
+    sched.run(second)
+    assert second.stages == 0  # a 3-token tail is not worth a stage (--kvshare-min-stage-tokens)
+    assert second.report()["segments"][2]["resolved_by"] == "dense"
