@@ -23,7 +23,7 @@ import os  # noqa: E402
 import sys  # noqa: E402
 from typing import Sequence  # noqa: E402
 
-from sglang_kvshare.config import MODES, KVShareConfig  # noqa: E402
+from sglang_kvshare.config import BACKEND_NAME, MODES, KVShareConfig  # noqa: E402
 
 KVSHARE_PREFIX = "--kvshare-"
 
@@ -101,7 +101,7 @@ def with_defaults(sglang_argv: Sequence[str], *, cpu: bool, select_backend: bool
     """SGLang's argv with our backend selected and CPU defaults filled in."""
     argv = list(sglang_argv)
     if select_backend and not _has_flag(argv, "--radix-cache-backend"):
-        argv += ["--radix-cache-backend", "kvshare"]
+        argv += ["--radix-cache-backend", BACKEND_NAME]
     if cpu:
         for flag, value in CPU_DEFAULTS:
             if not _has_flag(argv, flag):

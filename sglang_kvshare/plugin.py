@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import logging
 
-logger = logging.getLogger(__name__)
+from sglang_kvshare.config import BACKEND_NAME
 
-BACKEND_NAME = "kvshare"
+logger = logging.getLogger(__name__)
 
 
 def _build_cache(ctx):
