@@ -1,23 +1,41 @@
-"""``python -m benchmarks.chain_ttft``: TTFT and prefill tokens per agent on a 4-agent chain.
+"""``python -m benchmarks.chain_ttft``: what reuse costs on a 4-agent chain, against its physical floor.
 
 Every agent reads the same shared context (``--lengths`` tokens of real text)
-behind its own system prompt. For each mode (one server each, started fresh)
-the chain runs on held-out content; ``kvcmas`` first warms its pools on
-``--warm`` other contents. TTFT is the time to the first streamed chunk of a
-1-token generation; ``prefill_tokens`` is what the scheduler computed
-(``prompt_tokens - cached_tokens``). Ratios are from one run on this machine.
+behind its own system prompt; one 1-token greedy generation per agent; TTFT
+is the time to the first streamed chunk. Per arm (one fresh server each,
+one at a time) and per repeat (a new content each time):
+
+* ``ttft``: the chain's agents in order (agent 1 prefills densely; agents 2-4
+  reuse the context in the kvshare modes);
+* ``floor``: each agent's *exact same* request sent again at once: an exact
+  radix hit, this engine's own per-request cost, which no reuse can beat;
+* ``reuse_over_floor``: ``ttft / floor`` for agents 2-4 (assembly can only add to the floor);
+* ``assembly_s``: the server's own assembly time (report), next to the dense
+  prefill it replaces (``off``'s TTFT minus its floor, same content).
+
+Arms: ``off``, ``fullshared``, ``kvcmas``, ``stock`` (``sglang.launch_server``
+with SGLang's default cache: is ``off`` free?), and ``MODE:K`` for
+``--kvshare-recompute-head K`` (one extra stage per reused segment: the stage
+cost is its TTFT minus ``MODE``'s). ``kvcmas`` learns on its background thread
+(the serving default) from ``--warm`` chains before the measured repeats; a
+kvcmas agent 1 runs while that learning may still be going on.
+Medians and min-max over ``--repeats``; ratios within one run of this machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
+from pathlib import Path
 
+import requests
 from tqdm import tqdm
 
-from benchmarks.harness import RESULTS, machine, start_server, stream_generate, write_json
+from benchmarks.harness import RESULTS, machine, mode_args, stream_generate, write_json
 from benchmarks.texts import context_tokens
 from sglang_kvshare.segments import build_request, private_part, shared_part
+from sglang_kvshare.server_process import ServerProcess
 
 AGENTS = {
     "planner": "You are the planner. Break the task into steps.",
@@ -25,6 +43,7 @@ AGENTS = {
     "critic": "You are a critic. Find mistakes in the reasoning about the material below and say how to fix them.",
     "judge": "You are the judge. Read everything and give the final answer in one line.",
 }
+LATER = list(AGENTS)[1:]
 
 
 def system(agent: str) -> str:
@@ -34,33 +53,55 @@ def system(agent: str) -> str:
 SUFFIX = "\nWhat is the key point?<|im_end|>\n<|im_start|>assistant\n"
 
 
-def run_chain(server, tok, ctx: list[int]) -> dict:
+def request(tok, agent: str, ctx: list[int]):
+    return build_request(tok, agent, [private_part(system(agent)), shared_part(ctx, "context"), private_part(SUFFIX)])
+
+
+def run_chain(url: str, tok, ctx: list[int], *, floor: bool) -> dict:
+    """One chain; with ``floor`` every request is sent twice (the second is an exact hit)."""
     rows = {}
     for agent in AGENTS:
-        ids, cp = build_request(tok, agent, [private_part(system(agent)), shared_part(ctx, "context"),
-                                             private_part(SUFFIX)])
-        timed = stream_generate(server.url, ids, custom_params=cp, max_new_tokens=1)
-        meta, rep = timed.meta, timed.report
-        rows[agent] = {"ttft_s": timed.ttft, "prompt_tokens": meta["prompt_tokens"],
-                       "prefill_tokens": meta["prompt_tokens"] - meta["cached_tokens"],
-                       "tokens_aligned": rep.get("tokens_aligned", 0),
-                       "tokens_corrected": rep.get("tokens_corrected", 0),
-                       "shared_tokens_reused": rep.get("shared_tokens_reused", 0),
-                       "fallbacks": rep.get("fallbacks", [])}
+        ids, cp = request(tok, agent, ctx)
+        timed = stream_generate(url, ids, custom_params=cp, max_new_tokens=1)
+        rep, meta = timed.report, timed.meta
+        row = {"ttft_s": timed.ttft, "prefill_tokens": meta["prompt_tokens"] - meta["cached_tokens"],
+               "shared_tokens_reused": rep.get("shared_tokens_reused", 0),
+               "assembly_s": rep.get("assembly_seconds", 0.0), "fallbacks": rep.get("fallbacks", [])}
+        if floor:
+            again = stream_generate(url, ids, custom_params=cp, max_new_tokens=1)
+            row["floor_s"] = again.ttft
+            row["floor_prefill_tokens"] = again.meta["prompt_tokens"] - again.meta["cached_tokens"]
+        rows[agent] = row
     return rows
 
 
-def warm_agents(server, tok) -> None:
-    for agent in AGENTS:
-        ids, cp = build_request(tok, agent, [private_part(system(agent))])
-        stream_generate(server.url, ids, custom_params=cp, max_new_tokens=1)
+def wait_learning(url: str, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = requests.get(url + "/kvshare/stats", timeout=30).json()
+        if not stats.get("pending_observations"):
+            return
+        time.sleep(0.5)
+
+
+def start(model_path: str, arm: str, tau: float) -> ServerProcess:
+    if arm == "stock":
+        return ServerProcess(model_path=model_path, stock=True).start()
+    mode, _, head = arm.partition(":")
+    extra = ["--kvshare-tau", str(tau)] + (["--kvshare-recompute-head", head] if head else [])
+    return ServerProcess(model_path=model_path, kvshare_args=mode_args(mode, extra)).start()
+
+
+def summary(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.chain_ttft", description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
-    ap.add_argument("--modes", nargs="+", default=["off", "fullshared", "kvcmas"])
-    ap.add_argument("--warm", type=int, default=2, help="contents kvcmas learns from before the measured one")
+    ap.add_argument("--arms", nargs="+", default=["stock", "off", "fullshared", "kvcmas", "fullshared:8"])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--warm", type=int, default=3, help="chains kvcmas learns from before the measured ones")
     ap.add_argument("--tau", type=float, default=0.3)
     ap.add_argument("--out", default=str(RESULTS / "chain_ttft.json"))
     args = ap.parse_args(argv)
@@ -73,52 +114,78 @@ def main(argv=None) -> int:
     tok = AutoTokenizer.from_pretrained(model_path)
     results: dict = {"command": "python -m benchmarks.chain_ttft " + " ".join(argv or []), "machine": machine(),
                      "model": "SmolLM2-135M-Instruct", "agents": list(AGENTS), "tau": args.tau,
+                     "repeats": args.repeats,
                      "ttft_definition": "time to the first streamed chunk of a 1-token greedy generation",
-                     "modes": {}}
-    bar = tqdm(total=len(args.modes) * len(args.lengths), desc="chain_ttft")
-    for mode in args.modes:
-        server = start_server(model_path, mode, kvshare_extra=["--kvshare-tau", str(args.tau),
-                                                               "--kvshare-learn-async", "false"])
+                     "floor_definition": "TTFT of the same request sent again at once (an exact radix hit)",
+                     "arms": {}}
+    bar = tqdm(total=len(args.arms) * len(args.lengths) * args.repeats, desc="chain_ttft")
+    for arm in args.arms:
+        server = start(model_path, arm, args.tau)
         try:
-            warm_agents(server, tok)
+            for agent in AGENTS:  # warm the system prompts, as a long-running team would have
+                stream_generate(server.url, build_request(tok, agent, [private_part(system(agent))])[0],
+                                max_new_tokens=1)
             per_len = {}
             for length in args.lengths:
-                if mode == "kvcmas":
+                if arm.startswith("kvcmas"):
                     for w in range(args.warm):
-                        run_chain(server, tok, context_tokens(tok, length, seed=1000 + 10 * length + w))
-                t0 = time.perf_counter()
-                rows = run_chain(server, tok, context_tokens(tok, length, seed=length))
-                shared_tokens = length * (len(AGENTS) - 1)
-                reused = sum(r["shared_tokens_reused"] for r in list(rows.values())[1:])
-                per_len[str(length)] = {
-                    "ttft_s": {a: r["ttft_s"] for a, r in rows.items()},
-                    "prefill_tokens": {a: r["prefill_tokens"] for a, r in rows.items()},
-                    "reuse_ratio": reused / shared_tokens,
-                    "fallbacks": {a: r["fallbacks"] for a, r in rows.items()},
-                    "wall_s": time.perf_counter() - t0,
-                }
-                bar.update()
-            results["modes"][mode] = per_len
+                        run_chain(server.url, tok, context_tokens(tok, length, seed=1000 + 10 * length + w),
+                                  floor=False)
+                    wait_learning(server.url)
+                reps = []
+                for r in range(args.repeats):
+                    reps.append(run_chain(server.url, tok, context_tokens(tok, length, seed=length + 7 * r),
+                                          floor=True))
+                    bar.update()
+                per_len[str(length)] = {"repeats": reps}
+            results["arms"][arm] = per_len
         finally:
             server.stop()
+        write_json(Path(args.out), results)
     bar.close()
-    if "off" in results["modes"]:
-        for mode, per_len in results["modes"].items():
-            for length, row in per_len.items():
-                base = results["modes"]["off"][length]
-                later = list(AGENTS)[1:]
-                row["ttft_ratio_vs_off_agents_2_4"] = (
-                    sum(base["ttft_s"][a] for a in later) / max(sum(row["ttft_s"][a] for a in later), 1e-9))
-                row["prefill_tokens_saved_vs_off"] = (
-                    sum(base["prefill_tokens"].values()) - sum(row["prefill_tokens"].values()))
-    write_json(__import__("pathlib").Path(args.out), results)
-    for mode, per_len in results["modes"].items():
-        for length, row in per_len.items():
-            ttft = " ".join(f"{a}={t:.2f}s" for a, t in row["ttft_s"].items())
-            print(f"{mode:10s} L={length:5s} reuse={row['reuse_ratio']:.2f} prefill={sum(row['prefill_tokens'].values())}"
-                  f" TTFT {ttft} x{row.get('ttft_ratio_vs_off_agents_2_4', float('nan')):.2f} vs off (agents 2-4)")
+    derive(results, args.lengths)
+    write_json(Path(args.out), results)
+    print_table(results)
     print(f"wrote {args.out}")
     return 0
+
+
+def derive(results: dict, lengths) -> None:
+    """Per arm and length: medians/spreads of TTFT, floor, ratios; ratios against off (same repeat)."""
+    arms = results["arms"]
+    for arm, per_len in arms.items():
+        for length in map(str, lengths):
+            cell = per_len[length]
+            reps = cell["repeats"]
+            later_ttft = [statistics.mean(rep[a]["ttft_s"] for a in LATER) for rep in reps]
+            later_floor = [statistics.mean(rep[a]["floor_s"] for a in LATER) for rep in reps]
+            cell["ttft_agents_2_4_s"] = summary(later_ttft)
+            cell["floor_agents_2_4_s"] = summary(later_floor)
+            cell["reuse_over_floor"] = summary([t / f for t, f in zip(later_ttft, later_floor)])
+            cell["agent1_ttft_s"] = summary([rep[list(AGENTS)[0]]["ttft_s"] for rep in reps])
+            cell["reuse_ratio"] = statistics.mean(
+                sum(rep[a]["shared_tokens_reused"] for a in LATER) / (int(length) * len(LATER)) for rep in reps)
+            cell["assembly_s"] = summary([statistics.mean(rep[a]["assembly_s"] for a in LATER) for rep in reps])
+            if "off" in arms and length in arms["off"]:
+                off = arms["off"][length]["repeats"]
+                off_later = [statistics.mean(rep[a]["ttft_s"] for a in LATER) for rep in off]
+                dense = [statistics.mean(rep[a]["ttft_s"] - rep[a]["floor_s"] for a in LATER) for rep in off]
+                cell["speedup_vs_off_agents_2_4"] = summary([o / t for o, t in zip(off_later, later_ttft)])
+                cell["agent1_vs_off"] = summary([rep[list(AGENTS)[0]]["ttft_s"] / o[list(AGENTS)[0]]["ttft_s"]
+                                                 for rep, o in zip(reps, off)])
+                cell["assembly_over_dense_prefill"] = summary(
+                    [statistics.mean(rep[a]["assembly_s"] for a in LATER) / max(d, 1e-9)
+                     for rep, d in zip(reps, dense)])
+
+
+def print_table(results: dict) -> None:
+    for arm, per_len in results["arms"].items():
+        for length, cell in per_len.items():
+            med = lambda k: cell.get(k, {}).get("median", float("nan"))  # noqa: E731
+            print(f"{arm:14s} L={length:5s} reuse={cell['reuse_ratio']:.2f} TTFT2-4={med('ttft_agents_2_4_s'):.3f}s "
+                  f"floor={med('floor_agents_2_4_s'):.3f}s x{med('reuse_over_floor'):.2f} of floor "
+                  f"speedup={med('speedup_vs_off_agents_2_4'):.2f} agent1/off={med('agent1_vs_off'):.2f} "
+                  f"assembly/dense={med('assembly_over_dense_prefill'):.3f}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,29 @@
+"""The pure part of ``benchmarks.chain_ttft``: medians, floors and ratios from recorded repeats."""
+
+from __future__ import annotations
+
+from benchmarks.chain_ttft import AGENTS, derive
+
+
+def _rep(ttft: float, floor: float, reused: int, first: float = 2.0, assembly: float = 0.01) -> dict:
+    rows = {}
+    for i, agent in enumerate(AGENTS):
+        rows[agent] = {"ttft_s": first if i == 0 else ttft, "floor_s": floor, "shared_tokens_reused": 0 if i == 0
+                       else reused, "assembly_s": 0.0 if i == 0 else assembly, "prefill_tokens": 1}
+    return rows
+
+
+def test_derive_ratios_against_floor_and_off():
+    results = {"arms": {
+        "off": {"100": {"repeats": [_rep(2.0, 0.5, 0), _rep(2.2, 0.5, 0), _rep(1.8, 0.5, 0)]}},
+        "fullshared": {"100": {"repeats": [_rep(0.6, 0.5, 100), _rep(0.55, 0.5, 100), _rep(0.65, 0.5, 100)]}},
+    }}
+    derive(results, [100])
+    cell = results["arms"]["fullshared"]["100"]
+    assert cell["reuse_ratio"] == 1.0
+    assert cell["reuse_over_floor"]["median"] == 1.2
+    assert abs(cell["speedup_vs_off_agents_2_4"]["median"] - 2.0 / 0.6) < 1e-9
+    assert cell["speedup_vs_off_agents_2_4"]["n"] == 3
+    # assembly against off's dense prefill of the same content (TTFT minus its floor)
+    assert abs(cell["assembly_over_dense_prefill"]["median"] - 0.01 / 1.5) < 1e-9
+    assert results["arms"]["off"]["100"]["agent1_vs_off"]["median"] == 1.0
