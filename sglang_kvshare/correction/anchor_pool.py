@@ -65,6 +65,10 @@ class PoolConfig:
     """An accepted match activates the anchors holding this much gate weight."""
     svd_method: Literal["svd", "randomized"] = "svd"
     """Truncated SVD flavour used for new anchors."""
+    min_anchor_len: int | None = None
+    """None: an anchor is eligible only if it covers the whole comparison length (``min(L, gate_len)``).
+    An int n: anchors of at least ``min(n, comparison length)`` tokens are eligible; the gate compares
+    on the common prefix of the eligible anchors and rows past every anchor stay aligned only."""
 
     def __post_init__(self) -> None:
         if self.capacity < 1 or self.window < 1:
@@ -75,6 +79,9 @@ class PoolConfig:
             raise ValueError("temperature must be > 0")
         if self.gate_len is not None and self.gate_len < 1:
             raise ValueError(f"gate_len must be >= 1 or None (whole segment), got {self.gate_len}")
+        if self.min_anchor_len is not None and self.min_anchor_len < 1:
+            raise ValueError(f"min_anchor_len must be >= 1 or None (anchors cover the comparison), "
+                             f"got {self.min_anchor_len}")
 
 
 @dataclass(frozen=True)
@@ -209,12 +216,14 @@ class AnchorPool:
         cfg = self.config
         s = source_k.shape[1]
         k_len = s if cfg.gate_len is None else min(s, cfg.gate_len)
-        long_enough = [a for a in self._anchors if a.length >= k_len]
+        need = k_len if cfg.min_anchor_len is None else min(k_len, cfg.min_anchor_len)
+        long_enough = [a for a in self._anchors if a.length >= need]
         eligible = [a for a in long_enough if edge in a.deltas]
         size = len(self._anchors)
         if len(eligible) < 2:
             reason = "no_edge" if len(long_enough) >= 2 else "too_few_anchors"
             return EstimateResult(False, reason, compare_len=k_len, pool_anchors=size)
+        k_len = min(k_len, min(a.length for a in eligible))  # the common prefix (unchanged by default)
         work = torch.float64 if source_v.dtype == torch.float64 else torch.float32
         nl = source_v.shape[0]
         g, h = gate_from_sq_distances(self._gate_sq_distances(eligible, source_v[:, :k_len].reshape(nl, k_len, -1)

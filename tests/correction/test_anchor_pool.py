@@ -164,6 +164,32 @@ def test_longer_segment_is_corrected_only_on_covered_prefix(gen):
     assert w.shape == (10, 2) and torch.all(w[8:, 0] == 0) and torch.all(w[8:, 1] == 1)
 
 
+def test_min_anchor_len_lets_shorter_anchors_correct_their_common_prefix(gen):
+    """Default: anchors shorter than the comparison length are ineligible; with ``min_anchor_len`` they
+    compare on the common prefix, correct the rows they cover and leave the rest aligned."""
+    spec = RopeSpec.default(head_dim=8)
+    obs = [(key, *_rand_seg(gen, length)) for key, length in (("a", 6), ("b", 9))]
+    k, v = _rand_seg(gen, 16)
+    strict = AnchorPool(spec, PoolConfig(tau=1.0, rank=None))
+    loose = AnchorPool(spec, PoolConfig(tau=1.0, rank=None, min_anchor_len=4))
+    for pool in (strict, loose):
+        for key, ak, av in obs:
+            pool.add_observation(ak, av, 0, ak + 1.0, av + 1.0, 0, "e", key)
+    assert strict.estimate(k, v, 2, 5, "e").reason == "too_few_anchors"
+    res = loose.estimate(k, v, 2, 5, "e")
+    assert res.accepted and res.compare_len == 6 and res.covered == 9
+    k_hat, v_hat = _kv(spec, res, k, v, 2, 5)
+    torch.testing.assert_close(v_hat[:, :9], v[:, :9] + 1.0)  # every delta is +1
+    torch.testing.assert_close(v_hat[:, 9:], v[:, 9:])  # past every anchor: aligned only
+    torch.testing.assert_close(k_hat[:, 9:], rotate_keys(k, 3, spec)[:, 9:])
+    too_short = AnchorPool(spec, PoolConfig(tau=1.0, rank=None, min_anchor_len=7))
+    for key, ak, av in obs:
+        too_short.add_observation(ak, av, 0, ak, av, 0, "e", key)
+    assert too_short.estimate(k, v, 2, 5, "e").reason == "too_few_anchors"  # the 6-token anchor is below 7
+    with pytest.raises(ValueError, match="min_anchor_len"):
+        PoolConfig(min_anchor_len=0)
+
+
 def test_memory_report_and_runtime_config(gen):
     spec = RopeSpec.default(head_dim=8)
     pool = AnchorPool(spec, PoolConfig(rank=4, tau=0.3))
