@@ -57,6 +57,7 @@ from tqdm import tqdm
 
 from benchmarks import frontier_metrics as fm
 from benchmarks.harness import RESULTS, machine, stream_generate, write_json
+from sglang_kvshare.protocol import Segment
 from sglang_kvshare.segments import Piece, assemble
 
 TASKS = ("retrieval", "gsm8k", "humaneval")
@@ -153,8 +154,26 @@ class Runner:
         timed = stream_generate(self.url, built.input_ids, custom_params=built.annotation.to_custom_params(),
                                 max_new_tokens=call.max_tokens)
         out = list(timed.output_ids)
+        if call.output_slot and out and out[-1] != self.eos:
+            self._commit_output(built, out)
         return {"agent": call.agent, "position": call.position, "call": call, "prompt_len": len(built.input_ids),
                 "output_ids": out, "ttft_s": timed.ttft, "report": timed.report}
+
+    def _commit_output(self, built, ids: list[int]) -> None:
+        """Prefill a cut answer's last token, as ``KVShareEndpoint`` does, so consumers reuse all of it.
+
+        A generation cut by ``max_tokens`` ends with a token whose KV was never
+        computed; the same prompt plus the answer as a shared segment of the
+        output slot (``max_new_tokens=0``) computes it and registers the answer."""
+        ann = built.annotation
+        start = len(built.input_ids)
+        ann = ann.model_copy(update={"output_slot": None, "segments": (
+            *ann.segments, Segment(kind="shared", start=start, end=start + len(ids), slot=ann.output_slot))})
+        resp = requests.post(self.url + "/generate", timeout=900, json={
+            "input_ids": [*built.input_ids, *ids],
+            "sampling_params": {"max_new_tokens": 0, "custom_params": ann.to_custom_params()}})
+        if resp.status_code != 200:
+            raise RuntimeError(f"committing an output failed ({resp.status_code}): {resp.text[:300]}")
 
     def sample(self, program: Program, sample_id: str) -> list[dict]:
         rows, out = [], None
@@ -178,6 +197,9 @@ class Runner:
                 "sampling_params": {"max_new_tokens": TF_MAX_NEW_TOKENS, "temperature": 0.0,
                                     "custom_params": built.annotation.to_custom_params()}}
         resp = requests.post(self.url + "/generate", json=body, timeout=900)
+        if resp.status_code == 400 and "max_new_tokens" in resp.text and TF_MAX_NEW_TOKENS == 0:
+            body["sampling_params"]["max_new_tokens"] = 1  # a server that refuses 0: one token, ignored
+            resp = requests.post(self.url + "/generate", json=body, timeout=900)
         if resp.status_code != 200:
             raise RuntimeError(f"teacher-forced request failed ({resp.status_code}): {resp.text[:300]}")
         meta = resp.json()["meta_info"]
@@ -479,6 +501,7 @@ def run_task(name: str, args, tok, argv_used: Sequence[str]) -> dict:
         out["scored_items"] = out["arms"]["off"]["scored_items"]
         add_line_gaps(out["arms"])
         write_json(path, out)
+        plot(out, path.with_suffix(".png"))
         a = out["arms"][arm.name]
         print(f"[{name}] {arm.name}: reuse {a['reuse_ratio']} agreement {a['agreement_final']:.3f} "
               f"top1 {a['teacher_forced_top1']} kl {a['teacher_forced_kl']} acc {a['accuracy']:.3f} "
