@@ -70,6 +70,7 @@ TOP_LOGPROBS = 5
 # Traffic kinds and their weights after each client's first tour through all of them.
 TRAFFIC = {"team": 5, "plain": 4, "leak_probe": 3, "salt_probe": 3, "malformed": 4, "fuzzed": 3,
            "slot_flood": 2, "abort": 2, "rid_reuse": 2, "admin": 2, "bad_sampling": 1}
+ESTIMATE_TAGS = ("leak_probe", "leak_probe_off", "plain_after_estimate")  # plain prompts assembled before
 ADMIN_CALLS = ("mode_off_and_back", "reset", "no_key", "tau", "reset_slot", "pools", "mode_switch", "bad_config")
 
 
@@ -232,6 +233,11 @@ def generate_body(ids: list[int], *, custom_params: Optional[dict] = None, max_n
     return body
 
 
+def estimated_tokens(report: dict) -> int:
+    """Tokens of an annotated request served from an estimate (aligned or corrected), per its report."""
+    return int(report.get("tokens_aligned", 0) or 0) + int(report.get("tokens_corrected", 0) or 0)
+
+
 def output_tokens(body: dict) -> list[int]:
     meta = body.get("meta_info", {})
     return [int(t[1]) for t in meta.get("output_token_logprobs") or []] or list(body.get("output_ids") or [])
@@ -345,7 +351,7 @@ class Client:
         out = self.s.endpoint.generate(label, ids, custom_params=cp, salt=salt, **kw)
         if out.status == 200:
             self.s.rec.annotated(out)
-            self.s.recent.append((ids, salt))
+            self.s.recent.append((ids, salt, estimated_tokens(out.report)))
         elif out.status and out.status < 500:
             self.s.rec.find("valid_requests_served", {"request": label, "status": out.status,
                                                       "body": str(out.body)[:300]})
@@ -373,27 +379,39 @@ class Client:
         """A plain request whose prompt equals a recent annotated one (same salt)."""
         if not self.s.recent:
             return self.op_team()
-        ids, salt = self.rng.choice(list(self.s.recent))
-        self._plain("plain", ids, salt, "plain")
+        recent = list(self.s.recent)
+        assembled = [r for r in recent if r[2]]
+        ids, salt, estimated = self.rng.choice(assembled if assembled and self.rng.random() < 0.7 else recent)
+        self._plain("plain", ids, salt, "plain_after_estimate" if estimated else "plain")
 
     def op_leak_probe(self) -> None:
         """solver then analyst on a fresh text (the analyst is assembled from the solver's copy), then a plain
-        request with the analyst's exact prompt; sometimes with the server switched to ``off`` for it."""
+        request with the analyst's exact prompt; sometimes with the server switched to ``off`` for it.
+
+        When the analyst was not assembled (in kvcmas, a pool without two anchors on the edge), the
+        coder reads the text under ``fullshared`` (switched for it, then back), which aligns whenever a
+        source exists, and the plain request takes the coder's prompt: the probe always leaves estimates."""
         text = self.s.probe_text()
         salt = self.rng.choice((None, None, SALTS[0]))
         self._annotated("leak_probe", "solver", text, salt)
         ids, out = self._annotated("leak_probe", "analyst", text, salt)
         if out.status != 200:
             return
-        rep = out.report
-        estimated = int(rep.get("tokens_aligned", 0) or 0) + int(rep.get("tokens_corrected", 0) or 0)
-        if self.rng.random() < 0.3:
-            with self.s.admin_lock:
+        estimated = estimated_tokens(out.report)
+        with self.s.admin_lock:
+            if not estimated and self.s.mode != "fullshared":
+                self._admin_write("/kvshare/config", {"mode": "fullshared"})
+                ids, out = self._annotated("leak_probe", "coder", text, salt)
+                self._admin_write("/kvshare/config", {"mode": self.s.mode, "tau": self.s.tau})
+                if out.status != 200:
+                    return
+                estimated = estimated_tokens(out.report)
+            if self.rng.random() < 0.3:
                 self._admin_write("/kvshare/config", {"mode": "off"})
                 self._plain("leak_probe", ids, salt, "leak_probe_off" if estimated else "probe_off_unassembled")
                 self._admin_write("/kvshare/config", {"mode": self.s.mode, "tau": self.s.tau})
-        else:
-            self._plain("leak_probe", ids, salt, "leak_probe" if estimated else "probe_unassembled")
+            else:
+                self._plain("leak_probe", ids, salt, "leak_probe" if estimated else "probe_unassembled")
 
     def op_salt_probe(self) -> None:
         """A fresh text and a fresh private suffix, seen by the solver under salt A only, then the solver
@@ -785,7 +803,7 @@ def run_soak(args, tokenizer, model_path: str, texts: list[str]) -> dict:
 # ------------------------------------------------------------ replay against mode off
 def pick_replay(plain: list[dict], n: int, seed: int) -> list[dict]:
     """Up to ``n`` plain requests: leak probes first, then those served most from cache."""
-    order = {"leak_probe": 0, "leak_probe_off": 0, "after_rid_reuse": 1, "plain": 2}
+    order = {"leak_probe": 0, "leak_probe_off": 0, "plain_after_estimate": 1, "after_rid_reuse": 2, "plain": 3}
     rng = random.Random(seed)
     pool = list(plain)
     rng.shuffle(pool)
@@ -893,6 +911,7 @@ def summarize(args, res: dict, replay_rows: list[dict], wall: float) -> dict:
             "note": None if mon.plain_from_estimates else "the counter never appeared in /kvshare/stats: either the "
                     "server lacks it or it exists only once non-zero; the output replay still checks plain requests"},
         "replay": {"n": len(replay_rows), "same": sum(r.get("same") is True for r in replay_rows),
+                   "after_estimates": sum(r.get("tag") in ESTIMATE_TAGS for r in replay_rows),
                    "real_divergences": [r for r in replay_rows if r.get("same") is False and not r.get("near_tie")],
                    "near_tie_divergences": [r for r in replay_rows if r.get("same") is False and r.get("near_tie")],
                    "errors": [r for r in replay_rows if r.get("same") is None],
