@@ -258,7 +258,7 @@ class Shared:
     started: float
     max_segments: int = DEFAULT_MAX_SEGMENTS
     admin_lock: threading.Lock = field(default_factory=threading.Lock)
-    recent: deque = field(default_factory=lambda: deque(maxlen=64))  # (ids, salt) of annotated prompts
+    recent: deque = field(default_factory=lambda: deque(maxlen=64))  # (ids, salt, estimated tokens)
     next_text: int = 0
     next_probe: int = 0
     next_name: int = 0
