@@ -50,7 +50,8 @@ def off_chain(server_pool, tokenizer):
     plain = [server.generate(p, max_new_tokens=16)["text"] for p in PLAIN_PROMPTS]
     chains = [{a: o["text"] for a, o in run_chain(server, tokenizer, context(s, 3)).items()} for s in (0, 3)]
     held_out = run_chain(server, tokenizer, HELD_OUT, max_new_tokens=1, logprobs=True)
-    return {"plain": plain, "chains": chains, "held_out": held_out}
+    plain_b = server.generate(input_ids=agent_request(tokenizer, "analyst", context(6, 3))[0], max_new_tokens=16)
+    return {"plain": plain, "chains": chains, "held_out": held_out, "plain_b": plain_b["text"]}
 
 
 def test_unannotated_requests_in_kvcmas_equal_mode_off(off_chain, server_pool):
@@ -194,3 +195,75 @@ def test_concurrent_agents_with_eviction_leak_no_slots(server_pool, tokenizer):
     assert "Traceback" not in log.split("fired up")[-1]
     # Still serving after the storm.
     assert server.generate("The capital of France is", max_new_tokens=4)["text"]
+
+
+def test_plain_request_after_assembly_is_served_exact_kv(off_chain, server_pool, tokenizer):
+    """Issue 13 #1: agent B's assembled copy must never serve a plain request with B's prompt."""
+    server = server_pool("cache-fullshared", kvshare_args=["--kvshare-mode", "fullshared"])
+    warm_agents(server, tokenizer)
+    text = context(6, 3)
+    outs = run_chain(server, tokenizer, text, max_new_tokens=2)
+    assert report(outs["analyst"])["tokens_aligned"] > 0  # B's copy was assembled
+    ids, _ = agent_request(tokenizer, "analyst", text)
+    plain = server.generate(input_ids=ids, max_new_tokens=16)
+    system_len = len(warm_request(tokenizer, "analyst")[0])
+    assert plain["meta_info"]["cached_tokens"] <= system_len  # only B's exact system prompt
+    assert plain["text"] == off_chain["plain_b"]
+    stats = requests.get(server.url + "/kvshare/stats", timeout=30).json()
+    assert stats["counters"].get("plain_tokens_from_estimates", 0) == 0
+
+
+def test_cache_salts_do_not_share_segments(server_pool, tokenizer):
+    """Issue 13 #2: a tenant never reuses (or learns of) another tenant's KV."""
+    server = server_pool("cache-fullshared", kvshare_args=["--kvshare-mode", "fullshared"])
+    text = context(12, 3)
+    for agent, salt in (("solver", "tenantA"), ("analyst", "tenantB")):
+        ids, cp = warm_request(tokenizer, agent)
+        server.generate(input_ids=ids, custom_params=cp, max_new_tokens=1, cache_salt=salt)
+    ids, cp = agent_request(tokenizer, "solver", text)
+    server.generate(input_ids=ids, custom_params=cp, max_new_tokens=1, cache_salt="tenantA")
+    ids, cp = agent_request(tokenizer, "analyst", text)
+    rep = report(server.generate(input_ids=ids, custom_params=cp, max_new_tokens=1, cache_salt="tenantB"))
+    assert rep["tokens_aligned"] == 0 and rep["segments"][1]["reason"] == "no_source"
+
+
+def test_staged_prefill_cold_agent_and_a_miss_in_front(server_pool, tokenizer):
+    """Issue 14: a cold agent reuses its first request's shared segment; an unseen segment in
+    front no longer makes the later ones dense."""
+    from sglang_kvshare.segments import build_request, private_part, shared_part
+
+    server = server_pool("cache-fullshared", kvshare_args=["--kvshare-mode", "fullshared"])
+    text = context(15, 3)
+    ids, cp = agent_request(tokenizer, "solver", text)
+    server.generate(input_ids=ids, custom_params=cp, max_new_tokens=1)
+    cold_system = "<|im_start|>system\nYou are a scout who never spoke before.<|im_end|>\n<|im_start|>user\nContext:\n"
+    ids, cp = build_request(tokenizer, "scout", [private_part(cold_system), shared_part(text, "query"),
+                                                 private_part(SUFFIX)])
+    rep = report(server.generate(input_ids=ids, custom_params=cp, max_new_tokens=1))
+    query_len = len(tokenizer(text, add_special_tokens=False).input_ids)
+    assert rep["segments"][0]["resolved_by"] == "dense"  # no warm-up request: its prompt is new
+    assert rep["shared_tokens_reused"] == query_len, rep
+    ids, cp = build_request(tokenizer, "coder", [
+        private_part("<|im_start|>system\nYou check facts.<|im_end|>\n<|im_start|>user\n"),
+        shared_part("A note nobody has sent before: the sky was green on Tuesday.\n", "note"),
+        shared_part(text, "query"), private_part(SUFFIX)])
+    rep = report(server.generate(input_ids=ids, custom_params=cp, max_new_tokens=1))
+    assert rep["segments"][1]["resolved_by"] == "dense"
+    assert rep["segments"][2]["resolved_by"] == "alignment" and rep["shared_tokens_reused"] == query_len, rep
+
+
+def test_head_recompute_reports_and_counts_only_reused_rows(server_pool, tokenizer):
+    server = server_pool("cache-fullshared-head8", kvshare_args=["--kvshare-mode", "fullshared",
+                                                                 "--kvshare-recompute-head", "8"])
+    text = context(18, 3)
+    query_len = len(tokenizer(text, add_special_tokens=False).input_ids)
+    ids, cp = agent_request(tokenizer, "solver", text)
+    server.generate(input_ids=ids, custom_params=cp, max_new_tokens=1)
+    ids, cp = agent_request(tokenizer, "analyst", text)
+    out = server.generate(input_ids=ids, custom_params=cp, max_new_tokens=4)
+    rep = report(out)
+    seg = rep["segments"][1]
+    assert seg["resolved_by"] == "alignment" and seg["head_recomputed"] == 8
+    assert rep["tokens_aligned"] == query_len - 8 and rep["tokens_head_recomputed"] == 8
+    # The rows the server did not prefill are exactly the aligned ones.
+    assert out["meta_info"]["cached_tokens"] >= query_len - 8
