@@ -41,33 +41,12 @@ from sglang.utils import http_request
 from sglang_kvshare.frontend.primitives import GenSpan, collect_marks, record_gen
 from sglang_kvshare.frontend.segments import request_from_marks
 from sglang_kvshare.protocol import Segment
+from sglang_kvshare.segments import generated_ids_for_text  # noqa: F401 (re-exported)
 from sglang_kvshare.segments import BuiltRequest
 
 logger = logging.getLogger(__name__)
 
 MAX_REMEMBERED_OUTPUTS = 4096
-
-
-def generated_ids_for_text(tokenizer: Any, text: str, output_ids: Optional[Sequence[int]]) -> Optional[tuple[int, ...]]:
-    """The generated ids that spell exactly ``text`` (trailing EOS/stop tokens dropped), or None.
-
-    The server returns ``text`` without special tokens and without a matched
-    stop string, while ``output_ids`` may still end with them.
-    """
-    if not text or not output_ids:
-        return None
-    ids = list(output_ids)
-    special = set(getattr(tokenizer, "all_special_ids", ()) or ())
-    while ids and ids[-1] in special:  # EOS / stop token: not part of the returned text
-        ids.pop()
-    for _ in range(4):  # a stop string may trail the returned text
-        if not ids:
-            return None
-        # NOTE: compare with special tokens kept, so ids never carry a token the text lacks.
-        if tokenizer.decode(ids, skip_special_tokens=False) == text:
-            return tuple(ids)
-        ids.pop()
-    return None
 
 
 class KVShareEndpoint(RuntimeEndpoint):

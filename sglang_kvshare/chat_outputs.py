@@ -18,7 +18,9 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Hashable, Optional, Sequence
+from typing import Hashable, Optional, Sequence
+
+from sglang_kvshare.segments import generated_ids_for_text  # noqa: F401 (one implementation; re-exported)
 
 DEFAULT_CAPACITY = 4096
 
@@ -27,28 +29,6 @@ DEFAULT_CAPACITY = 4096
 class OutputRecord:
     ids: tuple[int, ...]
     slot: str
-
-
-def generated_ids_for_text(tokenizer: Any, text: str, output_ids: Optional[Sequence[int]]) -> Optional[tuple[int, ...]]:
-    """The generated ids that spell exactly ``text`` (trailing EOS / stop tokens dropped), or None.
-
-    The server returns ``text`` without special tokens and without a matched
-    stop string, while ``output_ids`` may still end with them.
-    """
-    if not text or not output_ids:
-        return None
-    ids = [int(t) for t in output_ids]
-    special = set(getattr(tokenizer, "all_special_ids", ()) or ())
-    while ids and ids[-1] in special:
-        ids.pop()
-    for _ in range(4):  # a stop string may trail the returned text
-        if not ids:
-            return None
-        # NOTE: decode with special tokens kept, so the ids never carry a token the text lacks.
-        if tokenizer.decode(ids, skip_special_tokens=False) == text:
-            return tuple(ids)
-        ids.pop()
-    return None
 
 
 class OutputMemory:

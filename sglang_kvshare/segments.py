@@ -19,7 +19,7 @@ mark inside an ``sgl.function`` program.)
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Sequence, Union
+from typing import Any, NamedTuple, Optional, Sequence, Union
 
 from sglang_kvshare.protocol import Annotation, Segment
 
@@ -111,3 +111,25 @@ def build_request(tokenizer, agent: str, parts: Sequence[Part],
     ``output_slot`` shares the request's generated tokens with later agents."""
     built = assemble(agent, [Piece(p.kind, p.slot, encode(tokenizer, p.content)) for p in parts], output_slot)
     return built.input_ids, built.annotation.to_custom_params()
+
+
+def generated_ids_for_text(tokenizer: Any, text: str, output_ids: Optional[Sequence[int]]) -> Optional[tuple[int, ...]]:
+    """The generated ids that spell exactly ``text`` (trailing EOS / stop tokens dropped), or None.
+
+    The server returns ``text`` without special tokens and without a matched
+    stop string, while ``output_ids`` may still end with them.
+    """
+    if not text or not output_ids:
+        return None
+    ids = [int(t) for t in output_ids]
+    special = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    while ids and ids[-1] in special:
+        ids.pop()
+    for _ in range(4):  # a stop string may trail the returned text
+        if not ids:
+            return None
+        # NOTE: decode with special tokens kept, so the ids never carry a token the text lacks.
+        if tokenizer.decode(ids, skip_special_tokens=False) == text:
+            return tuple(ids)
+        ids.pop()
+    return None

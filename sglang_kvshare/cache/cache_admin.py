@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Hashable, Optional
+from typing import Hashable, Optional
 
 from sglang_kvshare.config import KVShareConfig
 
