@@ -226,13 +226,19 @@ def test_kvcmas_learns_from_dense_prefills_then_corrects():
     assert_pool_accounted(sched.cache)
 
 
-def test_kvcmas_corrected_rows_differ_from_plain_alignment():
+def learned_kvcmas(contents: int = 3) -> MiniScheduler:
+    """A kvcmas cache (tau 1) whose pool learned the A -> B edge from ``contents`` dense chains."""
     sched = MiniScheduler(make_cache("kvcmas", tau=1.0))
     for agent in ("A", "B"):
         warm(sched, agent)
-    for query in _queries(3):
+    for query in _queries(contents):
         sched.run(annotated("A", query=query))
         sched.run(annotated("B", query=query))
+    return sched
+
+
+def test_kvcmas_corrected_rows_differ_from_plain_alignment():
+    sched = learned_kvcmas()
     query = _queries(4)[-1]
     a = annotated("A", query=query)
     sched.run(a)
@@ -247,12 +253,7 @@ def test_kvcmas_corrected_rows_differ_from_plain_alignment():
 
 
 def test_reset_drops_queued_observations_and_pools():
-    sched = MiniScheduler(make_cache("kvcmas", tau=1.0))
-    for agent in ("A", "B"):
-        warm(sched, agent)
-    for query in _queries(3):
-        sched.run(annotated("A", query=query))
-        sched.run(annotated("B", query=query))
+    sched = learned_kvcmas()
     sched.cache.kvshare_reset()
     assert sched.cache.estimator.pool_size(((None, None), "query")) == 0
     assert sched.cache.kvshare_stats()["slots"] == {}
