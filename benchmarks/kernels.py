@@ -5,7 +5,8 @@
 
 For each segment length L it times, on the device it runs on:
 * ``align_correct`` (fused path through the dispatcher: Triton on CUDA, the
-  torch reference on CPU) for K and V of every layer, Vn anchors of rank r;
+  torch path on CPU, fp32, batched over layers) for K and V of every layer,
+  Vn anchors of rank r;
 * ``align_only`` (Vn = 0, the "fullshared" alignment);
 * ``align_correct_torch_unfused``: the same result with separate torch ops
   (gather, materialize every anchor delta, weight, sum, rotate, add, scatter);
@@ -265,7 +266,8 @@ def _run(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, arg
             "device": device_name,
             "device_type": device.type,
             "fused_path": fused_backend,
-            "note": ("CPU run: the 'fused' rows are the torch reference (float64 accumulation), not a Triton kernel; "
+            "note": ("CPU run: the 'fused' rows are the torch path (the reference computing in fp32, batched over "
+                     "layers: what a CPU server runs), not a Triton kernel; "
                      "Triton kernels were not timed (the interpreter's speed means nothing)."
                      if fused_backend != "triton" else "fused rows are the Triton kernels"),
             "peak_gbps": peak,
