@@ -215,6 +215,9 @@ class AnchorPool:
         """
         cfg = self.config
         s = source_k.shape[1]
+        if s == 0 or source_v.shape != source_k.shape:
+            raise ValueError(f"the source must be a non-empty [layers, S, kv_heads, head_dim] K and V of one shape, "
+                             f"got {tuple(source_k.shape)} and {tuple(source_v.shape)}")
         k_len = s if cfg.gate_len is None else min(s, cfg.gate_len)
         need = k_len if cfg.min_anchor_len is None else min(k_len, cfg.min_anchor_len)
         long_enough = [a for a in self._anchors if a.length >= need]
