@@ -79,9 +79,13 @@ class Arm:
 
 
 def default_arms(heads: Sequence[int], mix: Sequence[float]) -> list[Arm]:
+    """Off first (every arm is compared with it), then the random-mix line, then the modes under test."""
     arms = [Arm("off", "off")]
-    arms += [Arm(f"{m}_k{k}", m, k) for m in ("fullshared", "kvcmas") for k in heads]
+    if 0 in heads:
+        arms.append(Arm("fullshared_k0", "fullshared", 0))  # the line's p=0 end
     arms += [Arm(f"mix_p{p:g}", "fullshared", 0, p) for p in mix]
+    arms += [Arm(f"kvcmas_k{k}", "kvcmas", k) for k in heads]
+    arms += [Arm(f"fullshared_k{k}", "fullshared", k) for k in heads if k != 0]
     return arms
 
 
@@ -278,7 +282,7 @@ def _on_sigterm(*_) -> None:
     os._exit(143)
 
 
-def run_arm(arm: Arm, spec: TaskSpec, samples, warm, tok, args, off_raw: Optional[dict]) -> dict:
+def run_arm(arm: Arm, spec: TaskSpec, samples, warm, tok, args, off_raw: Optional[dict], max_tokens: int) -> dict:
     """Start a server for ``arm``, run warm-up and scored samples, then the teacher-forced pass."""
     from sglang_kvshare.server_process import ServerProcess
 
@@ -290,7 +294,7 @@ def run_arm(arm: Arm, spec: TaskSpec, samples, warm, tok, args, off_raw: Optiona
             runner = Runner(server.url, arm, args.seed, tok.eos_token_id)
 
             def one(smp) -> list[dict]:
-                return runner.sample(spec.program(smp, enc, args.max_tokens), smp.id)
+                return runner.sample(spec.program(smp, enc, max_tokens), smp.id)
 
             for smp in warm:  # unscored: pools and caches see other contents first
                 one(smp)
@@ -468,7 +472,6 @@ def run_task(name: str, args, tok, argv_used: Sequence[str]) -> dict:
     spec = task_spec(name, args.seed)
     limit = args.limit or (100 if name == "retrieval" else 50)
     max_tokens = args.max_tokens or (8 if name == "retrieval" else 128)
-    args.max_tokens = max_tokens
     samples = spec.load(limit, 0)
     warm = spec.load(args.warmup, 100_000 if name == "retrieval" else limit + 500)[: args.warmup]
     arms = default_arms(args.heads, args.mix)
@@ -494,7 +497,7 @@ def run_task(name: str, args, tok, argv_used: Sequence[str]) -> dict:
     path = Path(args.out_dir) / f"frontier_{name}{args.tag}.json"
     off = None
     for arm in arms:
-        run = run_arm(arm, spec, samples, warm, tok, args, off)
+        run = run_arm(arm, spec, samples, warm, tok, args, off, max_tokens)
         if arm.mode == "off":
             off = run
         out["arms"][arm.name] = summarize_arm(run, off, spec, samples, decode)
