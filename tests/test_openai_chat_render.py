@@ -167,3 +167,48 @@ def test_output_memory_matches_text_per_namespace_and_counts_retokenization(toke
     memory.remember(("salt-a",), "b", (1,), "s")
     memory.remember(("salt-a",), "c", (2,), "s")
     assert memory.stats()["size"] == 2  # bounded
+
+
+def test_explicit_plan_substitutes_an_answers_generated_ids_and_says_so(tokenizer, monkeypatch):
+    from sglang_kvshare import chat_hooks
+    from sglang_kvshare.chat_annotation import ChatKVShare
+
+    render, tokenize = _fns(tokenizer)
+    memory = OutputMemory()
+    monkeypatch.setattr(chat_hooks, "outputs", memory)
+    answer = "The sum is 5."
+    generated = tuple(tokenize("The s")) + tuple(tokenize("um is 5."))  # spells the same text, other ids
+    assert generated != tuple(tokenize(answer)) and tokenizer.decode(generated) == answer
+    memory.remember(("ns",), answer, generated, "out:solver")
+    messages = [{"role": "system", "content": "You check."}, {"role": "user", "content": "Task: 2 + 3."},
+                {"role": "assistant", "content": answer}]
+    spec = ChatKVShare(agent="checker", shared=({"message": 1, "slot": "task"}, {"message": 2, "slot": "out:solver"}))
+    plan = chat_hooks._explicit_plan(spec, messages, render, tokenize, _stock(tokenizer, messages), ("ns",))
+    seg = [s for s in plan.annotation.segments if s.slot == "out:solver"][0]
+    assert tuple(plan.input_ids[seg.start:seg.end]) == generated and not plan.same_as_stock
+    assert plan.messages[1].source == "output" and plan.messages[1].retokenized_equal is False
+    # Another namespace does not see the answer: its own re-tokenization, identical to stock.
+    plan = chat_hooks._explicit_plan(spec, messages, render, tokenize, _stock(tokenizer, messages), ("other",))
+    assert plan.same_as_stock and plan.messages[1].source == "content"
+
+
+def test_auto_plan_never_changes_the_prompt(tokenizer, monkeypatch):
+    from types import SimpleNamespace
+
+    from sglang_kvshare import chat_hooks
+
+    render, tokenize = _fns(tokenizer)
+    memory = OutputMemory()
+    monkeypatch.setattr(chat_hooks, "outputs", memory)
+    request = SimpleNamespace(user=None)
+    answer = "The sum is 5."
+    memory.remember(("ns",), answer, tuple(tokenize("The s")) + tuple(tokenize("um is 5.")), AUTO_SLOT)
+    for last in ("Is it right?", "\n\nIs it right?"):  # the second starts with a whitespace run
+        messages = [{"role": "system", "content": "You grade."}, {"role": "user", "content": "Task: 2 + 3."},
+                    {"role": "assistant", "content": answer}, {"role": "user", "content": last}]
+        plan = chat_hooks._auto_plan(request, messages, render, tokenize, _stock(tokenizer, messages), ("ns",))
+        assert plan.same_as_stock and plan.input_ids == _stock(tokenizer, messages)
+        by_index = {m.index: m for m in plan.messages}
+        assert by_index[2].source == "output" and by_index[2].retokenized_equal is False  # not reused as output
+        assert (3 in by_index) == (last == "Is it right?")  # the awkward content stays template text
+        assert all(s.slot in (AUTO_SLOT, GLUE_SLOT) for s in plan.annotation.segments if s.kind == "shared")
