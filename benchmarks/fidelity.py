@@ -44,6 +44,8 @@ from sglang_kvshare.correction import (CorrectionPlan, FullShared, RopeSpec, Seg
 from sglang_kvshare.data import gsm8k_path
 
 from .common import KV, load_model, partial_recompute, prefill, set_threads, suffix_eval
+from .fidelity_head import (HEAD_KS, HEAD_MODES, PlanVariant, coarse_errors, coarse_summary, head_frontier,
+                            head_label, plot_heads, splice_head)
 
 MAIN_MODES = ["fullshared", "kvcomm", "kvcmas", "kvcmas_fullrank", "kvcmas_nonchained", "cacheblend"]
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -182,6 +184,9 @@ class Arm:
     inst_kl: list = field(default_factory=list)  # per (sample, consumer): mean KL over the suffix
     inst_accepted: list = field(default_factory=list)
     inst_where: list = field(default_factory=list)  # (slot, consumer, segment tokens)
+    head: int = 0  # head recompute: rows [0, head) of every reused segment prefilled densely
+    variant: PlanVariant | None = None  # plan transform (keys only, first rows, layers), see fidelity_head
+    err_coarse: list = field(default_factory=list)
 
 
 POS_BUCKETS = [(0, 4), (4, 16), (16, 64), (64, 256), (256, 100000)]
@@ -198,10 +203,12 @@ def _anchor_cfg(mode: str, tau: float, rank: int, gate_len: int) -> dict:
     return cfg
 
 
-def make_arms(spec: RopeSpec, tau: float, rank: int, gate_len: int, sweep_taus, sweep_ranks) -> list[Arm]:
+def make_arms(spec: RopeSpec, tau: float, rank: int, gate_len: int, sweep_taus, sweep_ranks,
+              head_ks=()) -> list[Arm]:
     """The six modes at the default operating point, every anchor mode at tau=1
     (accept whenever two anchors exist: the correction's own quality at full
-    reuse), a tau grid for kvcmas and kvcomm and a rank grid for kvcmas at tau=1."""
+    reuse), a tau grid for kvcmas and kvcomm, a rank grid for kvcmas at tau=1,
+    and fullshared / kvcmas with head recompute of each K in ``head_ks``."""
     arms = []
     for mode in MAIN_MODES:
         cfg = _anchor_cfg(mode, tau, rank, gate_len) if mode in ANCHOR_MODES else {}
@@ -228,11 +235,20 @@ def make_arms(spec: RopeSpec, tau: float, rank: int, gate_len: int, sweep_taus, 
     for r in sweep_ranks:
         if r != rank:
             add("kvcmas", 1.0, r, False)
+    for mode in HEAD_MODES:
+        for k in head_ks:
+            if k > 0:
+                cfg = _anchor_cfg(mode, tau, rank, gate_len) if mode in ANCHOR_MODES else {}
+                est = make_estimator(mode, spec, **cfg)
+                conf = getattr(est, "config", None)
+                arms.append(Arm(head_label(mode, k), mode, getattr(conf, "tau", None), getattr(conf, "rank", None),
+                                True, est, head=k))
     return arms
 
 
 # ---------------------------------------------------------------- the run
-def run(args, out_path: Path | None = None) -> dict:
+def run(args, out_path: Path | None = None, arms_fn=None) -> dict:
+    """The whole study; ``arms_fn(spec) -> list[Arm]`` replaces the default arms (fidelity_variants)."""
     set_threads(args.threads)
     torch.manual_seed(args.seed)
     t_start = time.perf_counter()
@@ -240,7 +256,10 @@ def run(args, out_path: Path | None = None) -> dict:
     spec = RopeSpec.from_hf_config(model.config)
     parts = {a.name: agent_token_parts(tok, a) for a in AGENTS}
     prefix_kv = {name: prefill(model, pre)[0] for name, (pre, _) in parts.items()}
-    arms = make_arms(spec, args.tau, args.rank, args.gate_len, args.sweep_taus, args.sweep_ranks)
+    arms = (arms_fn(spec) if arms_fn is not None else
+            make_arms(spec, args.tau, args.rank, args.gate_len, args.sweep_taus, args.sweep_ranks, args.head_ks))
+    if getattr(args, "only", None):  # NOTE: a subset of arms (fullshared is always kept: other rows compare to it)
+        arms = [a for a in arms if a.label in set(args.only) | {"fullshared"}]
     warm, held = [], []
     for i, source in enumerate(args.sources):
         w, e = build_contents(tok, source, args.lengths, args.warm, args.eval, args.seed + i)
@@ -298,8 +317,12 @@ def serve_chain(model, arm: Arm, slot, key, ids, exact, ref, prefix_kv, phase):
         t0 = time.perf_counter()
         res = arm.est.estimate(slot, source, name, target.start_pos)
         plan = _oracle_plan(arm, source, target) if arm.mode == "oracle" else res.plan
+        if plan is not None and arm.variant is not None:
+            plan = arm.variant(plan)
         if res.accepted:  # the served K/V through the ops layer the server writes with
             served = KV(*materialize(source.k, source.v, source.start_pos, target.start_pos, plan, arm.est.spec))
+            # head recompute: the plan's rows are segment-relative; rows >= head keep the corrected K/V
+            served = KV(*splice_head(served.k, served.v, target.k, target.v, arm.head))
         if arm.mode == "oracle":
             kv, accepted, reused = served, True, len(ids)
         elif arm.mode == "cacheblend":
@@ -308,7 +331,7 @@ def serve_chain(model, arm: Arm, slot, key, ids, exact, ref, prefix_kv, phase):
                                                 arm.est.config.criterion)
             kv, accepted, reused = blended, True, len(ids) - len(chosen)
         elif res.accepted:
-            kv, accepted, reused = served, True, len(ids)
+            kv, accepted, reused = served, True, len(ids) - min(arm.head, len(ids))
         else:
             kv, accepted, reused = KV(target.k, target.v), False, 0
         arm.est_seconds += time.perf_counter() - t0
@@ -400,6 +423,7 @@ def _record_errors(arm: Arm, kv: KV, target: SegmentCache) -> None:
         numk = dk[:, lo:hi].norm() / target.k[:, lo:hi].float().norm()
         row.append([numk.item(), num.item()])
     arm.err_pos.append(row)
+    arm.err_coarse.append(coarse_errors(kv.k, kv.v, target.k, target.v))
 
 
 def evaluate(model, arms, served, exact, prefix_kv, parts, slot, seg_len, greedy_tokens):
@@ -471,7 +495,7 @@ def summarize(args, arms, spec, model, dense_spt, n_eval, n_warm, wall, path) ->
         est = arm.est
         acc = [i for i, a in enumerate(arm.inst_accepted) if a]
         row = {
-            "mode": arm.mode, "tau": arm.tau, "rank": arm.rank,
+            "mode": arm.mode, "tau": arm.tau, "rank": arm.rank, "head": arm.head,
             "kl_mean": _mean(arm.kl), "kl_p90": _p90(arm.kl), "kl_max": max(arm.kl) if arm.kl else None,
             "kl_mean_accepted": _mean(arm.kl_accepted),
             # The same accepted segments served by plain alignment: does the
@@ -512,11 +536,16 @@ def summarize(args, arms, spec, model, dense_spt, n_eval, n_warm, wall, path) ->
                 if vals:
                     buckets[f"{lo}-{hi}"] = {"k": _mean([x[0] for x in vals]), "v": _mean([x[1] for x in vals])}
             row["rel_err_by_position"] = buckets
+            row["rel_err_by_position_coarse"] = coarse_summary(arm.err_coarse)
         if arm.label in MAIN_MODES:
             out[arm.label] = row
+        elif arm.head:
+            out.setdefault("head_recompute", {})[arm.label] = row
         else:
             out.setdefault("sweep", {})[arm.label] = row
     out["delta_predictability_warm"] = delta_predictability()
+    out["head_ks"] = [0] + [k for k in args.head_ks if k > 0]
+    out["head_frontier"] = head_frontier(out)
     # Anchor memory at equal V for 2K-token segments (SmolLM2 dims, fp32 / fp16 equal ratio).
     big_l, v_cap, n_cons = 2048, 10, len(CHAIN) - 1
     comm = v_cap * (2 + 2 * n_cons) * factor_nbytes(nl, big_l, d, None, item)
@@ -529,8 +558,9 @@ def summarize(args, arms, spec, model, dense_spt, n_eval, n_warm, wall, path) ->
 
 def _rows(result: dict):
     """(label, row) for the main modes then the sweep."""
-    yield from ((m, result[m]) for m in MAIN_MODES)
+    yield from ((m, result[m]) for m in MAIN_MODES if m in result)
     yield from result.get("sweep", {}).items()
+    yield from result.get("head_recompute", {}).items()
 
 
 def plot(result: dict, path: Path) -> None:
@@ -542,9 +572,9 @@ def plot(result: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     colors = dict(zip(MAIN_MODES, ["C0", "C1", "C2", "C3", "C4", "C5"]))
     markers = dict(zip(MAIN_MODES, "osD^v*"))
-    for mode in MAIN_MODES:
+    for mode in [m for m in MAIN_MODES if m in result]:
         pts = sorted((r["reuse_ratio"], max(r["kl_mean"], 1e-6), r["tau"], r["rank"], label)
-                     for label, r in _rows(result) if r["mode"] == mode)
+                     for label, r in _rows(result) if r["mode"] == mode and not r.get("head"))
         main_rank = result[mode]["rank"]
         same = [p for p in pts if p[3] == main_rank]
         ax.plot([p[0] for p in same], [p[1] for p in same], color=colors[mode], marker=markers[mode],
@@ -559,6 +589,7 @@ def plot(result: dict, path: Path) -> None:
     xs = [i / 20 for i in range(1, 21)]
     ax.plot(xs, [max(x * fs, 1e-6) for x in xs], ls="--", color="C0", lw=0.8,
             label="fullshared + dense prefill on a random (1 - reuse)")
+    plot_heads(ax, result)
     for label, r in _rows(result):
         if r["mode"] == "oracle":
             ax.scatter([r["reuse_ratio"]], [max(r["kl_mean"], 1e-6)], color="k", marker="P", s=50,
@@ -593,6 +624,9 @@ def main(argv=None) -> None:
     ap.add_argument("--sweep-ranks", type=int, nargs="*", default=None)
     ap.add_argument("--greedy-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--head-ks", type=int, nargs="*", default=HEAD_KS,
+                    help="head recompute arms: first K tokens of each reused segment prefilled densely")
+    ap.add_argument("--only", nargs="*", default=None, help="run only these arm labels (plus fullshared)")
     args = ap.parse_args(argv)
     if args.quick:
         defaults = dict(warm=2, eval=1, lengths=[256], sweep_taus=[], sweep_ranks=[])
