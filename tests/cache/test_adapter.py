@@ -296,3 +296,7 @@ def test_runtime_switch_to_a_mode_keeps_the_launch_checks():
     with pytest.raises(ValueError, match="page-size 1"):
         cache.kvshare_configure(mode="fullshared")
     assert cache.kvshare_config.mode == "off"
+
+
+def test_the_plain_estimate_counter_is_reported_from_the_start():
+    assert make_cache("fullshared").kvshare_stats()["counters"]["plain_tokens_from_estimates"] == 0
