@@ -94,7 +94,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--questions", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--out", default="benchmarks/results/langgraph_reuse.json")
-    parser.add_argument("--modes", default="off,fullshared_auto,kvcmas_auto",
+    parser.add_argument("--modes", default="off,fullshared_auto",
                         help=f"comma-separated, 'off' first; known: {','.join(MODES)}")
     parser.add_argument("--resummarize", action="store_true", help="recompute the summary of --out's runs; no servers")
     args = parser.parse_args(argv)
