@@ -42,7 +42,6 @@ sent -> first chunk; with ``--concurrency`` > 1 it includes queueing).
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import signal
 import sys
@@ -180,7 +179,7 @@ class Runner:
             raise RuntimeError(f"committing an output failed ({resp.status_code}): {resp.text[:300]}")
 
     def sample(self, program: Program, sample_id: str) -> list[dict]:
-        rows, out = [], None
+        rows: list[dict] = []
         try:
             call = next(program)
             while True:
