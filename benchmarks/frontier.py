@@ -329,7 +329,9 @@ def _encoder(tok):
 def summarize_arm(run: dict, off: dict, spec: TaskSpec, samples, decode) -> dict:
     arm: Arm = run["arm"]
     items = [it for smp, rows in zip(samples, run["raw"]) for it in spec.score_rows(smp, rows, decode)]
-    off_items = [it for smp, rows in zip(samples, off["raw"]) for it in spec.score_rows(smp, rows, decode)]
+    if "items" not in off:  # scored once (HumanEval runs a sandbox per answer)
+        off["items"] = [it for smp, rows in zip(samples, off["raw"]) for it in spec.score_rows(smp, rows, decode)]
+    off_items = off["items"] if run is not off else items
     cons = [(a, b) for a, b in zip(items, off_items) if a["consumer"]]
     reuse = _reuse(run["raw"], consumers_only=True)
     tf_rows = [fm.compare_positions(off["tf"][job]["tops"], run["tf"][job]["tops"]) for job in run["tf"]]
