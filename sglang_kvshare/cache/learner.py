@@ -104,15 +104,6 @@ class Learner:
         with self._bytes_lock:
             return self._bytes
 
-    def wait_idle(self, timeout: float = 30.0) -> bool:
-        """Block until the queue is empty (tests and benchmarks); False on timeout."""
-        deadline = time.monotonic() + timeout
-        while self._queue.unfinished_tasks:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.01)
-        return True
-
     # ------------------------------------------------------------ worker side
     def _release(self, obs: Observation) -> None:
         with self._bytes_lock:

@@ -194,11 +194,6 @@ class PlaceholderRegistry:
         self.namespaces.move_to_end(ns)
         return rec
 
-    def find_slot(self, slot: str) -> Iterator[tuple[Namespace, PlaceholderNode]]:
-        for ns, rec in self.namespaces.items():
-            if slot in rec.slots:
-                yield ns, rec.slots[slot]
-
     def all_slots(self) -> Iterator[tuple[Namespace, PlaceholderNode]]:
         for ns, rec in self.namespaces.items():
             for node in rec.slots.values():

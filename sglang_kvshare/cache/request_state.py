@@ -13,7 +13,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from sglang_kvshare.cache.registry import Materialization, Namespace
+from sglang_kvshare.cache.registry import Namespace
 from sglang_kvshare.protocol import Annotation
 
 PLAN_ATTR = "kvshare_plan"
@@ -60,7 +60,6 @@ class RequestPlan:
     assembled_end: int = 0  # prefix length after assembly
     est_start: Optional[int] = None
     next_stage: Optional[int] = None  # where staged prefill resumes reuse (None: prefill the rest)
-    sources: dict[int, Materialization] = field(default_factory=dict)
     learned: set[int] = field(default_factory=set)
     counted: bool = False
     attempted: bool = False  # assembly ran once; a repeat only re-runs if its nodes were evicted
