@@ -214,7 +214,9 @@ class Runner:
         return {"tops": positions, "report": rep}
 
 
-TF_MAX_NEW_TOKENS = 0  # SGLang 0.5.23 accepts 0: prefill only, logprobs of the input
+# One generated token, ignored: with 0 SGLang 0.5.23 answers prefill-only requests without the
+# request's customized_info, so the kvshare report (reuse of the teacher-forced pass) would be lost.
+TF_MAX_NEW_TOKENS = 1
 
 
 # ------------------------------------------------------------------ tasks
@@ -334,6 +336,8 @@ def summarize_arm(run: dict, off: dict, spec: TaskSpec, samples, decode) -> dict
     off_items = off["items"] if run is not off else items
     cons = [(a, b) for a, b in zip(items, off_items) if a["consumer"]]
     reuse = _reuse(run["raw"], consumers_only=True)
+    if arm.mode == "off":  # an off server sends no kvshare report: nothing is reused by construction
+        reuse["ratio"] = 0.0
     tf_rows = [fm.compare_positions(off["tf"][job]["tops"], run["tf"][job]["tops"]) for job in run["tf"]]
     tf = fm.pooled(tf_rows)
     # Self-check of the reference: off's teacher-forced top-1 against its own greedy continuation.
@@ -353,7 +357,7 @@ def summarize_arm(run: dict, off: dict, spec: TaskSpec, samples, decode) -> dict
         "agreement_final": fm.statistics.fmean(1.0 if a["answer"] == b["answer"] else 0.0 for a, b in cons),
         "identical_text": fm.statistics.fmean(1.0 if a["text"] == b["text"] else 0.0 for a, b in cons),
         "teacher_forced_top1": tf["top1"], "teacher_forced_kl": tf["kl"], "teacher_forced_positions": tf["positions"],
-        "teacher_forced_reuse_ratio": tf_reused / tf_shared if tf_shared else None,
+        "teacher_forced_reuse_ratio": tf_reused / tf_shared if tf_shared else (0.0 if arm.mode == "off" else None),
         "teacher_forced_top1_vs_off_greedy_tokens": fm.statistics.fmean(greedy) if greedy else None,
         "accuracy": fm.statistics.fmean(acc) if acc else None,
         "accuracy_all_items": fm.statistics.fmean(1.0 if a["correct"] else 0.0 for a in items),

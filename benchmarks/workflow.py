@@ -98,14 +98,15 @@ def summarize(results: list[dict]) -> dict:
             if not rep:
                 continue
             reported += 1
-            for key in ("tokens_exact_hit", "tokens_aligned", "tokens_corrected", "tokens_prefilled"):
+            for key in ("tokens_exact_hit", "tokens_estimate_hit", "tokens_aligned", "tokens_corrected",
+                        "tokens_prefilled"):
                 totals[key] += rep.get(key, 0)
             for seg in rep.get("segments", []):
                 if seg.get("kind") != "shared":
                     continue
                 shared[seg.get("resolved_by", "dense")] += seg["tokens"]
                 shared["all"] += seg["tokens"]
-                if seg.get("resolved_by") != "hit":
+                if seg.get("resolved_by") not in ("hit", "estimate_hit"):
                     attempts += 1
                     if seg.get("resolved_by") == "dense":
                         dense += 1
@@ -118,12 +119,13 @@ def summarize(results: list[dict]) -> dict:
         "accuracy": _mean([1.0 if r["correct"] else 0.0 for r in results]),
         "requests_with_report": reported,
         "shared_tokens": n_shared,
-        "reuse_ratio": (shared["alignment"] + shared["correction"]) / n_shared if n_shared else None,
+        "reuse_ratio": ((shared["alignment"] + shared["correction"] + shared["estimate_hit"]) / n_shared
+                        if n_shared else None),
         "shared_aligned_ratio": shared["alignment"] / n_shared if n_shared else None,
         "shared_corrected_ratio": shared["correction"] / n_shared if n_shared else None,
         "shared_exact_hit_ratio": shared["hit"] / n_shared if n_shared else None,
-        "prompt_reuse_ratio": ((totals["tokens_exact_hit"] + totals["tokens_aligned"] + totals["tokens_corrected"])
-                               / prompt_total) if prompt_total else None,
+        "prompt_reuse_ratio": ((totals["tokens_exact_hit"] + totals["tokens_estimate_hit"] + totals["tokens_aligned"]
+                                + totals["tokens_corrected"]) / prompt_total) if prompt_total else None,
         "dense_fallback_rate": dense / attempts if attempts else None,
         "shared_segments_attempted": attempts,
         "fallback_reasons": dict(reasons),

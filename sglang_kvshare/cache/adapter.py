@@ -176,7 +176,10 @@ class KVShareRadixCache(CacheAdmin, RadixCache):
             plan.exact_len = m  # first call: everything matched so far is a hit
             for o, seg in zip(plan.outcomes, plan.annotation.segments):
                 if seg.end <= m:
-                    o.resolved_by, o.resolved_tokens = "hit", o.tokens
+                    # A segment inside estimates an earlier identical request left is served
+                    # approximate KV: reported apart from exact hits, and counted as reuse.
+                    on_estimate = plan.est_start is not None and seg.end > plan.est_start
+                    o.resolved_by, o.resolved_tokens = ("estimate_hit" if on_estimate else "hit"), o.tokens
         if not self.active:
             self._mark_unsupported(plan)
         elif not plan.attempted or m < plan.assembled_end:
@@ -385,7 +388,7 @@ class KVShareRadixCache(CacheAdmin, RadixCache):
             st = records.slot(o.slot).stats
             st.requests += 1
             st.shared_tokens_seen += o.tokens
-            if o.resolved_by == "hit":
+            if o.resolved_by in ("hit", "estimate_hit"):
                 st.resolved_hit += o.resolved_tokens
             elif o.resolved_by == "alignment":
                 st.resolved_alignment += o.resolved_tokens

@@ -28,7 +28,7 @@ class SegmentOutcome:
     kind: str
     slot: Optional[str]
     tokens: int
-    resolved_by: str = "dense"  # hit | alignment | correction | dense
+    resolved_by: str = "dense"  # hit | estimate_hit | alignment | correction | dense
     resolved_tokens: int = 0  # rows served without prefill (a partial source or a recomputed head covers fewer)
     head_recomputed: Optional[int] = None  # rows of a reused segment's head prefilled densely
     reason: Optional[str] = None
@@ -84,10 +84,11 @@ class RequestPlan:
             "tokens_exact_hit": by["hit"],
             "tokens_aligned": by["alignment"],
             "tokens_corrected": by["correction"],
-            "tokens_prefilled": total - by["hit"] - by["alignment"] - by["correction"],
+            "tokens_estimate_hit": by["estimate_hit"],
+            "tokens_prefilled": total - by["hit"] - by["estimate_hit"] - by["alignment"] - by["correction"],
             "shared_tokens": sum(o.tokens for o in self.outcomes if o.kind == "shared"),
-            "shared_tokens_reused": sum(o.resolved_tokens for o in self.outcomes
-                                        if o.kind == "shared" and o.resolved_by in ("alignment", "correction")),
+            "shared_tokens_reused": sum(o.resolved_tokens for o in self.outcomes if o.kind == "shared"
+                                        and o.resolved_by in ("estimate_hit", "alignment", "correction")),
             "tokens_head_recomputed": sum(o.head_recomputed or 0 for o in self.outcomes),
             "assembly_seconds": round(self.assembly_seconds, 6),
             "segments": [o.as_dict() for o in self.outcomes],

@@ -10,10 +10,6 @@ from benchmarks import frontier
 
 pytestmark = [
     pytest.mark.server,
-    # NOTE: written but never run: the machine-wide heavy-job lock was held by other runs for the
-    # whole session this test was written in. Remove this skip after one green run (2 servers,
-    # 2 samples; expected well under 2 minutes).
-    pytest.mark.skip(reason="not yet run once on a real server; see the NOTE above"),
 ]
 
 
