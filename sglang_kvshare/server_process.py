@@ -61,6 +61,7 @@ class ServerProcess:
     port: int = field(default_factory=free_port)
     startup_timeout: float = 300.0
     log_path: Optional[Path] = None
+    wrapper: Sequence[str] = ()  # a command prefix, e.g. a profiler: ``py-spy record ... --``
     proc: Optional[subprocess.Popen] = None
 
     @property
@@ -75,8 +76,8 @@ class ServerProcess:
         if self.stock:
             # SGLang's own launcher and default cache, with the same CPU defaults as ours.
             argv = with_defaults(base, cpu=not gpu_visible(), select_backend=False)
-            return [sys.executable, "-m", "sglang.launch_server", *argv]
-        return [sys.executable, "-m", "sglang_kvshare.launch_server", *base, *self.kvshare_args]
+            return [*self.wrapper, sys.executable, "-m", "sglang.launch_server", *argv]
+        return [*self.wrapper, sys.executable, "-m", "sglang_kvshare.launch_server", *base, *self.kvshare_args]
 
     def start(self) -> "ServerProcess":
         from sglang_kvshare.launch_server import cpu_thread_env, gpu_visible
