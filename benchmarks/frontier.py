@@ -77,7 +77,7 @@ class Arm:
         return ["--kvshare-mode", self.mode, "--kvshare-recompute-head", str(self.recompute_head)]
 
 
-def default_arms(heads: Sequence[int], mix: Sequence[float]) -> list[Arm]:
+def default_arms(heads: Sequence[int], mix: Sequence[float], noise_floor: bool = False) -> list[Arm]:
     """Off first (every arm is compared with it), then the random-mix line, then the modes under test."""
     arms = [Arm("off", "off")]
     if 0 in heads:
@@ -85,6 +85,10 @@ def default_arms(heads: Sequence[int], mix: Sequence[float]) -> list[Arm]:
     arms += [Arm(f"mix_p{p:g}", "fullshared", 0, p) for p in mix]
     arms += [Arm(f"kvcmas_k{k}", "kvcmas", k) for k in heads]
     arms += [Arm(f"fullshared_k{k}", "fullshared", k) for k in heads if k != 0]
+    if noise_floor:
+        # A second off server, same samples: how often greedy text differs with no reuse at all
+        # (batch composition changes the floating-point sums), the floor every agreement sits on.
+        arms.append(Arm("off_repeat", "off"))
     return arms
 
 
@@ -390,15 +394,15 @@ def random_mix_line(arms: dict) -> list[tuple[float, float, str]]:
     """(reuse, agreement, arm) points of the random-mix baseline: off (p=1), the mix sweep, fullshared K=0 (p=0)."""
     pts = []
     for name, a in arms.items():
-        if a["mode"] == "off" or a["random_mix_p"] is not None or (a["mode"] == "fullshared" and a["recompute_head"] == 0):
+        if name == "off" or a["random_mix_p"] is not None or (a["mode"] == "fullshared" and a["recompute_head"] == 0):
             pts.append((a["reuse_ratio"] or 0.0, a["agreement_final"], name))
     return sorted(pts)
 
 
 def add_line_gaps(arms: dict) -> None:
     pts = [(x, y) for x, y, _ in random_mix_line(arms)]
-    tpts = [(a["reuse_ratio"] or 0.0, a["teacher_forced_top1"]) for a in arms.values()
-            if a["mode"] == "off" or a["random_mix_p"] is not None
+    tpts = [(a["reuse_ratio"] or 0.0, a["teacher_forced_top1"]) for name, a in arms.items()
+            if name == "off" or a["random_mix_p"] is not None
             or (a["mode"] == "fullshared" and a["recompute_head"] == 0)]
     for a in arms.values():
         line = fm.interpolate(pts, a["reuse_ratio"] or 0.0)
@@ -464,6 +468,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--heads", type=int, nargs="+", default=[0, 8, 32])
     ap.add_argument("--mix", type=float, nargs="*", default=[0.25, 0.5, 0.75])
     ap.add_argument("--arms", default=None, help="comma-separated subset of arm names (off is always run)")
+    ap.add_argument("--noise-floor", action="store_true", help="add off_repeat: a second off server")
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default="smollm2-135m")
@@ -479,7 +484,7 @@ def run_task(name: str, args, tok, argv_used: Sequence[str]) -> dict:
     max_tokens = args.max_tokens or (8 if name == "retrieval" else 128)
     samples = spec.load(limit, 0)
     warm = spec.load(args.warmup, 100_000 if name == "retrieval" else limit + 500)[: args.warmup]
-    arms = default_arms(args.heads, args.mix)
+    arms = default_arms(args.heads, args.mix, args.noise_floor or bool(args.arms and "off_repeat" in args.arms))
     if args.arms:
         keep = {"off", *args.arms.split(",")}
         arms = [a for a in arms if a.name in keep]
@@ -503,7 +508,7 @@ def run_task(name: str, args, tok, argv_used: Sequence[str]) -> dict:
     off = None
     for arm in arms:
         run = run_arm(arm, spec, samples, warm, tok, args, off, max_tokens)
-        if arm.mode == "off":
+        if arm.name == "off":
             off = run
         out["arms"][arm.name] = summarize_arm(run, off, spec, samples, decode)
         out["scored_items"] = out["arms"]["off"]["scored_items"]
