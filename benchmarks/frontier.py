@@ -13,8 +13,9 @@ K=0 as p=0 and ``off`` as p=1; the line through those points is what a coin
 buys at each reuse ratio. An arm adds value only above that line.
 
 Every arm runs the same samples (seeded) on a fresh server (one at a time),
-after ``--warmup`` unscored samples. Then, on the same server, every consumer
-request is *teacher-forced*: ``off``'s prompt + ``off``'s continuation,
+after ``--warmup`` unscored samples. Right after each sample, on the same
+server (while its sources are still in the pool), every consumer request is
+*teacher-forced*: ``off``'s prompt + ``off``'s continuation,
 annotated like the real request, with ``return_logprob`` and the top-20 of
 every continuation position; compared with ``off``'s own teacher-forced
 top-20 (top-1 agreement, mean KL over the top-k support; see
@@ -288,7 +289,7 @@ def _on_sigterm(*_) -> None:
 
 
 def run_arm(arm: Arm, spec: TaskSpec, samples, warm, tok, args, off_raw: Optional[dict], max_tokens: int) -> dict:
-    """Start a server for ``arm``, run warm-up and scored samples, then the teacher-forced pass."""
+    """Start a server for ``arm``, run warm-up and scored samples, each followed by its teacher-forced replays."""
     from sglang_kvshare.server_process import ServerProcess
 
     enc = _encoder(tok)
@@ -301,26 +302,29 @@ def run_arm(arm: Arm, spec: TaskSpec, samples, warm, tok, args, off_raw: Optiona
             def one(smp) -> list[dict]:
                 return runner.sample(spec.program(smp, enc, max_tokens), smp.id)
 
+            def scored(si: int) -> tuple[list[dict], dict]:
+                """One sample, then at once its teacher-forced replays, while its sources are in the pool.
+
+                (Replaying after all samples would find most sources evicted from
+                this CPU server's small KV pool: the replay would measure dense
+                prefill, not the arm.)"""
+                rows = one(samples[si])
+                ref = rows if off_raw is None else off_raw["raw"][si]
+                tfs = {(si, ri): runner.teacher_forced(row["call"], samples[si].id, row["output_ids"])
+                       for ri, row in enumerate(ref) if row["position"] > 1}
+                return rows, tfs
+
             for smp in warm:  # unscored: pools and caches see other contents first
                 one(smp)
             with ThreadPoolExecutor(args.concurrency) as pool:
-                raw = list(tqdm(pool.map(one, samples), total=len(samples), desc=f"{spec.name}/{arm.name}",
-                                disable=args.no_progress))
+                done = list(tqdm(pool.map(scored, range(len(samples))), total=len(samples),
+                                 desc=f"{spec.name}/{arm.name}", disable=args.no_progress))
+            raw = [rows for rows, _ in done]
+            tf = {job: t for _, tfs in done for job, t in tfs.items()}
             run_s = time.perf_counter() - t0
-            ref = raw if off_raw is None else off_raw["raw"]
-            jobs = [(si, ri) for si, rows in enumerate(ref) for ri, row in enumerate(rows) if row["position"] > 1]
-
-            def tf(job):
-                si, ri = job
-                row = ref[si][ri]
-                return runner.teacher_forced(row["call"], samples[si].id, row["output_ids"])
-
-            with ThreadPoolExecutor(args.concurrency) as pool:
-                tfs = list(tqdm(pool.map(tf, jobs), total=len(jobs), desc=f"{spec.name}/{arm.name}/teacher-forced",
-                                disable=args.no_progress))
         finally:
             _ACTIVE.remove(server)
-    return {"arm": arm, "raw": raw, "tf": dict(zip(jobs, tfs)), "run_s": run_s,
+    return {"arm": arm, "raw": raw, "tf": tf, "run_s": run_s,
             "wall_s": time.perf_counter() - t0}
 
 
