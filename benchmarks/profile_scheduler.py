@@ -9,8 +9,9 @@ twice so the exact-hit floor is in the profile too); then py-spy is stopped
 with SIGINT, which makes it write its samples, and the samples are grouped:
 
 * per process (the scheduler is the one that runs ``event_loop``);
-* in the scheduler: self time by function (the leaf frame) and inclusive time
-  of every ``sglang_kvshare`` function, so the cost of match, assembly, gate,
+* in the scheduler: samples by thread (event loop, kvshare's learner, start-up),
+  and in the event loop self time by function (the leaf frame) and inclusive
+  time of every ``sglang_kvshare`` function, so the cost of match, assembly, gate,
   estimate, write and insert stands next to the forward pass.
 
 Results: ``benchmarks/results/profile_<mode>.json`` (and py-spy's raw folded
@@ -54,24 +55,48 @@ def short(frame: str) -> str:
     return f"{m['func']} ({os.path.basename(m['file'])})"
 
 
+def split_process(frames: list[str]) -> tuple[str, list[str]]:
+    """(pid, frames inside it): py-spy marks each process with a ``process PID:"cmdline"`` frame.
+
+    A cmdline holding ``;`` spills into the next frames; those are skipped up to
+    the first frame that looks like ``func (file)``."""
+    pid, body = "?", frames
+    for i in range(len(frames) - 1, -1, -1):
+        if frames[i].startswith("process "):
+            pid = frames[i].split(":", 1)[0].removeprefix("process ")
+            body = frames[i + 1:]
+            while body and not FRAME.match(body[0]):
+                body = body[1:]
+            break
+    return pid, body
+
+
+THREADS = (("event_loop", "run_event_loop"), ("learner", "Learner."), ("startup", "<module>"))
+
+
 def summarize(stacks: list[tuple[list[str], int]], top: int = 25) -> dict:
-    by_process: dict[str, list] = collections.defaultdict(list)
+    by_pid: dict[str, list] = collections.defaultdict(list)
     for frames, count in stacks:
-        by_process[frames[0]].append((frames[1:], count))
-    procs = {root: sum(c for _, c in s) for root, s in by_process.items()}
-    sched_root = next((root for root, s in by_process.items()
-                       if any("event_loop" in f for frames, _ in s for f in frames)), None)
-    out: dict = {"samples_by_process": dict(sorted(procs.items(), key=lambda kv: -kv[1])),
-                 "scheduler_process": sched_root}
-    if sched_root is None:
+        pid, body = split_process(frames)
+        by_pid[pid].append((body, count))
+    sched_pid = next((pid for pid, s in by_pid.items()
+                      if any("run_event_loop" in f for frames, _ in s for f in frames)), None)
+    out: dict = {"samples_by_process": {pid: sum(c for _, c in s) for pid, s in by_pid.items()},
+                 "scheduler_pid": sched_pid}
+    if sched_pid is None:
         return out
-    sched = by_process[sched_root]
+    sched = by_pid[sched_pid]
     total = sum(c for _, c in sched)
+    share = lambda c: round(c / total, 4)  # noqa: E731
+    threads: collections.Counter = collections.Counter()
     self_time: collections.Counter = collections.Counter()
     inclusive: collections.Counter = collections.Counter()
-    kvshare_any = 0
     kvshare_names: set[str] = set()
     for frames, count in sched:
+        kind = next((k for k, marker in THREADS if any(marker in f for f in frames)), "other")
+        threads[kind] += count
+        if kind != "event_loop":
+            continue
         if frames:
             self_time[short(frames[-1])] += count
         seen = set()
@@ -82,16 +107,16 @@ def summarize(stacks: list[tuple[list[str], int]], top: int = 25) -> dict:
             if name not in seen:
                 seen.add(name)
                 inclusive[name] += count
-        if any("sglang_kvshare" in f for f in frames):
-            kvshare_any += count
-    share = lambda c: round(c / total, 4)  # noqa: E731
+    loop = threads["event_loop"] or 1
+    of_loop = lambda c: round(c / loop, 4)  # noqa: E731
     out.update({
         "scheduler_samples": total,
-        "scheduler_share_in_sglang_kvshare": share(kvshare_any),
-        "scheduler_self_top": [{"function": n, "share": share(c)} for n, c in self_time.most_common(top)],
-        "scheduler_inclusive_top": [{"function": n, "share": share(c)} for n, c in inclusive.most_common(top)],
-        "scheduler_inclusive_kvshare": [{"function": n, "share": share(c)} for n, c in inclusive.most_common()
-                                        if n in kvshare_names][:top],
+        "scheduler_threads_share": {k: share(c) for k, c in threads.most_common()},
+        "event_loop_self_top": [{"function": n, "share_of_loop": of_loop(c)} for n, c in self_time.most_common(top)],
+        "event_loop_inclusive_top": [{"function": n, "share_of_loop": of_loop(c)}
+                                     for n, c in inclusive.most_common(top)],
+        "event_loop_inclusive_kvshare": [{"function": n, "share_of_loop": of_loop(c)}
+                                         for n, c in inclusive.most_common() if n in kvshare_names][:top],
     })
     return out
 
@@ -139,10 +164,9 @@ def main(argv=None) -> int:
                       "idle threads excluded (py-spy default)",
               **summarize(parse_folded(raw))}
     write_json(out, result)
-    for key in ("scheduler_share_in_sglang_kvshare",):
-        print(key, result.get(key))
-    for row in result.get("scheduler_inclusive_kvshare", [])[:15]:
-        print(f"{row['share']:.3f}  {row['function']}")
+    print("scheduler threads:", result.get("scheduler_threads_share"))
+    for row in result.get("event_loop_inclusive_kvshare", [])[:15]:
+        print(f"{row['share_of_loop']:.3f}  {row['function']}")
     print(f"wrote {out}")
     return 0
 
