@@ -388,8 +388,10 @@ def _reuse(raw: list[list[dict]], consumers_only: bool) -> dict:
             shared += rep.get("shared_tokens", 0)
             reused += rep.get("shared_tokens_reused", 0)
             head += rep.get("tokens_head_recomputed", 0)
-            for fb in rep.get("fallbacks", []):
-                reasons[fb.get("reason")] = reasons.get(fb.get("reason"), 0) + 1
+            kinds = {seg.get("index"): seg.get("kind") for seg in rep.get("segments", [])}
+            for fb in rep.get("fallbacks", []):  # shared segments only (private copies fall back too)
+                if kinds.get(fb.get("segment")) == "shared":
+                    reasons[fb.get("reason")] = reasons.get(fb.get("reason"), 0) + 1
     return {"ratio": reused / shared if shared else None, "shared": shared, "reused": reused, "head": head,
             "reasons": reasons}
 

@@ -135,7 +135,8 @@ class Recorder:
     def annotated(self, out: Outcome) -> None:
         rep = out.report
         with self.lock:
-            for key in ("tokens_exact_hit", "tokens_aligned", "tokens_corrected", "tokens_prefilled"):
+            for key in ("tokens_exact_hit", "tokens_estimate_hit", "tokens_aligned", "tokens_corrected",
+                        "tokens_prefilled"):
                 self.reuse[key] += int(rep.get(key, 0) or 0)
             for fb in rep.get("fallbacks", []) or []:
                 self.fallbacks[str(fb.get("reason"))] += 1
