@@ -11,8 +11,9 @@ chunked-prefill machinery, so nothing else in the scheduler changes:
 * AROUND ``PrefillAdder._select_prefill_admission`` (a new request): when the
   cache has a stage end inside the request's extend, the admission becomes a
   chunk that ends there. SGLang tracks one chunked request at a time, so a
-  request that needs staging while another is mid-chunk waits for the next
-  round (``AddReqResult.CONTINUE``: the other waiting requests still go).
+  request that needs staging while another is mid-chunk, or was made a chunk
+  earlier in the same round, waits for the next round
+  (``AddReqResult.CONTINUE``: the other waiting requests still go).
 * AROUND ``PrefillAdder.add_chunked_req`` (the next chunk of a request): first
   ``cache.kvshare_resume(req)`` assembles what can be reused from the
   request's prefix on (the previous chunk is in the tree by then: the
@@ -41,16 +42,26 @@ CHUNKED_TARGET = "sglang.srt.managers.schedule_policy.PrefillAdder.add_chunked_r
 def around_select_prefill_admission(original, adder, req, *args, **kwargs):
     """End a new request's first chunk where the cache's first dense stretch ends."""
     admission = original(adder, req, *args, **kwargs)
-    stage_end = getattr(adder.tree_cache, "kvshare_stage_end", None)
-    if stage_end is None or not hasattr(admission, "extend_len"):
+    if not hasattr(admission, "extend_len"):
         return admission
-    end = stage_end(req, admission.prefix_len)
-    if end is None or admission.prefix_len + admission.extend_len <= end:
+    stage_end = getattr(adder.tree_cache, "kvshare_stage_end", None)
+    end = None if stage_end is None else stage_end(req, admission.prefix_len)
+    staged = end is not None and admission.prefix_len + admission.extend_len > end
+    if not staged and not admission.is_chunked:
         return admission
     from sglang.srt.managers.schedule_policy import AddReqResult
 
-    if kwargs.get("has_chunked_req") and not admission.is_chunked:
-        return AddReqResult.CONTINUE  # one chunked request at a time: this one waits a round
+    # One chunked request at a time: SGLang records it in ``adder.new_chunked_req``
+    # (this round) and ``scheduler.chunked_req`` (``has_chunked_req``: an earlier
+    # round). SGLang's own chunks fill the round's whole token budget, so it never
+    # admits a second one; a stage is short and leaves budget, so a second chunk
+    # in the same round (staged, or one SGLang cuts itself) would overwrite the
+    # first one's record, and the first would decode from half a prompt.
+    pending = getattr(adder, "new_chunked_req", None)
+    if (pending is not None and pending is not req) or (kwargs.get("has_chunked_req") and not admission.is_chunked):
+        return AddReqResult.CONTINUE  # waits a round; the other waiting requests still go
+    if not staged:
+        return admission
     return type(admission)(admission.prefix_len, end - admission.prefix_len, 0, True, admission.replay_len)
 
 
