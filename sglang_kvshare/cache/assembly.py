@@ -24,7 +24,7 @@ from sglang_kvshare.cache.kv_pool_io import sync_device
 from sglang_kvshare.cache.kv_writer import write_resolved
 from sglang_kvshare.cache.registry import NamespaceRecords
 from sglang_kvshare.cache.request_state import RequestPlan
-from sglang_kvshare.cache.resolver import Resolution, Resolver, Unresolved
+from sglang_kvshare.cache.resolver import Resolution, Resolver, Unresolved, is_private_suffix
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,8 @@ def plan_pieces(resolver: Resolver, records: NamespaceRecords, plan: RequestPlan
             continue
         if pos >= limit:
             break
+        if is_private_suffix(plan, o):
+            break  # prefilled densely by design (see resolver.is_private_suffix): no fallback
         head = head_len(seg, recompute_head)
         if pos < seg.start + head:
             break  # the head is prefilled densely first (staged prefill resumes after it)

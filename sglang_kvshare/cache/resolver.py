@@ -48,6 +48,19 @@ class Unresolved(Exception):
         self.reason = reason
 
 
+def is_private_suffix(plan: RequestPlan, o: SegmentOutcome) -> bool:
+    """The request's last segment, when private: always prefilled, never taken from another context.
+
+    Why: generation starts right after it, so its KV conditions the answer more
+    than any other, and the client marked it private (it asked for no reuse of
+    it). An agent's own copy from an earlier request sits behind other shared
+    text there; aligning it here served, e.g., a retrieval question's KV computed
+    after another document, an approximation nobody asked for. Private segments
+    in between (short connectors before a shared segment) are still aligned.
+    """
+    return o.index == len(plan.outcomes) - 1 and plan.annotation.segments[o.index].kind == "private"
+
+
 class Resolver:
     """Resolves segments against the registry, the tree and the estimator of one cache."""
 
@@ -59,6 +72,8 @@ class Resolver:
     def candidates(self, records: NamespaceRecords, plan: RequestPlan, o: SegmentOutcome) -> list[Materialization]:
         """Copies of the segment's content, latest first, of this cache generation."""
         seg = plan.annotation.segments[o.index]
+        if is_private_suffix(plan, o):
+            return []
         if seg.kind == "shared":
             mats = records.slot(seg.slot).copies(plan.hashes[o.index])
         else:

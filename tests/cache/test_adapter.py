@@ -303,3 +303,19 @@ def test_runtime_switch_to_a_mode_keeps_the_launch_checks():
 
 def test_the_plain_estimate_counter_is_reported_from_the_start():
     assert make_cache("fullshared").kvshare_stats()["counters"]["plain_tokens_from_estimates"] == 0
+
+
+def test_the_private_suffix_is_never_taken_from_another_context(sched):
+    """B's own suffix from a request with another query is not aligned behind this query."""
+    other = list(range(300, 340))
+    sched.run(annotated("A", other))
+    warm(sched, "B")
+    sched.run(annotated("B", other))  # B's suffix now has a copy, behind ``other``
+    sched.run(annotated("A"))
+    req = annotated("B")
+    sched.run(req)
+    segs = req.report()["segments"]
+    assert segs[1]["resolved_by"] == "alignment"
+    assert segs[2]["resolved_by"] == "dense" and "reason" not in segs[2]
+    assert req.report()["tokens_aligned"] == len(QUERY)
+    assert_pool_accounted(sched.cache)
