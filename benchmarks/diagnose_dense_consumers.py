@@ -1,0 +1,45 @@
+"""``python -m benchmarks.diagnose_dense_consumers [N] [CONCURRENCY] [P]``: do dense consumers equal ``off``?
+
+Why: in the retrieval frontier's random-mix arm (p=0.5) the consumers whose
+document was prefilled densely agreed with ``off`` on only 136 of 146 lookups,
+while a second ``off`` server agreed on all 300. With p=1.0 (every consumer
+dense, 12 samples, concurrency 4) all 36 agreed. So the gap shows only when
+dense and reused requests share a server. This prints every consumer that
+differs from ``off``, with its report; vary P and CONCURRENCY to separate batch
+numerics from a KV-slot problem.
+"""
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from transformers import AutoTokenizer
+from benchmarks import frontier as fr
+from sglang_kvshare.models import prepare
+from sglang_kvshare.server_process import ServerProcess
+
+N = int(sys.argv[1]) if len(sys.argv) > 1 else 16
+CONC = int(sys.argv[2]) if len(sys.argv) > 2 else 4
+mp = str(prepare("smollm2-135m")); tok = AutoTokenizer.from_pretrained(mp)
+spec = fr.task_spec("retrieval", 0); samples = spec.load(N, 0); warm = spec.load(4, 100_000)[:4]
+enc = fr._encoder(tok)
+def run(arm):
+    with ServerProcess(model_path=mp, kvshare_args=arm.server_args()) as s:
+        r = fr.Runner(s.url, arm, 0, tok.eos_token_id)
+        one = lambda smp: r.sample(spec.program(smp, enc, 8), smp.id)
+        for w in warm: one(w)
+        with ThreadPoolExecutor(CONC) as pool:
+            return list(pool.map(one, samples))
+off = run(fr.Arm("off", "off"))
+P = float(sys.argv[3]) if len(sys.argv) > 3 else 1.0
+dense = run(fr.Arm(f"mix_p{P:g}", "fullshared", 0, P))
+agree = n = 0
+for rows, orows in zip(dense, off):
+    for row, orow in zip(rows, orows):
+        if row["position"] == 1: continue
+        if not fr.fm.dense_in_mix(P, 0, row_sample := samples[dense.index(rows)].id, row["agent"], "doc"):
+            continue  # only consumers whose document was prefilled densely
+        n += 1; same = row["output_ids"] == orow["output_ids"]; agree += same
+        if not same:
+            rep = row["report"]
+            print("DIFF", row["agent"], tok.decode(row["output_ids"]), "| off:", tok.decode(orow["output_ids"]),
+                  {k: rep.get(k) for k in ("tokens_exact_hit", "tokens_estimate_hit", "tokens_aligned", "tokens_prefilled")},
+                  [(sg.get("kind"), sg.get("resolved_by"), sg.get("tokens"), sg.get("reason")) for sg in rep.get("segments", [])], flush=True)
+print("agree", agree, "of", n, flush=True)
