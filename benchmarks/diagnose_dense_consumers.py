@@ -31,10 +31,10 @@ off = run(fr.Arm("off", "off"))
 P = float(sys.argv[3]) if len(sys.argv) > 3 else 1.0
 dense = run(fr.Arm(f"mix_p{P:g}", "fullshared", 0, P))
 agree = n = 0
-for rows, orows in zip(dense, off):
+for smp, rows, orows in zip(samples, dense, off):
     for row, orow in zip(rows, orows):
         if row["position"] == 1: continue
-        if not fr.fm.dense_in_mix(P, 0, row_sample := samples[dense.index(rows)].id, row["agent"], "doc"):
+        if not fr.fm.dense_in_mix(P, 0, smp.id, row["agent"], "doc"):
             continue  # only consumers whose document was prefilled densely
         n += 1; same = row["output_ids"] == orow["output_ids"]; agree += same
         if not same:
