@@ -88,7 +88,7 @@ def default_arms(heads: Sequence[int], mix: Sequence[float], noise_floor: bool =
     arms += [Arm(f"fullshared_k{k}", "fullshared", k) for k in heads if k != 0]
     if noise_floor:
         # A second off server, same samples: how often greedy text differs with no reuse at all
-        # (batch composition changes the floating-point sums), the floor every agreement sits on.
+        # (other batchings could change floating-point sums), the floor every agreement sits on.
         arms.append(Arm("off_repeat", "off"))
     return arms
 
@@ -396,20 +396,23 @@ def _reuse(raw: list[list[dict]], consumers_only: bool) -> dict:
             "reasons": reasons}
 
 
+def on_mix_line(name: str, a: dict) -> bool:
+    """The random-mix line's points: off (p=1), the mix sweep, fullshared K=0 (p=0)."""
+    return name == "off" or a["random_mix_p"] is not None or (a["mode"] == "fullshared" and a["recompute_head"] == 0)
+
+
 def random_mix_line(arms: dict) -> list[tuple[float, float, str]]:
     """(reuse, agreement, arm) points of the random-mix baseline: off (p=1), the mix sweep, fullshared K=0 (p=0)."""
     pts = []
     for name, a in arms.items():
-        if name == "off" or a["random_mix_p"] is not None or (a["mode"] == "fullshared" and a["recompute_head"] == 0):
+        if on_mix_line(name, a):
             pts.append((a["reuse_ratio"] or 0.0, a["agreement_final"], name))
     return sorted(pts)
 
 
 def add_line_gaps(arms: dict) -> None:
     pts = [(x, y) for x, y, _ in random_mix_line(arms)]
-    tpts = [(a["reuse_ratio"] or 0.0, a["teacher_forced_top1"]) for name, a in arms.items()
-            if name == "off" or a["random_mix_p"] is not None
-            or (a["mode"] == "fullshared" and a["recompute_head"] == 0)]
+    tpts = [(a["reuse_ratio"] or 0.0, a["teacher_forced_top1"]) for name, a in arms.items() if on_mix_line(name, a)]
     for a in arms.values():
         line = fm.interpolate(pts, a["reuse_ratio"] or 0.0)
         a["random_mix_agreement_at_same_reuse"] = line
