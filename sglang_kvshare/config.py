@@ -37,6 +37,8 @@ class KVShareConfig:
     max_slots: int = field(default=256, metadata={"help": "Most slot names whose copy records are kept per namespace; least recently used dropped first."})
     learn_queue_max: int = field(default=16, metadata={"help": "Most dense-prefill observations waiting to be learned; a full queue drops new ones (counted)."})
     learn_queue_mb: float = field(default=256.0, metadata={"help": "Most memory (MiB) the K/V copies of waiting observations may hold."})
+    learn_cpu_share: float = field(default=0.5, metadata={"help": "Most share of wall time the learning thread may be busy: after learning for t seconds it sleeps t*(1/share-1). On a machine with few cores the learner's SVDs compete with the forward; 1 = no pause."})
+    learn_slot_interval_s: float = field(default=0.0, metadata={"help": "Observe one slot at most once per this many seconds (0 = no limit). Observations of a (content, edge) the pool already holds are always skipped."})
     recompute_head: int = field(default=0, metadata={"help": "K: the first K tokens of every reused segment are prefilled densely in the request's own context (EPIC-style boundary recompute); only the rest is re-aligned (and corrected). 0 = reuse whole segments."})
     staged: bool = field(default=True, metadata={"help": "Staged prefill: after a dense stretch (an unseen segment, or a recomputed head) resume reuse for the segments behind it, within the same request. false = stop reusing at the first segment that needs prefill."})
     min_stage_tokens: int = field(default=32, metadata={"help": "Staged prefill resumes reuse after a dense stretch only for a segment with at least this many reusable tokens: a stage costs one more forward, and a short private tail (the instruction before the answer) is cheaper, and more faithful, prefilled."})
@@ -61,6 +63,10 @@ class KVShareConfig:
             raise ValueError(f"recompute_head must be >= 0, got {self.recompute_head}")
         if self.gate_max_tokens is not None and self.gate_max_tokens < 0:
             raise ValueError("gate_max_tokens must be >= 0 (0 = whole segment)")
+        if not 0.0 < self.learn_cpu_share <= 1.0:
+            raise ValueError(f"learn_cpu_share must lie in (0, 1], got {self.learn_cpu_share}")
+        if self.learn_slot_interval_s < 0:
+            raise ValueError(f"learn_slot_interval_s must be >= 0, got {self.learn_slot_interval_s}")
         if self.pool_budget_mb <= 0 or self.learn_queue_mb <= 0:
             raise ValueError("pool_budget_mb and learn_queue_mb must be positive")
         for name in ("max_pools", "max_namespaces", "max_slots", "learn_queue_max"):

@@ -68,7 +68,8 @@ class KVShareRadixCache(CacheAdmin, RadixCache):
         self._estimator_lock = threading.RLock()
         self.learner = Learner(lambda: self.estimator, self._estimator_lock, self.counters,
                                max_jobs=config.learn_queue_max, max_bytes=int(config.learn_queue_mb * 2**20),
-                               asynchronous=config.learn_async)
+                               asynchronous=config.learn_async, cpu_share=config.learn_cpu_share,
+                               slot_interval_s=config.learn_slot_interval_s)
         self.resolver = Resolver(self, lambda: self.estimator, self._estimator_lock)
         super().__init__(params)
         if config.mode != "off":
@@ -349,6 +350,8 @@ class KVShareRadixCache(CacheAdmin, RadixCache):
             self.counters.add("observations_source_lost")
             return
         seg = plan.annotation.segments[index]
+        if not self.learner.admit((plan.namespace, seg.slot), plan.hashes[index], source.agent, plan.agent_id):
+            return
         kvcache = self.token_to_kv_pool_allocator.get_kvcache()
         t0 = time.perf_counter()
         sync_device(src_idx)  # the rows may still be in flight on the forward stream (overlap scheduling)

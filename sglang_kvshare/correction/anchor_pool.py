@@ -252,6 +252,15 @@ class AnchorPool:
         """True when an anchor of ``content_key`` is held (its base need not be prepared again)."""
         return self._find(content_key) is not None
 
+    def has_delta(self, content_key: Hashable | None, edge: Edge) -> bool:
+        """True when the anchor of ``content_key`` already holds a delta for ``edge``.
+
+        Why: a new observation of the same content on the same edge would only
+        replace that delta; the learner skips it (the pool has converged there).
+        """
+        anchor = self._find(content_key)
+        return anchor is not None and edge in anchor.deltas
+
     def commit(self, prepared: PreparedObservation) -> int | None:
         """Attach a prepared observation; returns the anchor id, or None when it was dropped.
 

@@ -110,6 +110,14 @@ class Estimator(ABC):
         """True when ``slot``'s pool holds an anchor of ``content_key`` (cheap; call under the caller's lock)."""
         return False
 
+    def has_observation(self, slot: Hashable, content_key: Hashable | None, src_agent: Hashable,
+                        dst_agent: Hashable) -> bool:
+        """True when learning ``content_key`` again on ``src_agent -> dst_agent`` would add nothing.
+
+        Cheap, under the caller's lock. Pool-less modes learn nothing, so always True there.
+        """
+        return not self.learns
+
     def prepare_observation(self, slot: Hashable, source: SegmentCache, target: SegmentCache,
                             content_key: Hashable | None = None, with_base: bool = True) -> PreparedObservation | None:
         """The heavy half of learning from a dense prefill ``target``; None when the mode learns nothing.
@@ -227,6 +235,11 @@ class AnchorEstimator(Estimator):
     def has_content(self, slot, content_key):
         pool = self._pools.get(slot)
         return pool is not None and pool.has_content(content_key)
+
+    def has_observation(self, slot, content_key, src_agent, dst_agent):
+        pool = self._pools.get(slot)
+        return pool is not None and content_key is not None and pool.has_delta(content_key,
+                                                                               self.edge(src_agent, dst_agent))
 
     def prepare_observation(self, slot, source, target, content_key=None, with_base=True):
         if not target.exact:

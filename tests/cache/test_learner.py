@@ -1,0 +1,109 @@
+"""The learner's throttles: a known (content, edge) is skipped, a slot's rate is capped, the worker pauses.
+
+Why these matter (issue 15): on a 2-core machine the learner's SVDs made every
+request of a kvcmas server slower while it learned. Each test would fail if a
+throttle were missing: an observation the pool already holds copied again, a
+slot observed twice inside its interval, a worker that never pauses.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from sglang_kvshare.cache.counters import Counters
+from sglang_kvshare.cache.learner import Learner, Observation
+from sglang_kvshare.correction import RopeSpec, SegmentCache, make_estimator
+
+LAYERS, LENGTH, HEADS, DIM = 2, 6, 2, 8
+
+
+def _spec() -> RopeSpec:
+    return RopeSpec.default(DIM)
+
+
+def _cache(seed: int, start: int, agent: str) -> SegmentCache:
+    g = torch.Generator().manual_seed(seed)
+    k, v = (torch.randn(LAYERS, LENGTH, HEADS, DIM, generator=g) for _ in range(2))
+    return SegmentCache(k, v, start, agent)
+
+
+def _learner(estimator, **kw) -> tuple[Learner, Counters]:
+    counters = Counters()
+    kw.setdefault("asynchronous", False)
+    return Learner(lambda: estimator, threading.RLock(), counters, max_jobs=4, max_bytes=2**30, **kw), counters
+
+
+def test_an_observation_the_pool_already_holds_is_skipped():
+    estimator = make_estimator("kvcmas", _spec(), tau=1.0)
+    learner, counters = _learner(estimator)
+    slot = "query"
+    assert learner.admit(slot, "c1", "A", "B")
+    learner.submit(Observation(slot, _cache(1, 10, "A"), _cache(2, 20, "B"), "c1"))
+    assert estimator.pool_size(slot) == 1
+    assert not learner.admit(slot, "c1", "A", "B")  # same content, same edge: nothing new
+    assert counters.get("observations_skipped_known") == 1
+    assert learner.admit(slot, "c1", "C", "B")  # another edge of the same content is new
+    assert learner.admit(slot, "c2", "A", "B")  # another content is new
+
+
+def test_a_mode_that_learns_nothing_admits_nothing():
+    learner, _ = _learner(make_estimator("fullshared", _spec()))
+    assert not learner.admit("query", "c1", "A", "B")
+
+
+def test_one_slot_is_observed_at_most_once_per_interval():
+    estimator = make_estimator("kvcmas", _spec(), tau=1.0)
+    learner, counters = _learner(estimator, slot_interval_s=60.0)
+    assert learner.admit("query", "c1", "A", "B")
+    assert not learner.admit("query", "c2", "A", "B")
+    assert counters.get("observations_skipped_rate") == 1
+    assert learner.admit("answer", "c3", "A", "B")  # other slots keep their own clock
+
+
+class _SlowEstimator:
+    """Learns nothing but takes ``busy`` seconds per observation, and records when it ran."""
+
+    learns = True
+
+    def __init__(self, busy: float) -> None:
+        self.busy = busy
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+
+    def has_content(self, slot, content_key):
+        return False
+
+    def prepare_observation(self, slot, source, target, content_key=None, with_base=True):
+        self.starts.append(time.monotonic())
+        time.sleep(self.busy)
+        self.ends.append(time.monotonic())
+        return None
+
+
+def _wait_for(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "the learner did not finish"
+        time.sleep(0.01)
+
+
+def test_the_worker_pauses_to_keep_its_cpu_share():
+    estimator = _SlowEstimator(busy=0.05)
+    learner, counters = _learner(estimator, asynchronous=True, cpu_share=0.25)
+    for i in range(2):
+        assert learner.submit(Observation("query", _cache(i, 0, "A"), _cache(i, 5, "B"), f"c{i}"))
+    _wait_for(lambda: len(estimator.ends) == 2)
+    # busy 0.05 s at a share of 0.25: a pause of at least 3 x 0.05 s before the next one
+    assert estimator.starts[1] - estimator.ends[0] >= 0.15 * 0.95
+    assert counters.get("learn_throttle_seconds") >= 0.15 * 0.95
+
+
+def test_the_shares_are_validated():
+    with pytest.raises(ValueError, match="cpu_share"):
+        _learner(None, cpu_share=0.0)
+    with pytest.raises(ValueError, match="slot_interval_s"):
+        _learner(None, slot_interval_s=-1.0)
