@@ -165,7 +165,8 @@ class Runner:
         if call.output_slot and out and out[-1] != self.eos:
             self._commit_output(built, out)
         return {"agent": call.agent, "position": call.position, "call": call, "prompt_len": len(built.input_ids),
-                "output_ids": out, "ttft_s": timed.ttft, "report": timed.report}
+                "output_ids": out, "ttft_s": timed.ttft, "report": timed.report,
+                "cached_tokens": timed.meta.get("cached_tokens")}
 
     def _commit_output(self, built, ids: list[int]) -> None:
         """Prefill a cut answer's last token, as ``KVShareEndpoint`` does, so consumers reuse all of it.
