@@ -32,7 +32,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang_kvshare.cache import assembly, tree_paths
 from sglang_kvshare.cache.cache_admin import CacheAdmin
 from sglang_kvshare.cache.counters import Counters
-from sglang_kvshare.cache.kv_pool_io import read_segment, sync_device
+from sglang_kvshare.cache.kv_pool_io import read_pair
 from sglang_kvshare.cache.learner import Learner, Observation
 from sglang_kvshare.cache.registry import ContentHasher, Materialization, PlaceholderRegistry, RegistryLimits
 from sglang_kvshare.cache.request_state import (RequestPlan, SegmentOutcome, attach, plan_of,
@@ -352,13 +352,9 @@ class KVShareRadixCache(CacheAdmin, RadixCache):
         seg = plan.annotation.segments[index]
         if not self.learner.admit((plan.namespace, seg.slot), plan.hashes[index], source.agent, plan.agent_id):
             return
-        kvcache = self.token_to_kv_pool_allocator.get_kvcache()
         t0 = time.perf_counter()
-        sync_device(src_idx)  # the rows may still be in flight on the forward stream (overlap scheduling)
-        k_src, v_src = read_segment(kvcache, src_idx)
-        row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx]
-        k_tgt, v_tgt = read_segment(kvcache, row[seg.start:seg.start + k_src.shape[1]])
-        sync_device(k_src)  # the worker thread must not read the copies before they exist
+        k_src, v_src, k_tgt, v_tgt = read_pair(self.token_to_kv_pool_allocator.get_kvcache(), src_idx,
+                                               self.req_to_token_pool.req_to_token[req.kv.req_pool_idx][seg.start:])
         self.counters.add("learn_copy_seconds", time.perf_counter() - t0)
         self.learner.submit(Observation(
             slot=(plan.namespace, seg.slot),
@@ -388,20 +384,6 @@ class KVShareRadixCache(CacheAdmin, RadixCache):
         for o in plan.outcomes:
             if o.kind != "shared":
                 continue
-            st = records.slot(o.slot).stats
-            st.requests += 1
-            st.shared_tokens_seen += o.tokens
-            if o.resolved_by in ("hit", "estimate_hit"):
-                st.resolved_hit += o.resolved_tokens
-            elif o.resolved_by == "alignment":
-                st.resolved_alignment += o.resolved_tokens
-            elif o.resolved_by == "correction":
-                st.resolved_correction += o.resolved_tokens
-            st.prefilled_dense += o.tokens - o.resolved_tokens
-            if o.reason is not None:
-                st.fallbacks[o.reason] += 1
-            if o.entropy is not None:
-                st.gate_entropy_sum += o.entropy
-                st.gate_decisions += 1
+            records.slot(o.slot).stats.add(o)
         self.counters.add("annotated_requests")
         self.counters.add("assembly_seconds", plan.assembly_seconds)

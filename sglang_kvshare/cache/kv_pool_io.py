@@ -36,3 +36,16 @@ def sync_device(tensor: torch.Tensor) -> None:
     """
     if tensor.is_cuda:
         torch.cuda.synchronize(tensor.device)
+
+
+def read_pair(kvcache, src_idx: torch.Tensor, dst_idx: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Copies of a source segment and of the target rows of the same length: ``k_src, v_src, k_dst, v_dst``.
+
+    Synchronized on both sides: the source rows may still be in flight on the
+    forward stream, and the learner's thread must not read the copies early.
+    """
+    sync_device(src_idx)
+    k_src, v_src = read_segment(kvcache, src_idx)
+    k_dst, v_dst = read_segment(kvcache, dst_idx[:k_src.shape[1]])
+    sync_device(k_src)
+    return k_src, v_src, k_dst, v_dst

@@ -96,6 +96,24 @@ class SlotStats:
     gate_entropy_sum: float = 0.0
     gate_decisions: int = 0
 
+    def add(self, o) -> None:
+        """Count one request's outcome of this slot (a ``request_state.SegmentOutcome``)."""
+        self.requests += 1
+        self.shared_tokens_seen += o.tokens
+        if o.resolved_by in ("hit", "estimate_hit"):
+            self.resolved_hit += o.resolved_tokens
+        elif o.resolved_by == "alignment":
+            self.resolved_alignment += o.resolved_tokens
+        elif o.resolved_by == "correction":
+            self.resolved_correction += o.resolved_tokens
+        self.prefilled_dense += o.tokens - o.resolved_tokens
+        self.head_recomputed += o.head_recomputed or 0
+        if o.reason is not None:
+            self.fallbacks[o.reason] += 1
+        if o.entropy is not None:
+            self.gate_entropy_sum += o.entropy
+            self.gate_decisions += 1
+
     def as_dict(self) -> dict:
         resolved = self.resolved_hit + self.resolved_alignment + self.resolved_correction
         seen = self.shared_tokens_seen
