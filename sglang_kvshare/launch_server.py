@@ -37,6 +37,10 @@ CPU_DEFAULTS: tuple[tuple[str, str | None], ...] = (
     ("--dtype", "float32"),
     ("--mem-fraction-static", "0.8"),  # of system RAM; --max-total-tokens bounds the KV pool
     ("--max-total-tokens", "16384"),
+    # NOTE: an idle scheduler otherwise polls at 100 % of a core; on a 2-core machine one
+    # idle server halves the speed of another one (measured: both schedulers at 99 % CPU).
+    # SGLang's own zmq poll wakes on the next request, so a request waits for nothing.
+    ("--sleep-on-idle", None),
 )
 
 

@@ -36,6 +36,7 @@ def test_cpu_defaults_fill_in_but_never_override_user_flags():
     assert argv.count("--dtype") == 1 and argv[argv.index("--dtype") + 1] == "bfloat16"
     assert argv[argv.index("--attention-backend") + 1] == "torch_native"
     assert argv[argv.index("--radix-cache-backend") + 1] == "kvshare"
+    assert "--sleep-on-idle" in argv  # an idle CPU server must not take a core from a busy one
     assert "--attention-backend" not in with_defaults(["--model-path", "m"], cpu=False)
 
 
