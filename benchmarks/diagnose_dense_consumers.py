@@ -9,6 +9,7 @@ differs from ``off``, with its report; vary P and CONCURRENCY to separate batch
 numerics from a KV-slot problem.
 """
 import sys
+import requests
 from concurrent.futures import ThreadPoolExecutor
 from transformers import AutoTokenizer
 from benchmarks import frontier as fr
@@ -20,10 +21,23 @@ CONC = int(sys.argv[2]) if len(sys.argv) > 2 else 4
 mp = str(prepare("smollm2-135m")); tok = AutoTokenizer.from_pretrained(mp)
 spec = fr.task_spec("retrieval", 0); samples = spec.load(N, 0); warm = spec.load(4, 100_000)[:4]
 enc = fr._encoder(tok)
+def first_token_top(url, ids):
+    """The top-5 logprobs of the first generated token, from a plain request (exact KV only)."""
+    body = {"input_ids": ids, "return_logprob": True, "top_logprobs_num": 5,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+    top = requests.post(url + "/generate", json=body, timeout=600).json()["meta_info"]["output_top_logprobs"][0]
+    return [(float(lp), int(t)) for lp, t, *_ in top]
+
+
 def run(arm):
     with ServerProcess(model_path=mp, kvshare_args=arm.server_args()) as s:
         r = fr.Runner(s.url, arm, 0, tok.eos_token_id)
-        one = lambda smp: r.sample(spec.program(smp, enc, 8), smp.id)
+        def one(smp):
+            rows = r.sample(spec.program(smp, enc, 8), smp.id)
+            for row in rows:  # right away, while the prompt is in the tree: its cached rows decide
+                row["first_top"] = first_token_top(s.url, fr.assemble(row["agent"], fr.mixed(
+                    row["call"], arm, smp.id, 0)).input_ids)
+            return rows
         for w in warm: one(w)
         with ThreadPoolExecutor(CONC) as pool:
             return list(pool.map(one, samples))
@@ -46,6 +60,10 @@ for smp, rows, orows in zip(samples, dense, off):
         hit = row["cached_tokens"]  # the server's own count: the radix match, partial segments included
         same_split = hit == orow["cached_tokens"]
         same = row["output_ids"] == orow["output_ids"]
+        a, b = dict((t, lp) for lp, t in row["first_top"]), dict((t, lp) for lp, t in orow["first_top"])
+        gap = max(abs(a[t] - b[t]) for t in a.keys() & b.keys())
+        print("first token: max |logprob diff| %.2e, top-2 gap in off %.3f, %s" % (
+            gap, orow["first_top"][0][0] - orow["first_top"][1][0], "same" if same else "DIFF"), flush=True)
         cell = tally.setdefault(same_split, [0, 0])
         cell[0] += same; cell[1] += 1
         if not same:
