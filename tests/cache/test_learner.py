@@ -97,9 +97,22 @@ def test_the_worker_pauses_to_keep_its_cpu_share():
     for i in range(2):
         assert learner.submit(Observation("query", _cache(i, 0, "A"), _cache(i, 5, "B"), f"c{i}"))
     _wait_for(lambda: len(estimator.ends) == 2)
-    # busy 0.05 s at a share of 0.25: a pause of at least 3 x 0.05 s before the next one
-    assert estimator.starts[1] - estimator.ends[0] >= 0.15 * 0.95
-    assert counters.get("learn_throttle_seconds") >= 0.15 * 0.95
+    # At a share of 0.25 the rest is 3x the learning time, scaled by the queue's free share:
+    # one of 4 jobs still waited when the first ended.
+    rest = 3 * (estimator.ends[0] - estimator.starts[0]) * (1 - 1 / 4)
+    assert estimator.starts[1] - estimator.ends[0] >= 0.95 * rest
+    assert counters.get("learn_throttle_seconds") >= 0.95 * rest
+
+
+def test_a_full_queue_is_learned_without_a_pause():
+    learner, _ = _learner(_SlowEstimator(busy=0.0), asynchronous=True, cpu_share=0.1)
+    learner.max_jobs = 1
+    with learner._bytes_lock:
+        learner._bytes = learner.max_bytes  # as if a burst filled the byte bound
+    assert learner._pause(busy=1.0) == 0.0
+    with learner._bytes_lock:
+        learner._bytes = 0
+    assert learner._pause(busy=1.0) == pytest.approx(9.0)  # empty queue: the full duty-cycle rest
 
 
 def test_the_shares_are_validated():
