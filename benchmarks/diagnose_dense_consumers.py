@@ -2,11 +2,16 @@
 
 Why: in the retrieval frontier's random-mix arm (p=0.5) the consumers whose
 document was prefilled densely agreed with ``off`` on only 136 of 146 lookups,
-while a second ``off`` server agreed on all 300. With p=1.0 (every consumer
-dense, 12 samples, concurrency 4) all 36 agreed. So the gap shows only when
-dense and reused requests share a server. This prints every consumer that
-differs from ``off``, with its report; vary P and CONCURRENCY to separate batch
-numerics from a KV-slot problem.
+while a second ``off`` server (same history) agreed on all 300. This runs ``off``
+and the mix arm on N samples and, for every dense consumer, compares the output,
+the servers' own ``cached_tokens`` (where the extend starts) and the first
+token's top-5 logprobs from a plain request sent right after the sample.
+
+Finding (2026-11-30, ``12 1 0.5``; ``benchmarks/results/diagnose_dense_consumers.txt``):
+at concurrency 1 and with the same cached-prefix length, 2 of 23 still
+differed; with the first-token requests added (another cache history) 23 of
+23 agreed and the logprobs were within 2.1e-5 of ``off``. Float32 rounding
+from which earlier request computed the cached rows, not wrong KV.
 """
 import sys
 import requests
@@ -18,6 +23,7 @@ from sglang_kvshare.server_process import ServerProcess
 
 N = int(sys.argv[1]) if len(sys.argv) > 1 else 16
 CONC = int(sys.argv[2]) if len(sys.argv) > 2 else 4
+P = float(sys.argv[3]) if len(sys.argv) > 3 else 1.0
 mp = str(prepare("smollm2-135m")); tok = AutoTokenizer.from_pretrained(mp)
 spec = fr.task_spec("retrieval", 0); samples = spec.load(N, 0); warm = spec.load(4, 100_000)[:4]
 enc = fr._encoder(tok)
@@ -42,13 +48,9 @@ def run(arm):
         with ThreadPoolExecutor(CONC) as pool:
             return list(pool.map(one, samples))
 off = run(fr.Arm("off", "off"))
-P = float(sys.argv[3]) if len(sys.argv) > 3 else 1.0
 dense = run(fr.Arm(f"mix_p{P:g}", "fullshared", 0, P))
-# A dense consumer is computed exactly; only *where the extend starts* can differ from off:
-# off's radix also matches the document's first tokens ("Records:\nThe code of") when the
-# same agent's previous document sits in its tree, while a kvshare server holds that previous
-# document as an estimate (never matched) and prefills those tokens again. A different split
-# of the same tokens is a different CPU GEMM: a near-tie may flip. Tally by split.
+# Tally dense consumers by whether their extend starts where off's does: a different start
+# is a different CPU GEMM, so it had to be ruled out before suspecting the KV rows.
 tally = {}  # same split? -> [agree, n]
 for smp, rows, orows in zip(samples, dense, off):
     for row, orow in zip(rows, orows):

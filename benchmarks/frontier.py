@@ -87,8 +87,9 @@ def default_arms(heads: Sequence[int], mix: Sequence[float], noise_floor: bool =
     arms += [Arm(f"kvcmas_k{k}", "kvcmas", k) for k in heads]
     arms += [Arm(f"fullshared_k{k}", "fullshared", k) for k in heads if k != 0]
     if noise_floor:
-        # A second off server, same samples: how often greedy text differs with no reuse at all
-        # (other batchings could change floating-point sums), the floor every agreement sits on.
+        # A second off server, same samples and the same request history: bit-identical on this
+        # CPU server. It does not show the float32 floor of another history (a kvshare server
+        # evicts other rows), see benchmarks/diagnose_dense_consumers.py.
         arms.append(Arm("off_repeat", "off"))
     return arms
 

@@ -39,7 +39,10 @@ import itertools
 import os
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Hashable, Iterator, Optional, Sequence
+
+if TYPE_CHECKING:
+    from sglang_kvshare.cache.request_state import SegmentOutcome
 
 Namespace = tuple[Optional[str], Optional[str]]  # (extra_key, cache_salt)
 
@@ -96,8 +99,8 @@ class SlotStats:
     gate_entropy_sum: float = 0.0
     gate_decisions: int = 0
 
-    def add(self, o) -> None:
-        """Count one request's outcome of this slot (a ``request_state.SegmentOutcome``)."""
+    def add(self, o: "SegmentOutcome") -> None:
+        """Count one request's outcome of this slot."""
         self.requests += 1
         self.shared_tokens_seen += o.tokens
         if o.resolved_by in ("hit", "estimate_hit"):

@@ -105,8 +105,7 @@ def test_the_worker_pauses_to_keep_its_cpu_share():
 
 
 def test_a_full_queue_is_learned_without_a_pause():
-    learner, _ = _learner(_SlowEstimator(busy=0.0), asynchronous=True, cpu_share=0.1)
-    learner.max_jobs = 1
+    learner, _ = _learner(_SlowEstimator(busy=0.0), cpu_share=0.1)
     with learner._bytes_lock:
         learner._bytes = learner.max_bytes  # as if a burst filled the byte bound
     assert learner._pause(busy=1.0) == 0.0
