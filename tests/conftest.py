@@ -7,6 +7,7 @@ always stopped at the end of the session.
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from typing import Callable, Iterator
 
 # NOTE: Triton reads TRITON_INTERPRET when it is first imported, and importing
@@ -28,24 +29,33 @@ def model_path() -> str:
     return str(prepare("smollm2-135m"))
 
 
+# Idle servers sleep (the launcher's --sleep-on-idle) and cost only memory, about 2 GiB each.
+MAX_ALIVE_SERVERS = 3
+
+
 @pytest.fixture(scope="session")
 def server_pool(model_path) -> Iterator[Callable[..., ServerProcess]]:
     """``get(name, **kwargs)`` returns a running server, started on first use.
 
-    Two servers at once would fight over this machine's 2 cores, so starting
-    a new kind stops the previously running one unless ``keep=True``.
+    Servers are keyed by their arguments, not by ``name`` (a label for the log):
+    every test that asks for the same arguments shares one server, so tests must
+    not assume a server fresh (``tests.servers.clean`` empties its caches). The
+    last ``MAX_ALIVE_SERVERS`` servers used stay up; an idle one costs no CPU.
     """
-    running: dict[str, ServerProcess] = {}
+    running: OrderedDict[tuple, ServerProcess] = OrderedDict()
 
     def get(name: str, *, kvshare_args=(), extra_args=(), stock: bool = False) -> ServerProcess:
-        if name in running and running[name].proc.poll() is None:
-            return running[name]
-        for other in list(running):
-            running.pop(other).stop()
-        server = ServerProcess(model_path=model_path, kvshare_args=tuple(kvshare_args),
-                               extra_args=tuple(extra_args), stock=stock)
+        key = (tuple(kvshare_args), tuple(extra_args), stock)
+        server = running.get(key)
+        if server is not None and server.proc.poll() is None:
+            running.move_to_end(key)
+            return server
+        running.pop(key, None)
+        while len(running) >= MAX_ALIVE_SERVERS:
+            running.popitem(last=False)[1].stop()
+        server = ServerProcess(model_path=model_path, kvshare_args=key[0], extra_args=key[1], stock=stock)
         server.start()
-        running[name] = server
+        running[key] = server
         return server
 
     try:

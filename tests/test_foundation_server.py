@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.servers import OFF
+
 pytestmark = pytest.mark.server
 
 PROMPTS = [
@@ -21,7 +23,7 @@ LONG_PREFIX = (
 
 @pytest.fixture(scope="module")
 def off_outputs(server_pool):
-    server = server_pool("kvshare-off", kvshare_args=["--kvshare-mode", "off"])
+    server = server_pool("off", kvshare_args=OFF)
     info = server.server_info()
     log = server.log_text()
     outputs = [server.generate(p, max_new_tokens=24)["text"] for p in PROMPTS]

@@ -9,11 +9,13 @@ from __future__ import annotations
 import pytest
 import requests
 
+from tests.servers import SHARED
+
 openai = pytest.importorskip("openai")
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
 
-SERVER_ARGS = ("--kvshare-mode", "fullshared", "--kvshare-auto", "true", "--kvshare-learn-async", "false")
+SERVER_ARGS = SHARED  # fullshared with --kvshare-auto true
 TASK = ("Task: a farmer has 17 sheep. He buys 5 more and then sells 8. How many sheep does he have now? "
         "Answer in two short sentences.")
 

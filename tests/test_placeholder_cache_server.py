@@ -13,6 +13,7 @@ import pytest
 import requests
 
 from tests.agent_chain import AGENTS, SUFFIX, agent_request, context, report, warm_request
+from tests.servers import OFF, SHARED, reconfigured
 
 pytestmark = pytest.mark.server
 
@@ -46,7 +47,7 @@ def warm_agents(server, tokenizer):
 @pytest.fixture(scope="session")
 def off_chain(server_pool, tokenizer):
     """Reference outputs of mode off: plain prompts and a 4-agent chain on two contents."""
-    server = server_pool("cache-off", kvshare_args=["--kvshare-mode", "off"])
+    server = server_pool("off", kvshare_args=OFF)
     plain = [server.generate(p, max_new_tokens=16)["text"] for p in PLAIN_PROMPTS]
     chains = [{a: o["text"] for a, o in run_chain(server, tokenizer, context(s, 3)).items()} for s in (0, 3)]
     held_out = run_chain(server, tokenizer, HELD_OUT, max_new_tokens=1, logprobs=True)
@@ -55,28 +56,26 @@ def off_chain(server_pool, tokenizer):
 
 
 def test_unannotated_requests_in_kvcmas_equal_mode_off(off_chain, server_pool):
-    server = server_pool("cache-kvcmas-tau0", kvshare_args=["--kvshare-mode", "kvcmas", "--kvshare-tau", "0",
-                                                            "--kvshare-learn-async", "false"])
-    assert [server.generate(p, max_new_tokens=16)["text"] for p in PLAIN_PROMPTS] == off_chain["plain"]
+    with reconfigured(server_pool("shared", kvshare_args=SHARED), mode="kvcmas", tau=0.0) as server:
+        assert [server.generate(p, max_new_tokens=16)["text"] for p in PLAIN_PROMPTS] == off_chain["plain"]
 
 
 def test_kvcmas_with_tau_zero_never_accepts_and_matches_off_while_pools_fill(off_chain, server_pool, tokenizer):
-    server = server_pool("cache-kvcmas-tau0", kvshare_args=["--kvshare-mode", "kvcmas", "--kvshare-tau", "0",
-                                                            "--kvshare-learn-async", "false"])
-    warm_agents(server, tokenizer)
-    anchors_seen = []
-    for chain_index, start in enumerate((0, 3)):
-        outs = run_chain(server, tokenizer, context(start, 3))
-        assert {a: o["text"] for a, o in outs.items()} == off_chain["chains"][chain_index]
-        for agent, out in outs.items():
-            rep = report(out)
-            assert rep["tokens_corrected"] == 0 and rep["tokens_aligned"] == 0
-            seg = rep["segments"][1]
-            if agent != "solver":
-                anchors_seen.append(seg.get("pool_anchors", 0))
-                assert seg["reason"] in ("too_few_anchors", "gate_rejected", "no_edge")
-    # Every dense prefill with a source became an anchor: the pool grew.
-    assert anchors_seen[-1] > anchors_seen[0]
+    with reconfigured(server_pool("shared", kvshare_args=SHARED), mode="kvcmas", tau=0.0) as server:
+        warm_agents(server, tokenizer)
+        anchors_seen = []
+        for chain_index, start in enumerate((0, 3)):
+            outs = run_chain(server, tokenizer, context(start, 3))
+            assert {a: o["text"] for a, o in outs.items()} == off_chain["chains"][chain_index]
+            for agent, out in outs.items():
+                rep = report(out)
+                assert rep["tokens_corrected"] == 0 and rep["tokens_aligned"] == 0
+                seg = rep["segments"][1]
+                if agent != "solver":
+                    anchors_seen.append(seg.get("pool_anchors", 0))
+                    assert seg["reason"] in ("too_few_anchors", "gate_rejected", "no_edge")
+        # Every dense prefill with a source became an anchor: the pool grew.
+        assert anchors_seen[-1] > anchors_seen[0]
 
 
 def _top_logprobs(out: dict) -> dict[int, float]:
@@ -88,12 +87,11 @@ def test_kvcmas_after_warmup_accepts_corrections_and_stays_close_to_off(off_chai
     # tau = 1 accepts whenever two anchors cover the segment: this tests the
     # mechanism (warm-up, acceptance, written KV), not the gate's threshold.
     contents = [context(20 + 3 * i, 3) for i in range(4)]
-    server = server_pool("cache-kvcmas-tau1", kvshare_args=["--kvshare-mode", "kvcmas", "--kvshare-tau", "1",
-                                                            "--kvshare-learn-async", "false"])
-    warm_agents(server, tokenizer)
-    for text in contents[:3]:
-        run_chain(server, tokenizer, text, max_new_tokens=1)
-    held_out = run_chain(server, tokenizer, HELD_OUT, max_new_tokens=1, logprobs=True)
+    with reconfigured(server_pool("shared", kvshare_args=SHARED), mode="kvcmas", tau=1.0) as server:
+        warm_agents(server, tokenizer)
+        for text in contents[:3]:
+            run_chain(server, tokenizer, text, max_new_tokens=1)
+        held_out = run_chain(server, tokenizer, HELD_OUT, max_new_tokens=1, logprobs=True)
     corrected = [a for a, o in held_out.items() if report(o)["tokens_corrected"] > 0]
     assert corrected, {a: report(o)["fallbacks"] for a, o in held_out.items()}
     ref = off_chain["held_out"]
@@ -111,7 +109,7 @@ def test_kvcmas_after_warmup_accepts_corrections_and_stays_close_to_off(off_chai
 
 
 def test_fullshared_chain_reuses_a_1k_token_shared_question(server_pool, tokenizer):
-    server = server_pool("cache-fullshared", kvshare_args=["--kvshare-mode", "fullshared"])
+    server = server_pool("shared", kvshare_args=SHARED)
     warm_agents(server, tokenizer)
     text = context(10, 18)
     shared_len = len(tokenizer(text, add_special_tokens=False).input_ids)
@@ -142,7 +140,7 @@ def test_fullshared_chain_reuses_a_1k_token_shared_question(server_pool, tokeniz
     ("{not json", "JSON"),
 ])
 def test_malformed_annotations_get_400_and_the_server_keeps_serving(server_pool, tokenizer, annotation, message):
-    server = server_pool("cache-fullshared", kvshare_args=["--kvshare-mode", "fullshared"])
+    server = server_pool("shared", kvshare_args=SHARED)
     ids = tokenizer("Some text that is long enough for the spans used here. " * 3,
                     add_special_tokens=False).input_ids
     raw = annotation if isinstance(annotation, str) else json.dumps(annotation)
@@ -155,7 +153,7 @@ def test_malformed_annotations_get_400_and_the_server_keeps_serving(server_pool,
 
 def test_plain_request_after_assembly_is_served_exact_kv(off_chain, server_pool, tokenizer):
     """Issue 13 #1: agent B's assembled copy must never serve a plain request with B's prompt."""
-    server = server_pool("cache-fullshared", kvshare_args=["--kvshare-mode", "fullshared"])
+    server = server_pool("shared", kvshare_args=SHARED)
     warm_agents(server, tokenizer)
     text = context(6, 3)
     outs = run_chain(server, tokenizer, text, max_new_tokens=2)
@@ -171,7 +169,7 @@ def test_plain_request_after_assembly_is_served_exact_kv(off_chain, server_pool,
 
 def test_cache_salts_do_not_share_segments(server_pool, tokenizer):
     """Issue 13 #2: a tenant never reuses (or learns of) another tenant's KV."""
-    server = server_pool("cache-fullshared", kvshare_args=["--kvshare-mode", "fullshared"])
+    server = server_pool("shared", kvshare_args=SHARED)
     text = context(12, 3)
     for agent, salt in (("solver", "tenantA"), ("analyst", "tenantB")):
         ids, cp = warm_request(tokenizer, agent)
@@ -188,7 +186,7 @@ def test_staged_prefill_cold_agent_and_a_miss_in_front(server_pool, tokenizer):
     front no longer makes the later ones dense."""
     from sglang_kvshare.segments import build_request, private_part, shared_part
 
-    server = server_pool("cache-fullshared", kvshare_args=["--kvshare-mode", "fullshared"])
+    server = server_pool("shared", kvshare_args=SHARED)
     text = context(15, 3)
     ids, cp = agent_request(tokenizer, "solver", text)
     server.generate(input_ids=ids, custom_params=cp, max_new_tokens=1)
@@ -254,17 +252,16 @@ def test_concurrent_agents_with_eviction_leak_no_slots(server_pool, tokenizer):
 
 
 def test_head_recompute_reports_and_counts_only_reused_rows(server_pool, tokenizer):
-    server = server_pool("cache-fullshared-head8", kvshare_args=["--kvshare-mode", "fullshared",
-                                                                 "--kvshare-recompute-head", "8"])
-    text = context(18, 3)
-    query_len = len(tokenizer(text, add_special_tokens=False).input_ids)
-    ids, cp = agent_request(tokenizer, "solver", text)
-    server.generate(input_ids=ids, custom_params=cp, max_new_tokens=1)
-    ids, cp = agent_request(tokenizer, "analyst", text)
-    out = server.generate(input_ids=ids, custom_params=cp, max_new_tokens=4)
-    rep = report(out)
-    seg = rep["segments"][1]
-    assert seg["resolved_by"] == "alignment" and seg["head_recomputed"] == 8
-    assert rep["tokens_aligned"] == query_len - 8 and rep["tokens_head_recomputed"] == 8
-    # The rows the server did not prefill are exactly the aligned ones.
-    assert out["meta_info"]["cached_tokens"] >= query_len - 8
+    with reconfigured(server_pool("shared", kvshare_args=SHARED), recompute_head=8) as server:
+        text = context(18, 3)
+        query_len = len(tokenizer(text, add_special_tokens=False).input_ids)
+        ids, cp = agent_request(tokenizer, "solver", text)
+        server.generate(input_ids=ids, custom_params=cp, max_new_tokens=1)
+        ids, cp = agent_request(tokenizer, "analyst", text)
+        out = server.generate(input_ids=ids, custom_params=cp, max_new_tokens=4)
+        rep = report(out)
+        seg = rep["segments"][1]
+        assert seg["resolved_by"] == "alignment" and seg["head_recomputed"] == 8
+        assert rep["tokens_aligned"] == query_len - 8 and rep["tokens_head_recomputed"] == 8
+        # The rows the server did not prefill are exactly the aligned ones.
+        assert out["meta_info"]["cached_tokens"] >= query_len - 8

@@ -32,7 +32,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache
 from sglang_kvshare.cache import assembly, tree_paths
 from sglang_kvshare.cache.cache_admin import CacheAdmin
 from sglang_kvshare.cache.counters import Counters
-from sglang_kvshare.cache.kv_pool_io import read_pair
+from sglang_kvshare.cache.kv_pool_io import learning_copy_dtype, pool_dtype, read_pair
 from sglang_kvshare.cache.learner import Learner, Observation
 from sglang_kvshare.cache.registry import ContentHasher, Materialization, PlaceholderRegistry, RegistryLimits
 from sglang_kvshare.cache.request_state import (RequestPlan, SegmentOutcome, attach, plan_of,
@@ -353,14 +353,16 @@ class KVShareRadixCache(CacheAdmin, RadixCache):
         if not self.learner.admit((plan.namespace, seg.slot), plan.hashes[index], source.agent, plan.agent_id):
             return
         t0 = time.perf_counter()
-        k_src, v_src, k_tgt, v_tgt = read_pair(self.token_to_kv_pool_allocator.get_kvcache(), src_idx,
-                                               self.req_to_token_pool.req_to_token[req.kv.req_pool_idx][seg.start:])
+        kvcache = self.token_to_kv_pool_allocator.get_kvcache()
+        k_src, v_src, k_tgt, v_tgt = read_pair(kvcache, src_idx,
+                                               self.req_to_token_pool.req_to_token[req.kv.req_pool_idx][seg.start:],
+                                               learning_copy_dtype(kvcache))
         self.counters.add("learn_copy_seconds", time.perf_counter() - t0)
         self.learner.submit(Observation(
             slot=(plan.namespace, seg.slot),
             source=SegmentCache(k_src, v_src, source.start, source.agent, exact=source.exact),
             target=SegmentCache(k_tgt, v_tgt, seg.start, plan.agent_id, exact=True),
-            content_key=plan.hashes[index]))
+            content_key=plan.hashes[index], compute_dtype=pool_dtype(kvcache)))
 
     def _record_output(self, req, plan: RequestPlan, up_to: int) -> None:
         """A finished producer's generated tokens become a source for its output slot."""

@@ -16,12 +16,46 @@ def pool_layers(kvcache) -> range:
     return range(start, start + kvcache.layer_num)
 
 
-def read_segment(kvcache, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Copies of K and V at ``indices`` (int64 pool slots) for every layer."""
+def read_segment(kvcache, indices: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of K and V at ``indices`` (int64 pool slots) for every layer, in ``dtype`` (default: the pool's).
+
+    One gather per layer straight into the result (no stacked temporaries).
+    """
     idx = indices.to(torch.int64)
-    ks = [kvcache.get_key_buffer(layer)[idx] for layer in pool_layers(kvcache)]
-    vs = [kvcache.get_value_buffer(layer)[idx] for layer in pool_layers(kvcache)]
-    return torch.stack(ks), torch.stack(vs)
+    layers = pool_layers(kvcache)
+    out = []
+    for get in (kvcache.get_key_buffer, kvcache.get_value_buffer):
+        first = get(layers[0])
+        dst = torch.empty((len(layers), idx.numel(), *first.shape[1:]), dtype=dtype or first.dtype,
+                          device=first.device)
+        for i, layer in enumerate(layers):
+            buf = get(layer)
+            if dst.dtype == buf.dtype:
+                torch.index_select(buf, 0, idx, out=dst[i])
+            else:
+                dst[i].copy_(buf[idx])
+        out.append(dst)
+    return out[0], out[1]
+
+
+def learning_copy_dtype(kvcache) -> torch.dtype:
+    """The dtype the learner's K/V copies are kept in while they wait in its queue.
+
+    Why float16 for a float32 pool (the CPU path): a queued observation of 1K
+    tokens holds four copies of every layer (94 MiB on the 135M model in
+    float32), and the bounded queue dropped a chain's third edge. float16 halves
+    that; its rounding (2^-11 of a value) moved the factorized deltas by 0.3 %
+    (deltas of 4 % of the values, tests/cache/test_learning_copies.py), far
+    below what the rank-r truncation drops.
+    The worker computes in the pool's dtype again. Pools in 16 bits already
+    (GPU: bf16/fp16) are copied as they are.
+    """
+    dtype = pool_dtype(kvcache)
+    return torch.float16 if dtype == torch.float32 else dtype
+
+
+def pool_dtype(kvcache) -> torch.dtype:
+    return kvcache.get_key_buffer(pool_layers(kvcache)[0]).dtype
 
 
 def sync_device(tensor: torch.Tensor) -> None:
@@ -38,14 +72,15 @@ def sync_device(tensor: torch.Tensor) -> None:
         torch.cuda.synchronize(tensor.device)
 
 
-def read_pair(kvcache, src_idx: torch.Tensor, dst_idx: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def read_pair(kvcache, src_idx: torch.Tensor, dst_idx: torch.Tensor,
+              dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
     """Copies of a source segment and of the target rows of the same length: ``k_src, v_src, k_dst, v_dst``.
 
     Synchronized on both sides: the source rows may still be in flight on the
     forward stream, and the learner's thread must not read the copies early.
     """
     sync_device(src_idx)
-    k_src, v_src = read_segment(kvcache, src_idx)
-    k_dst, v_dst = read_segment(kvcache, dst_idx[:k_src.shape[1]])
+    k_src, v_src = read_segment(kvcache, src_idx, dtype)
+    k_dst, v_dst = read_segment(kvcache, dst_idx[:k_src.shape[1]], dtype)
     sync_device(k_src)
     return k_src, v_src, k_dst, v_dst

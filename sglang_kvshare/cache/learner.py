@@ -28,6 +28,7 @@ slowed every request of a kvcmas server by up to 1.35x while it learned):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -53,10 +54,21 @@ class Observation:
     content_key: Hashable
     generation: int = 0
     queued_at: float = 0.0
+    compute_dtype: Any = None  # the copies may wait in a narrower dtype (``kv_pool_io.learning_copy_dtype``)
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.source.k, self.source.v, self.target.k, self.target.v))
+
+
+def _widened(cache: Any, dtype: Any) -> Any:
+    """``cache`` in ``dtype`` (None: as it is); None when the narrow copy overflowed (a value past float16's range)."""
+    if dtype is None or cache.k.dtype == dtype:
+        return cache
+    k, v = cache.k.to(dtype), cache.v.to(dtype)
+    if not (bool(k.isfinite().all()) and bool(v.isfinite().all())):
+        return None
+    return dataclasses.replace(cache, k=k, v=v)
 
 
 class Learner:
@@ -161,9 +173,13 @@ class Learner:
         t0 = time.perf_counter()
         if obs.queued_at:
             self._counters.add("learn_queue_wait_seconds", t0 - obs.queued_at)
+        source, target = _widened(obs.source, obs.compute_dtype), _widened(obs.target, obs.compute_dtype)
+        if source is None or target is None:
+            self._counters.add("observations_dropped_overflow")
+            return
         with self._lock:  # cheap: half the SVDs are skipped for a content the pool already holds
             with_base = not estimator.has_content(obs.slot, obs.content_key)
-        prepared = estimator.prepare_observation(obs.slot, obs.source, obs.target, content_key=obs.content_key,
+        prepared = estimator.prepare_observation(obs.slot, source, target, content_key=obs.content_key,
                                                  with_base=with_base)
         t1 = time.perf_counter()
         if prepared is None:  # a mode that learns nothing
@@ -182,7 +198,7 @@ class Learner:
 
         ``busy * (1 / cpu_share - 1)`` keeps the duty cycle at ``cpu_share``,
         scaled down by how full the queue is: a burst (one dense chain queues an
-        observation per edge, ~94 MiB each at 1K tokens on the 135M model) would
+        observation per edge, ~47 MiB each at 1K tokens on the 135M model) would
         otherwise overflow the byte bound while the worker rests, and be dropped.
         """
         if self.cpu_share >= 1.0:

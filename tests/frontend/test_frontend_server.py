@@ -19,10 +19,10 @@ from benchmarks.workloads.tasks import GSM8K, load_gsm8k
 from benchmarks.workloads.workflows import multi_agent, run_workflow
 import sglang_kvshare.frontend.backend as backend_module
 from sglang_kvshare.frontend import KVShareEndpoint, agent, shared
+from tests.servers import SHARED
 
 pytestmark = pytest.mark.server
 
-FULLSHARED = ["--kvshare-mode", "fullshared", "--kvshare-learn-async", "false"]
 Q1 = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May."
 Q2 = "How many clips did Natalia sell altogether in April and May?"
 
@@ -61,7 +61,7 @@ def mixed_program(s, q1, q2):
 
 
 def test_token_spans_match_server_tokenization(server_pool):
-    server = server_pool("frontend-fullshared", kvshare_args=FULLSHARED)
+    server = server_pool("shared", kvshare_args=SHARED)
     backend = KVShareEndpoint(server.url)
     sent = _spy(backend)
     state = mixed_program.run(q1=Q1, q2=Q2, backend=backend, temperature=0)
@@ -99,7 +99,7 @@ def run_refer(server):
 
 
 def test_refer_workflow_reuses_shared_tokens_with_kvshare_on(server_pool):
-    state = run_refer(server_pool("frontend-fullshared", kvshare_args=FULLSHARED))
+    state = run_refer(server_pool("shared", kvshare_args=SHARED))
     records = state.ret_value["records"]
     assert [r["agent"] for r in records] == ["solver", "analyst", "programmer", "final"]
     assert all(r["report"] is not None and r["ttft_s"] is not None for r in records)
@@ -118,7 +118,7 @@ def _shared_segments(record: dict) -> list[dict]:
 
 
 def test_chain_and_debate_reuse_agent_outputs(server_pool):
-    server = server_pool("frontend-fullshared", kvshare_args=FULLSHARED)
+    server = server_pool("shared", kvshare_args=SHARED)
     warmup, *samples = load_gsm8k(3, offset=5)
     backend = KVShareEndpoint(server.url)
     # The private text between segments ("The math solver said:") has a source only
@@ -145,7 +145,7 @@ def test_chain_and_debate_reuse_agent_outputs(server_pool):
 
 
 def test_refer_workflow_runs_unchanged_on_stock_sglang(server_pool):
-    state = run_refer(server_pool("frontend-stock", stock=True))
+    state = run_refer(server_pool("stock", stock=True))
     records = state.ret_value["records"]
     assert len(records) == 4 and state.ret_value["final"]
     assert all(r["report"] is None and r["ttft_s"] is not None for r in records)  # annotation ignored
@@ -167,7 +167,7 @@ def marked_program(s, q):
 
 
 def test_unmarked_program_is_stock_sglang(server_pool, monkeypatch):
-    server = server_pool("frontend-stock", stock=True)
+    server = server_pool("stock", stock=True)
     bodies = {"stock": [], "ours": []}
 
     def spy_on(module, key):

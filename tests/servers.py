@@ -1,0 +1,53 @@
+"""Launch arguments the server tests share, so that one server serves every test that can.
+
+A server start costs about 40 s of this machine's 2 cores (SGLang's imports in three
+processes), more than most server tests themselves. The test pool (``conftest.server_pool``)
+keys servers by their arguments, so every test module that asks for the same arguments
+gets the same server. Variants that ``POST /kvshare/config`` can set at runtime (mode,
+tau, head recompute) reuse the shared server through ``reconfigured`` instead of
+starting their own.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import requests
+
+from sglang_kvshare.config import KVShareConfig
+
+OFF = ("--kvshare-mode", "off")
+# fullshared with synchronous learning (kvcmas tests switch to it at runtime and need
+# their observations learned before the next request) and automatic chat reuse (only
+# chat completions without a ``kvshare`` field see it).
+SHARED = ("--kvshare-mode", "fullshared", "--kvshare-auto", "true", "--kvshare-learn-async", "false")
+
+_DEFAULTS = KVShareConfig()
+_RESTORE = {"mode": "fullshared", "tau": _DEFAULTS.tau, "recompute_head": _DEFAULTS.recompute_head}
+
+
+def _post(server, path: str, body: dict | None = None) -> dict:
+    resp = requests.post(server.url + path, json=body, timeout=120)
+    assert resp.status_code == 200, (path, resp.status_code, resp.text)
+    return resp.json() if resp.content else {}
+
+
+def clean(server) -> None:
+    """Empty the anchor pools and SGLang's radix tree: the next test starts cold."""
+    _post(server, "/kvshare/reset")
+    requests.post(server.url + "/flush_cache", timeout=120).raise_for_status()
+
+
+@contextmanager
+def reconfigured(server, **changes: Any) -> Iterator[Any]:
+    """The shared server with ``changes`` in force and cold caches; restored afterwards."""
+    unknown = set(changes) - set(_RESTORE)
+    assert not unknown, f"reconfigured() restores only {sorted(_RESTORE)}, not {sorted(unknown)}"
+    _post(server, "/kvshare/config", changes)
+    clean(server)
+    try:
+        yield server
+    finally:
+        _post(server, "/kvshare/config", _RESTORE)
+        clean(server)
