@@ -22,13 +22,26 @@ OFF = ("--kvshare-mode", "off")
 # their observations learned before the next request) and automatic chat reuse (only
 # chat completions without a ``kvshare`` field see it).
 SHARED = ("--kvshare-mode", "fullshared", "--kvshare-auto", "true", "--kvshare-learn-async", "false")
+# The admin tests need metrics and an admin key; the key guards only writes and the pools
+# listing, so the other tests' requests and stats reads are unaffected.
+ADMIN_KEY = "kvshare-test-admin-key"
+SHARED_EXTRA = ("--enable-metrics", "--admin-api-key", ADMIN_KEY)
+ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN_KEY}"}
+
+
+def shared_server(server_pool):
+    """The one fullshared server most server tests share (see the module docstring)."""
+    return server_pool("shared", kvshare_args=SHARED, extra_args=SHARED_EXTRA)
 
 _DEFAULTS = KVShareConfig()
-_RESTORE = {"mode": "fullshared", "tau": _DEFAULTS.tau, "recompute_head": _DEFAULTS.recompute_head}
+# What every runtime-settable field is restored to after a test changed it (capacity: the
+# kvcmas default that ``None`` means; the POST body cannot say ``None``).
+_RESTORE = {"mode": "fullshared", "tau": _DEFAULTS.tau, "rank": _DEFAULTS.rank, "capacity": 10,
+            "recompute_head": _DEFAULTS.recompute_head, "staged": _DEFAULTS.staged}
 
 
 def _post(server, path: str, body: dict | None = None) -> dict:
-    resp = requests.post(server.url + path, json=body, timeout=120)
+    resp = requests.post(server.url + path, json=body, timeout=120, headers=ADMIN_HEADERS)
     assert resp.status_code == 200, (path, resp.status_code, resp.text)
     return resp.json() if resp.content else {}
 
@@ -36,7 +49,13 @@ def _post(server, path: str, body: dict | None = None) -> dict:
 def clean(server) -> None:
     """Empty the anchor pools and SGLang's radix tree: the next test starts cold."""
     _post(server, "/kvshare/reset")
-    requests.post(server.url + "/flush_cache", timeout=120).raise_for_status()
+    requests.post(server.url + "/flush_cache", timeout=120, headers=ADMIN_HEADERS).raise_for_status()
+
+
+def restore(server) -> None:
+    """Back to the launch settings of ``SHARED`` with cold caches."""
+    _post(server, "/kvshare/config", _RESTORE)
+    clean(server)
 
 
 @contextmanager
@@ -49,5 +68,4 @@ def reconfigured(server, **changes: Any) -> Iterator[Any]:
     try:
         yield server
     finally:
-        _post(server, "/kvshare/config", _RESTORE)
-        clean(server)
+        restore(server)

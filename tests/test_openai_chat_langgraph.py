@@ -12,7 +12,7 @@ import requests
 pytest.importorskip("langgraph")
 pytest.importorskip("langchain_openai")
 
-from tests.test_openai_chat_server import SERVER_ARGS  # noqa: E402 - one server for both chat test modules
+from tests.servers import shared_server  # noqa: E402 - one server for every chat test module
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
 
@@ -27,7 +27,7 @@ def _load_example():
 
 
 def test_langgraph_team_reuses_the_shared_conversation(server_pool):
-    server = server_pool("fullshared-auto", kvshare_args=SERVER_ARGS)
+    server = shared_server(server_pool)
     team = _load_example()
 
     def slot_stats():
@@ -51,7 +51,7 @@ def test_openai_agents_sdk_team_reuses_the_task(server_pool):
     pytest.importorskip("agents")
     import asyncio
 
-    server = server_pool("fullshared-auto", kvshare_args=SERVER_ARGS)
+    server = shared_server(server_pool)
     spec = importlib.util.spec_from_file_location("openai_agents_team", EXAMPLE.parent / "openai_agents_team.py")
     team = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(team)

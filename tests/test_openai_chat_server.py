@@ -9,20 +9,19 @@ from __future__ import annotations
 import pytest
 import requests
 
-from tests.servers import SHARED
+from tests.servers import shared_server
 
 openai = pytest.importorskip("openai")
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
 
-SERVER_ARGS = SHARED  # fullshared with --kvshare-auto true
 TASK = ("Task: a farmer has 17 sheep. He buys 5 more and then sells 8. How many sheep does he have now? "
         "Answer in two short sentences.")
 
 
 @pytest.fixture(scope="module")
 def server(server_pool):
-    return server_pool("fullshared-auto", kvshare_args=SERVER_ARGS)
+    return shared_server(server_pool)  # fullshared with --kvshare-auto true
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 import requests
 
 from tests.agent_chain import AGENTS, SUFFIX, agent_request, context, report, warm_request
-from tests.servers import OFF, SHARED, reconfigured
+from tests.servers import OFF, reconfigured, shared_server
 
 pytestmark = pytest.mark.server
 
@@ -56,12 +56,12 @@ def off_chain(server_pool, tokenizer):
 
 
 def test_unannotated_requests_in_kvcmas_equal_mode_off(off_chain, server_pool):
-    with reconfigured(server_pool("shared", kvshare_args=SHARED), mode="kvcmas", tau=0.0) as server:
+    with reconfigured(shared_server(server_pool), mode="kvcmas", tau=0.0) as server:
         assert [server.generate(p, max_new_tokens=16)["text"] for p in PLAIN_PROMPTS] == off_chain["plain"]
 
 
 def test_kvcmas_with_tau_zero_never_accepts_and_matches_off_while_pools_fill(off_chain, server_pool, tokenizer):
-    with reconfigured(server_pool("shared", kvshare_args=SHARED), mode="kvcmas", tau=0.0) as server:
+    with reconfigured(shared_server(server_pool), mode="kvcmas", tau=0.0) as server:
         warm_agents(server, tokenizer)
         anchors_seen = []
         for chain_index, start in enumerate((0, 3)):
@@ -87,7 +87,7 @@ def test_kvcmas_after_warmup_accepts_corrections_and_stays_close_to_off(off_chai
     # tau = 1 accepts whenever two anchors cover the segment: this tests the
     # mechanism (warm-up, acceptance, written KV), not the gate's threshold.
     contents = [context(20 + 3 * i, 3) for i in range(4)]
-    with reconfigured(server_pool("shared", kvshare_args=SHARED), mode="kvcmas", tau=1.0) as server:
+    with reconfigured(shared_server(server_pool), mode="kvcmas", tau=1.0) as server:
         warm_agents(server, tokenizer)
         for text in contents[:3]:
             run_chain(server, tokenizer, text, max_new_tokens=1)
@@ -109,7 +109,7 @@ def test_kvcmas_after_warmup_accepts_corrections_and_stays_close_to_off(off_chai
 
 
 def test_fullshared_chain_reuses_a_1k_token_shared_question(server_pool, tokenizer):
-    server = server_pool("shared", kvshare_args=SHARED)
+    server = shared_server(server_pool)
     warm_agents(server, tokenizer)
     text = context(10, 18)
     shared_len = len(tokenizer(text, add_special_tokens=False).input_ids)
@@ -140,7 +140,7 @@ def test_fullshared_chain_reuses_a_1k_token_shared_question(server_pool, tokeniz
     ("{not json", "JSON"),
 ])
 def test_malformed_annotations_get_400_and_the_server_keeps_serving(server_pool, tokenizer, annotation, message):
-    server = server_pool("shared", kvshare_args=SHARED)
+    server = shared_server(server_pool)
     ids = tokenizer("Some text that is long enough for the spans used here. " * 3,
                     add_special_tokens=False).input_ids
     raw = annotation if isinstance(annotation, str) else json.dumps(annotation)
@@ -153,7 +153,7 @@ def test_malformed_annotations_get_400_and_the_server_keeps_serving(server_pool,
 
 def test_plain_request_after_assembly_is_served_exact_kv(off_chain, server_pool, tokenizer):
     """Issue 13 #1: agent B's assembled copy must never serve a plain request with B's prompt."""
-    server = server_pool("shared", kvshare_args=SHARED)
+    server = shared_server(server_pool)
     warm_agents(server, tokenizer)
     text = context(6, 3)
     outs = run_chain(server, tokenizer, text, max_new_tokens=2)
@@ -169,7 +169,7 @@ def test_plain_request_after_assembly_is_served_exact_kv(off_chain, server_pool,
 
 def test_cache_salts_do_not_share_segments(server_pool, tokenizer):
     """Issue 13 #2: a tenant never reuses (or learns of) another tenant's KV."""
-    server = server_pool("shared", kvshare_args=SHARED)
+    server = shared_server(server_pool)
     text = context(12, 3)
     for agent, salt in (("solver", "tenantA"), ("analyst", "tenantB")):
         ids, cp = warm_request(tokenizer, agent)
@@ -186,7 +186,7 @@ def test_staged_prefill_cold_agent_and_a_miss_in_front(server_pool, tokenizer):
     front no longer makes the later ones dense."""
     from sglang_kvshare.segments import build_request, private_part, shared_part
 
-    server = server_pool("shared", kvshare_args=SHARED)
+    server = shared_server(server_pool)
     text = context(15, 3)
     ids, cp = agent_request(tokenizer, "solver", text)
     server.generate(input_ids=ids, custom_params=cp, max_new_tokens=1)
@@ -252,7 +252,7 @@ def test_concurrent_agents_with_eviction_leak_no_slots(server_pool, tokenizer):
 
 
 def test_head_recompute_reports_and_counts_only_reused_rows(server_pool, tokenizer):
-    with reconfigured(server_pool("shared", kvshare_args=SHARED), recompute_head=8) as server:
+    with reconfigured(shared_server(server_pool), recompute_head=8) as server:
         text = context(18, 3)
         query_len = len(tokenizer(text, add_special_tokens=False).input_ids)
         ids, cp = agent_request(tokenizer, "solver", text)

@@ -1,8 +1,10 @@
-"""Fixtures of the admin-route tests: one live server with an admin key, metrics on.
+"""Fixtures of the admin-route tests, on the suite's shared server (metrics on, an admin key).
 
-One server serves every admin test (a start costs 30 to 90 s on these
-machines); each test first sets the config it needs through the routes
-under test, so the tests do not depend on their order.
+A server start costs about 40 s here, so the admin tests use the server most
+server tests share (``tests.servers.shared_server``). Each test first sets the
+config it needs through the routes under test and resets what it asserts on, so
+the tests depend neither on their order nor on earlier users of the server; an
+autouse fixture restores the launch config after each one.
 """
 
 from __future__ import annotations
@@ -14,9 +16,8 @@ import requests
 
 from sglang_kvshare.protocol import Annotation, Segment
 from sglang_kvshare.server_process import ServerProcess
+from tests.servers import ADMIN_KEY, restore, shared_server
 
-ADMIN_KEY = "kvshare-test-admin-key"
-SERVER_NAME = "admin-keyed-fullshared"
 
 AGENTS = {
     "solver": "You are a math solver. Solve the problem step by step and give the final number.",
@@ -107,14 +108,14 @@ def tokenizer(model_path):
 
 @pytest.fixture(scope="session")
 def admin(server_pool, tokenizer) -> Admin:
-    from sglang_kvshare.launch_server import gpu_visible
+    # The suite's shared server (fullshared, synchronous learning, metrics, this admin key):
+    # each admin test resets what it asserts on, so earlier users of the server do not matter.
+    return Admin(shared_server(server_pool), tokenizer)
 
-    # On CPU the memory check counts free RAM, which other jobs on the machine take; the KV
-    # pool stays capped by the launcher's --max-total-tokens, so a high fraction costs nothing.
-    memory = [] if gpu_visible() else ["--mem-fraction-static", "0.8"]
-    server = server_pool(
-        SERVER_NAME,
-        kvshare_args=["--kvshare-mode", "fullshared", "--kvshare-learn-async", "false"],
-        extra_args=["--enable-metrics", "--admin-api-key", ADMIN_KEY, *memory],
-    )
-    return Admin(server, tokenizer)
+
+@pytest.fixture(autouse=True)
+def _restore_the_shared_server(request):
+    """Admin tests change the config of the suite's shared server: put it back after each one."""
+    yield
+    if "admin" in request.fixturenames:
+        restore(request.getfixturevalue("admin").server)

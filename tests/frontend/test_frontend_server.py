@@ -19,7 +19,7 @@ from benchmarks.workloads.tasks import GSM8K, load_gsm8k
 from benchmarks.workloads.workflows import multi_agent, run_workflow
 import sglang_kvshare.frontend.backend as backend_module
 from sglang_kvshare.frontend import KVShareEndpoint, agent, shared
-from tests.servers import SHARED
+from tests.servers import shared_server
 
 pytestmark = pytest.mark.server
 
@@ -61,7 +61,7 @@ def mixed_program(s, q1, q2):
 
 
 def test_token_spans_match_server_tokenization(server_pool):
-    server = server_pool("shared", kvshare_args=SHARED)
+    server = shared_server(server_pool)
     backend = KVShareEndpoint(server.url)
     sent = _spy(backend)
     state = mixed_program.run(q1=Q1, q2=Q2, backend=backend, temperature=0)
@@ -99,7 +99,7 @@ def run_refer(server):
 
 
 def test_refer_workflow_reuses_shared_tokens_with_kvshare_on(server_pool):
-    state = run_refer(server_pool("shared", kvshare_args=SHARED))
+    state = run_refer(shared_server(server_pool))
     records = state.ret_value["records"]
     assert [r["agent"] for r in records] == ["solver", "analyst", "programmer", "final"]
     assert all(r["report"] is not None and r["ttft_s"] is not None for r in records)
@@ -118,7 +118,7 @@ def _shared_segments(record: dict) -> list[dict]:
 
 
 def test_chain_and_debate_reuse_agent_outputs(server_pool):
-    server = server_pool("shared", kvshare_args=SHARED)
+    server = shared_server(server_pool)
     warmup, *samples = load_gsm8k(3, offset=5)
     backend = KVShareEndpoint(server.url)
     # The private text between segments ("The math solver said:") has a source only
