@@ -50,7 +50,7 @@ class CacheAdmin:
             return make_estimator("fullshared", self.spec)
         return make_estimator(cfg.mode, self.spec, tau=cfg.tau, capacity=cfg.effective_capacity,
                               rank=cfg.effective_rank, window=cfg.evict_window,
-                              gate_len=cfg.gate_max_tokens or None,
+                              gate_len=cfg.gate_max_tokens or None, min_anchor_len=cfg.min_anchor_len or None,
                               max_slots=cfg.max_pools, budget_bytes=int(cfg.pool_budget_mb * 2**20),
                               svd_method="randomized")  # serving: a cheaper SVD on the learning thread
 

@@ -229,6 +229,25 @@ def test_kvcmas_learns_from_dense_prefills_then_corrects():
     assert_pool_accounted(sched.cache)
 
 
+@pytest.mark.parametrize("min_anchor_len, expected", [(16, "correction"), (0, "too_few_anchors")])
+def test_anchors_shorter_than_the_segment_help_on_their_common_prefix(min_anchor_len, expected):
+    """Issue 14: pools learned on shorter contents (questions of varying length) must not stay useless.
+    By default (16) the gate compares on the anchors' common prefix; 0 restores the papers' rule."""
+    sched = MiniScheduler(make_cache("kvcmas", tau=1.0, min_anchor_len=min_anchor_len))
+    for agent in ("A", "B"):
+        warm(sched, agent)
+    for query in _queries(3, length=40):
+        sched.run(annotated("A", query=query))
+        sched.run(annotated("B", query=query))
+    longer = _queries(4, length=60)[-1]
+    sched.run(annotated("A", query=longer))
+    b = annotated("B", query=longer)
+    sched.run(b)
+    seg = b.report()["segments"][1]
+    assert seg.get("resolved_by") == expected or seg.get("reason") == expected, seg
+    assert_pool_accounted(sched.cache)
+
+
 def learned_kvcmas(contents: int = 3) -> MiniScheduler:
     """A kvcmas cache (tau 1) whose pool learned the A -> B edge from ``contents`` dense chains."""
     sched = MiniScheduler(make_cache("kvcmas", tau=1.0))
