@@ -139,6 +139,9 @@ def main(argv=None) -> int:
                     bar.update()
                 per_len[str(length)] = {"repeats": reps}
             results["arms"][arm] = per_len
+            if arm != "stock":  # where the server's time went, and what the learner kept or dropped
+                stats = requests.get(server.url + "/kvshare/stats", timeout=30).json()
+                results.setdefault("server_counters", {})[arm] = stats.get("counters", {})
         finally:
             server.stop()
         write_json(Path(args.out), results)
