@@ -58,7 +58,7 @@ def add_kvshare_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("kvshare", "cross-agent KV reuse (sglang-kvshare)")
     for f in dataclasses.fields(KVShareConfig):
         flag = KVSHARE_PREFIX + f.name.replace("_", "-")
-        help_text = f.metadata.get("help", "")
+        help_text = f.metadata.get("help", "").replace("%", "%%")  # argparse formats help with %
         default = f.default
         kind = str(f.type)
         if f.name == "mode":
