@@ -33,6 +33,7 @@ def shared_server(server_pool):
     """The one fullshared server most server tests share (see the module docstring)."""
     return server_pool("shared", kvshare_args=SHARED, extra_args=SHARED_EXTRA)
 
+
 _DEFAULTS = KVShareConfig()
 # What every runtime-settable field is restored to after a test changed it (capacity: the
 # kvcmas default that ``None`` means; the POST body cannot say ``None``).
