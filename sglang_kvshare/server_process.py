@@ -80,6 +80,18 @@ class ServerProcess:
         return [*self.wrapper, sys.executable, "-m", "sglang_kvshare.launch_server", *base, *self.kvshare_args]
 
     def start(self) -> "ServerProcess":
+        """Launch and wait until the server answers ``/health_generate``."""
+        self.launch()
+        self.wait_ready()
+        return self
+
+    def launch(self) -> "ServerProcess":
+        """Start the process without waiting for it (``wait_ready`` later).
+
+        Call it from the thread that will outlive the server: the child gets
+        SIGTERM when the *thread* that started it exits (``PR_SET_PDEATHSIG``
+        follows the parent thread, not the process).
+        """
         from sglang_kvshare.launch_server import cpu_thread_env, gpu_visible
 
         if self.log_path is None:
@@ -94,10 +106,9 @@ class ServerProcess:
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True, preexec_fn=_die_with_parent)
         log.close()
-        self._wait_ready()
         return self
 
-    def _wait_ready(self) -> None:
+    def wait_ready(self) -> None:
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

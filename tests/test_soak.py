@@ -79,19 +79,3 @@ def test_short_soak_injected_every_fault_family(short_soak):
     assert short_soak["malformed"]["sent"] >= 1 and short_soak["salt_probes"]["n"] >= 1
     assert short_soak["replay"]["n"] >= 1 and short_soak["totals"]["requests"] >= 30
 
-
-def test_the_reference_server_starts_in_the_background_and_a_failed_start_is_raised():
-    class Server:
-        def __init__(self, fail: bool) -> None:
-            self.fail, self.started = fail, False
-
-        def start(self):
-            if self.fail:
-                raise RuntimeError("no port")
-            self.started = True
-            return self
-
-    ok = Server(fail=False)
-    assert soak.start_in_background(ok)() is ok and ok.started
-    with pytest.raises(RuntimeError, match="no port"):
-        soak.start_in_background(Server(fail=True))()
