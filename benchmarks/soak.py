@@ -976,9 +976,10 @@ def main(argv=None) -> int:
     try:
         res = run_soak(args, tokenizer, model_path, texts)
         samples = pick_replay(res["rec"].plain, args.replay, args.seed)
+        rows = []
         if samples:
             reference.wait_ready()
-        rows = replay(reference, samples) if samples else []
+            rows = replay(reference, samples)
     finally:
         reference.stop()
     data = summarize(args, res, rows, time.monotonic() - t0)

@@ -30,7 +30,7 @@ class KVShareConfig:
     capacity: Optional[int] = field(default=None, metadata={"help": "Anchors per slot pool (V); default 10 for kvcmas, 20 for kvcomm."})
     rank: Optional[int] = field(default=32, metadata={"help": "Rank r of the factors of new anchors; 0 means full dimension."})
     evict_window: int = field(default=5, metadata={"help": "W: evict the least-activated among the W oldest anchors."})
-    gate_max_tokens: Optional[int] = field(default=128, metadata={"help": "Cap on the comparison length k of the gate; 0 = the whole segment. The gate only considers anchors at least k tokens long, so without a cap a new content longer than every earlier one always falls back."})
+    gate_max_tokens: Optional[int] = field(default=128, metadata={"help": "Cap on the comparison length k of the gate; 0 = the whole segment. With --kvshare-min-anchor-len 0 the gate only considers anchors at least k tokens long, so without a cap a new content longer than every earlier one always falls back."})
     min_anchor_len: int = field(default=16, metadata={"help": "Anchors of at least this many tokens (holding the edge) help a segment: the gate compares on their common prefix and rows past every anchor stay aligned only; 0 = an anchor must cover the whole comparison length (the papers' rule, which left single GSM8K questions with too few anchors on 17 % of decisions)."})
     pool_budget_mb: float = field(default=512.0, metadata={"help": "Upper bound on the memory all anchor pools hold together (MiB); past it the least recently used pool's oldest anchors are evicted."})
     max_pools: int = field(default=1024, metadata={"help": "Most anchor pools (one per slot and namespace); past it the least recently used pool is dropped."})

@@ -37,7 +37,8 @@ def shared_server(server_pool):
 _DEFAULTS = KVShareConfig()
 # What every runtime-settable field is restored to after a test changed it (capacity: the
 # kvcmas default that ``None`` means; the POST body cannot say ``None``).
-_RESTORE = {"mode": "fullshared", "tau": _DEFAULTS.tau, "rank": _DEFAULTS.rank, "capacity": 10,
+_RESTORE = {"mode": "fullshared", "tau": _DEFAULTS.tau, "rank": _DEFAULTS.rank,
+            "capacity": _DEFAULTS.replace(mode="kvcmas").effective_capacity,
             "recompute_head": _DEFAULTS.recompute_head, "staged": _DEFAULTS.staged}
 
 

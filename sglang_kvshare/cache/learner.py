@@ -54,7 +54,7 @@ class Observation:
     content_key: Hashable
     generation: int = 0
     queued_at: float = 0.0
-    compute_dtype: Any = None  # the copies may wait in a narrower dtype (``kv_pool_io.learning_copy_dtype``)
+    compute_dtype: Any = None  # torch.dtype to learn in; the copies may wait narrower (``kv_pool_io.learning_copy_dtype``)
 
     @property
     def nbytes(self) -> int:
