@@ -12,11 +12,17 @@ one at a time) and per repeat (a new content each time):
 * ``reuse_over_floor``: ``ttft / floor`` for agents 2-4 (assembly can only add to the floor);
 * ``assembly_s``: the server's own assembly time (report), next to the dense
   prefill it replaces (``off``'s TTFT minus its floor, same content).
+* ``while_learning``: ``--probe`` dense requests (an agent 1 of a new
+  content, nothing to reuse) sent right after the warm chains, while a kvcmas
+  learner still has their observations queued (``pending`` says how many);
+  every arm runs the same warm chains and probes, so ``while_learning_vs_off``
+  compares like with like (issue 15: at most 1.10x).
 
 Arms: ``off``, ``fullshared``, ``kvcmas``, ``stock`` (``sglang.launch_server``
-with SGLang's default cache: is ``off`` free?), and ``MODE:K`` for
+with SGLang's default cache: is ``off`` free?), ``MODE:K`` for
 ``--kvshare-recompute-head K`` (one extra stage per reused segment: the stage
-cost is its TTFT minus ``MODE``'s). ``kvcmas`` learns on its background thread
+cost is its TTFT minus ``MODE``'s), and ``ARM@name=value,...`` for more
+``--kvshare-name value`` launch flags (``kvcmas@learn-yield-s=0``). ``kvcmas`` learns on its background thread
 (the serving default) from ``--warm`` chains before the measured repeats; a
 kvcmas agent 1 runs while that learning may still be going on.
 Medians and min-max over ``--repeats``; ratios within one run of this machine.
@@ -84,11 +90,34 @@ def wait_learning(url: str, timeout: float = 300.0) -> None:
         time.sleep(0.5)
 
 
+def pending_observations(url: str) -> int | None:
+    try:
+        return int(requests.get(url + "/kvshare/stats", timeout=30).json().get("pending_observations", 0))
+    except (requests.RequestException, ValueError):
+        return None  # the stock server has no kvshare endpoints
+
+
+def probe_dense(url: str, tok, length: int, n: int) -> list[dict]:
+    """``n`` dense requests of new contents, back to back, each with the learner's backlog before it."""
+    rows = []
+    for i in range(n):
+        pending = pending_observations(url)
+        ids, cp = request(tok, list(AGENTS)[0], context_tokens(tok, length, seed=50_000 + 10 * length + i))
+        timed = stream_generate(url, ids, custom_params=cp, max_new_tokens=1)
+        rows.append({"ttft_s": timed.ttft, "pending_before": pending,
+                     "prefill_tokens": timed.meta["prompt_tokens"] - timed.meta["cached_tokens"]})
+    return rows
+
+
 def start(model_path: str, arm: str, tau: float) -> ServerProcess:
     if arm == "stock":
         return ServerProcess(model_path=model_path, stock=True).start()
+    arm, _, flags = arm.partition("@")
     mode, _, head = arm.partition(":")
     extra = ["--kvshare-tau", str(tau)] + (["--kvshare-recompute-head", head] if head else [])
+    for flag in filter(None, flags.split(",")):  # ``kvcmas@learn-yield-s=0``: one more launch flag
+        name, _, value = flag.partition("=")
+        extra += [f"--kvshare-{name}", value]
     return ServerProcess(model_path=model_path, kvshare_args=mode_args(mode, extra)).start()
 
 
@@ -103,6 +132,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warm", type=int, default=3, help="chains kvcmas learns from before the measured ones")
     ap.add_argument("--tau", type=float, default=0.3)
+    ap.add_argument("--probe", type=int, default=4,
+                    help="dense requests sent right after the warm chains, while kvcmas learns (0: none)")
     ap.add_argument("--out", default=str(RESULTS / "chain_ttft.json"))
     args = ap.parse_args(argv)
 
@@ -127,17 +158,21 @@ def main(argv=None) -> int:
                                 max_new_tokens=1)
             per_len = {}
             for length in args.lengths:
-                if arm.startswith("kvcmas"):
+                cell: dict = {}
+                if arm.startswith("kvcmas") or args.probe:  # every arm warms alike when it is probed
                     for w in range(args.warm):
                         run_chain(server.url, tok, context_tokens(tok, length, seed=1000 + 10 * length + w),
                                   floor=False)
+                if args.probe:
+                    cell["while_learning"] = probe_dense(server.url, tok, length, args.probe)
+                if arm.startswith("kvcmas"):
                     wait_learning(server.url)
                 reps = []
                 for r in range(args.repeats):
                     reps.append(run_chain(server.url, tok, context_tokens(tok, length, seed=length + 7 * r),
                                           floor=True))
                     bar.update()
-                per_len[str(length)] = {"repeats": reps}
+                per_len[str(length)] = {**cell, "repeats": reps}
             results["arms"][arm] = per_len
             if arm != "stock":  # where the server's time went, and what the learner kept or dropped
                 stats = requests.get(server.url + "/kvshare/stats", timeout=30).json()
@@ -166,6 +201,8 @@ def derive(results: dict, lengths) -> None:
             cell["floor_agents_2_4_s"] = summary(later_floor)
             cell["reuse_over_floor"] = summary([t / f for t, f in zip(later_ttft, later_floor)])
             cell["agent1_ttft_s"] = summary([rep[list(AGENTS)[0]]["ttft_s"] for rep in reps])
+            if cell.get("while_learning"):
+                cell["while_learning_ttft_s"] = summary([p["ttft_s"] for p in cell["while_learning"]])
             cell["reuse_ratio"] = statistics.mean(
                 sum(rep[a]["shared_tokens_reused"] for a in LATER) / (int(length) * len(LATER)) for rep in reps)
             cell["assembly_s"] = summary([statistics.mean(rep[a]["assembly_s"] for a in LATER) for rep in reps])
@@ -176,6 +213,10 @@ def derive(results: dict, lengths) -> None:
                 cell["speedup_vs_off_agents_2_4"] = summary([o / t for o, t in zip(off_later, later_ttft)])
                 cell["agent1_vs_off"] = summary([rep[list(AGENTS)[0]]["ttft_s"] / o[list(AGENTS)[0]]["ttft_s"]
                                                  for rep, o in zip(reps, off)])
+                if cell.get("while_learning") and arms["off"][length].get("while_learning"):
+                    cell["while_learning_vs_off"] = summary(
+                        [p["ttft_s"] / o["ttft_s"] for p, o in zip(cell["while_learning"],
+                                                                 arms["off"][length]["while_learning"])])
                 cell["assembly_over_dense_prefill"] = summary(
                     [statistics.mean(rep[a]["assembly_s"] for a in LATER) / max(d, 1e-9)
                      for rep, d in zip(reps, dense)])
@@ -188,7 +229,8 @@ def print_table(results: dict) -> None:
             print(f"{arm:14s} L={length:5s} reuse={cell['reuse_ratio']:.2f} TTFT2-4={med('ttft_agents_2_4_s'):.3f}s "
                   f"floor={med('floor_agents_2_4_s'):.3f}s x{med('reuse_over_floor'):.2f} of floor "
                   f"speedup={med('speedup_vs_off_agents_2_4'):.2f} agent1/off={med('agent1_vs_off'):.2f} "
-                  f"assembly/dense={med('assembly_over_dense_prefill'):.3f}")
+                  f"assembly/dense={med('assembly_over_dense_prefill'):.3f} "
+                  f"while-learning/off={med('while_learning_vs_off'):.2f}")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ class KVShareConfig:
     learn_queue_max: int = field(default=16, metadata={"help": "Most dense-prefill observations waiting to be learned; a full queue drops new ones (counted)."})
     learn_queue_mb: float = field(default=256.0, metadata={"help": "Most memory (MiB) the K/V copies of waiting observations may hold."})
     learn_cpu_share: float = field(default=0.5, metadata={"help": "Most share of wall time the learning thread may be busy: after learning for t seconds it sleeps t*(1/share-1), scaled by the learning queue's free share (a burst is learned, not dropped). On a machine with few cores the learner's SVDs compete with the forward; 1 = no pause."})
+    learn_yield_s: float = field(default=1.0, metadata={"help": "Learning yields to serving: before each observation the learning thread waits, at most this many seconds, until no prefill is in flight (and none ended in the last 0.2 s), so an SVD rarely shares the cores with a forward; under steady load it learns after the wait anyway. 0 = never wait."})
     learn_slot_interval_s: float = field(default=0.0, metadata={"help": "Observe one slot at most once per this many seconds (0 = no limit). Observations of a (content, edge) the pool already holds are always skipped."})
     recompute_head: int = field(default=0, metadata={"help": "K: the first K tokens of every reused segment are prefilled densely in the request's own context (EPIC-style boundary recompute); only the rest is re-aligned (and corrected). 0 = reuse whole segments."})
     staged: bool = field(default=True, metadata={"help": "Staged prefill: after a dense stretch (an unseen segment, or a recomputed head) resume reuse for the segments behind it, within the same request. false = stop reusing at the first segment that needs prefill."})
@@ -68,6 +69,8 @@ class KVShareConfig:
             raise ValueError("gate_max_tokens must be >= 0 (0 = whole segment)")
         if not 0.0 < self.learn_cpu_share <= 1.0:
             raise ValueError(f"learn_cpu_share must lie in (0, 1], got {self.learn_cpu_share}")
+        if self.learn_yield_s < 0:
+            raise ValueError(f"learn_yield_s must be >= 0, got {self.learn_yield_s}")
         if self.learn_slot_interval_s < 0:
             raise ValueError(f"learn_slot_interval_s must be >= 0, got {self.learn_slot_interval_s}")
         if self.pool_budget_mb <= 0 or self.learn_queue_mb <= 0:

@@ -38,6 +38,7 @@ from sglang_kvshare.cache.registry import ContentHasher, Materialization, Placeh
 from sglang_kvshare.cache.request_state import (RequestPlan, SegmentOutcome, attach, plan_of,
                                                  publish_report)
 from sglang_kvshare.cache.resolver import Resolver
+from sglang_kvshare.cache.serving_activity import ServingActivity
 from sglang_kvshare.config import KVShareConfig
 from sglang_kvshare.protocol import AnnotationError, parse_annotation
 
@@ -66,10 +67,12 @@ class KVShareRadixCache(CacheAdmin, RadixCache):
         self.spec = None
         self.estimator = None
         self._estimator_lock = threading.RLock()
+        self.activity = ServingActivity()
         self.learner = Learner(lambda: self.estimator, self._estimator_lock, self.counters,
                                max_jobs=config.learn_queue_max, max_bytes=int(config.learn_queue_mb * 2**20),
                                asynchronous=config.learn_async, cpu_share=config.learn_cpu_share,
-                               slot_interval_s=config.learn_slot_interval_s)
+                               slot_interval_s=config.learn_slot_interval_s, activity=self.activity,
+                               yield_s=config.learn_yield_s)
         self.resolver = Resolver(self, lambda: self.estimator, self._estimator_lock)
         super().__init__(params)
         if config.mode != "off":
@@ -87,12 +90,18 @@ class KVShareRadixCache(CacheAdmin, RadixCache):
             self.registry.reset()
             self.kvshare_generation += 1
 
+    def on_release(self, req, *, checkpointed: bool) -> None:
+        self.activity.closed(req)  # also for a request the tree never checkpointed
+        super().on_release(req, checkpointed=checkpointed)
+
     def _delete_leaf(self, node) -> None:
         super()._delete_leaf(node)
         setattr(node, tree_paths.DEAD_ATTR, True)  # materializations ending here are gone
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         req = params.req
+        if req is not None and self.kvshare_config.mode != "off":
+            self.activity.opened(req)  # its prefill is coming: the learner waits for it (learner.py)
         plan = None
         if req is not None and self.kvshare_config.mode != "off" and not self.disable and not self.is_eagle:
             plan = self._plan_for(req)
@@ -113,6 +122,8 @@ class KVShareRadixCache(CacheAdmin, RadixCache):
             return super().match_prefix(params)
 
     def checkpoint(self, req, *, up_to: int):
+        if up_to >= len(req.origin_input_ids) or req.finished():
+            self.activity.closed(req)
         plan = plan_of(req)
         if plan is not None and plan.est_start is not None and up_to > plan.est_start and not self.disable:
             self._checkpoint_with_estimates(req, plan, up_to)

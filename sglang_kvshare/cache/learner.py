@@ -23,7 +23,14 @@ slowed every request of a kvcmas server by up to 1.35x while it learned):
   ``t * (1 / cpu_share - 1)`` times the free share of the queue, so it is busy
   at most ``cpu_share`` of the time while observations trickle in, and catches
   up at full speed when a burst fills the queue (a full queue drops new
-  observations, counted; it never blocks the scheduler).
+  observations, counted; it never blocks the scheduler);
+* the worker yields to serving (``activity``, ``yield_s``): before each
+  observation it waits, at most ``yield_s``, until no prefill is in flight, so
+  a request rarely shares the cores with an SVD; under steady load it waits
+  the bound and learns anyway;
+* each observation is learned on a thread of its own that ends with it (see
+  ``_learn_in_own_thread``: a live thread that once ran torch ops slows the
+  scheduler's forward even while it sleeps).
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from typing import Any, Callable, Hashable, Optional
 
 
 from sglang_kvshare.cache.counters import Counters
+from sglang_kvshare.cache.serving_activity import ServingActivity
 
 logger = logging.getLogger(__name__)
 
@@ -81,11 +89,14 @@ class Learner:
 
     def __init__(self, estimator: Callable[[], Any], lock: threading.RLock, counters: Counters, *,
                  max_jobs: int, max_bytes: int, asynchronous: bool = True, cpu_share: float = 1.0,
-                 slot_interval_s: float = 0.0) -> None:
+                 slot_interval_s: float = 0.0, activity: Optional[ServingActivity] = None,
+                 yield_s: float = 0.0) -> None:
         if not 0.0 < cpu_share <= 1.0:
             raise ValueError(f"cpu_share must lie in (0, 1], got {cpu_share}")
         if slot_interval_s < 0:
             raise ValueError(f"slot_interval_s must be >= 0, got {slot_interval_s}")
+        if yield_s < 0:
+            raise ValueError(f"yield_s must be >= 0, got {yield_s}")
         self._estimator = estimator
         self._lock = lock
         self._counters = counters
@@ -94,6 +105,8 @@ class Learner:
         self.asynchronous = asynchronous
         self.cpu_share = cpu_share
         self.slot_interval_s = slot_interval_s
+        self.activity = activity
+        self.yield_s = yield_s
         self._last_admitted: OrderedDict[Hashable, float] = OrderedDict()  # slot -> monotonic time, LRU-bounded
         self._queue: "queue.Queue[Observation]" = queue.Queue()
         self._bytes = 0
@@ -193,6 +206,46 @@ class Learner:
         self._counters.add("learn_prepare_seconds", t1 - t0)
         self._counters.add("learn_commit_seconds", time.perf_counter() - t1)
 
+    def _learn_in_own_thread(self, obs: Observation) -> None:
+        """Learn one observation on a thread that ends with it.
+
+        NOTE: why not on the worker itself: a thread that has run torch's
+        OpenMP ops keeps its own OpenMP team alive while it lives, and with more
+        OpenMP threads than cores GNU libgomp stops spinning at its barriers, so
+        the scheduler's forward pays a futex round trip per parallel region. On
+        this 2-core machine an *idle* learner thread that had once run an SVD
+        slowed small parallel ops of the main thread 2.4x (about 490-675 us
+        against 200-240 us per op) until it exited, and a kvcmas server's dense
+        prefills stayed 8-28 % slower after its learning had finished. A thread
+        per observation (microseconds to start, against a second of SVDs) keeps
+        the team alive only while it learns.
+        """
+
+        def body() -> None:
+            # NOTE: lowest CPU priority for this thread (and the OpenMP team its torch ops
+            # start, which inherits it): on a machine with few cores the forward wins.
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            except (AttributeError, OSError):
+                pass
+            try:
+                self._learn(obs)
+            except Exception:  # noqa: BLE001 - a bad observation must not stop learning
+                logger.exception("sglang-kvshare: recording an anchor failed")
+                self._counters.add("internal_errors")
+
+        step = threading.Thread(target=body, name="kvshare-learn-step", daemon=True)
+        step.start()
+        step.join()
+
+    def _yield_to_serving(self) -> None:
+        """Wait (bounded) until no prefill is in flight; counted in ``learn_yield_seconds``."""
+        if self.activity is None or self.yield_s <= 0:
+            return
+        waited = self.activity.wait_quiet(self.yield_s)
+        if waited > 0:
+            self._counters.add("learn_yield_seconds", waited)
+
     def _pause(self, busy: float) -> float:
         """Seconds to rest after ``busy`` seconds of learning.
 
@@ -212,24 +265,19 @@ class Learner:
             return
 
         def run() -> None:
-            # NOTE: lowest CPU priority for this thread (and the OpenMP team its torch ops
-            # start, which inherits it): on a machine with few cores the forward wins.
-            try:
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-            except (AttributeError, OSError):
-                pass
+            # NOTE: this dispatcher never runs a torch op (see _learn_in_own_thread):
+            # it waits for work, for a lull in serving and out its rests.
             while True:
                 obs = self._queue.get()
-                busy_since = time.perf_counter()
                 try:
-                    self._learn(obs)
-                except Exception:  # noqa: BLE001 - a bad observation must not stop learning
-                    logger.exception("sglang-kvshare: recording an anchor failed")
-                    self._counters.add("internal_errors")
+                    self._yield_to_serving()
+                    busy_since = time.perf_counter()
+                    self._learn_in_own_thread(obs)
+                    busy = time.perf_counter() - busy_since
                 finally:
                     self._release(obs)
                     self._queue.task_done()
-                pause = self._pause(time.perf_counter() - busy_since)
+                pause = self._pause(busy)
                 if pause > 0:
                     self._counters.add("learn_throttle_seconds", pause)
                     time.sleep(pause)

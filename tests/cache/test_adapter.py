@@ -338,3 +338,24 @@ def test_the_private_suffix_is_never_taken_from_another_context(sched):
     assert segs[2]["resolved_by"] == "dense" and "reason" not in segs[2]
     assert req.report()["tokens_aligned"] == len(QUERY)
     assert_pool_accounted(sched.cache)
+
+
+def test_a_prefill_counts_as_in_flight_from_match_until_its_prompt_is_in(sched, monkeypatch):
+    """The learner waits while ``activity`` says busy (learner.py); decode steps must not hold it off."""
+    open_during = []
+    prefill = sched._prefill
+
+    def spy(req, lo, hi):
+        open_during.append(sched.cache.activity.open_count())
+        prefill(req, lo, hi)
+
+    monkeypatch.setattr(sched, "_prefill", spy)
+    sched.run(annotated("A"), new_tokens=3)
+    assert open_during[0] == 1  # the prompt's prefill
+    assert open_during[-1] == 0  # a decode step: the prefill is over
+    assert sched.cache.activity.open_count() == 0
+    released = FakeReq(list(range(300, 340)))
+    sched.match(released)  # matched, then released without a checkpoint (an abort)
+    assert sched.cache.activity.open_count() == 1
+    sched.cache.on_release(released, checkpointed=False)
+    assert sched.cache.activity.open_count() == 0

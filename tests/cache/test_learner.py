@@ -73,12 +73,14 @@ class _SlowEstimator:
         self.busy = busy
         self.starts: list[float] = []
         self.ends: list[float] = []
+        self.threads: list[threading.Thread] = []
 
     def has_content(self, slot, content_key):
         return False
 
     def prepare_observation(self, slot, source, target, content_key=None, with_base=True):
         self.starts.append(time.monotonic())
+        self.threads.append(threading.current_thread())
         time.sleep(self.busy)
         self.ends.append(time.monotonic())
         return None
@@ -119,3 +121,17 @@ def test_the_shares_are_validated():
         _learner(None, cpu_share=0.0)
     with pytest.raises(ValueError, match="slot_interval_s"):
         _learner(None, slot_interval_s=-1.0)
+
+
+def test_no_thread_that_ran_learning_outlives_its_observation():
+    """A live thread that once ran torch's OpenMP ops slows the scheduler's forward (learner.py)."""
+    estimator = _SlowEstimator(busy=0.0)
+    learner, _ = _learner(estimator, asynchronous=True)
+    for i in range(2):
+        assert learner.submit(Observation("query", _cache(i, 0, "A"), _cache(i, 5, "B"), f"c{i}"))
+    _wait_for(lambda: learner.pending() == 0)
+    assert len(estimator.threads) == 2 and estimator.threads[0] is not estimator.threads[1]
+    assert learner._worker not in estimator.threads  # the long-lived dispatcher never learns itself
+    for t in estimator.threads:
+        t.join(timeout=5.0)
+        assert not t.is_alive()

@@ -1,0 +1,88 @@
+"""``python -m benchmarks.idle_torch_thread``: does an idle thread that once ran torch ops slow the main thread?
+
+Why this exists: a kvcmas server's dense prefills stayed 8-28 % slower after
+its learner had finished learning (issue 15). The cause is GNU libgomp, not
+our code: every thread that runs an OpenMP parallel region keeps its own team
+of OpenMP threads for as long as it lives, and once a process holds more
+OpenMP threads than cores libgomp stops spinning at barriers, so each of the
+main thread's parallel regions pays for putting threads to sleep and waking
+them. This measures one small op mix (a 64 x 576 matmul, SiLU, add: the shape
+of a decode step of the 135M model) on the main thread in three states:
+
+* ``before``: only the main thread has run torch ops;
+* ``idle_side_thread``: a second thread ran one randomized SVD (the learner's
+  op) and now sleeps, still alive;
+* ``after_exit``: that thread has exited.
+
+Medians and min-max over ``--repeats``; one process, so the ratios are within
+one run of this machine. The learner therefore learns each observation on a
+thread that ends with it (``sglang_kvshare/cache/learner.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.harness import RESULTS, machine, write_json
+
+
+def op_time_us(iterations: int) -> float:
+    x, w = torch.randn(64, 576), torch.randn(576, 576)
+    start = time.perf_counter()
+    for _ in range(iterations):
+        torch.nn.functional.silu(x @ w) + x
+    return (time.perf_counter() - start) / iterations * 1e6
+
+
+def one_repeat(iterations: int) -> dict:
+    op_time_us(iterations // 4)  # warm
+    row = {"before": op_time_us(iterations)}
+    release: "queue.Queue[None]" = queue.Queue()
+
+    def side() -> None:
+        torch.svd_lowrank(torch.randn(30, 1024, 192), q=40, niter=2)
+        release.get()  # alive and idle
+
+    thread = threading.Thread(target=side)
+    thread.start()
+    time.sleep(1.0)  # the SVD is done well before this
+    row["idle_side_thread"] = op_time_us(iterations)
+    release.put(None)
+    thread.join()
+    time.sleep(0.2)
+    row["after_exit"] = op_time_us(iterations)
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.idle_torch_thread", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--iterations", type=int, default=3000)
+    ap.add_argument("--out", default=str(RESULTS / "idle_torch_thread.json"))
+    args = ap.parse_args(argv)
+    rows = [one_repeat(args.iterations) for _ in range(args.repeats)]
+    summary = {}
+    for key in ("before", "idle_side_thread", "after_exit"):
+        values = [r[key] for r in rows]
+        summary[key] = {"median_us": statistics.median(values), "min_us": min(values), "max_us": max(values)}
+    ratio = [r["idle_side_thread"] / r["before"] for r in rows]
+    result = {"command": "python -m benchmarks.idle_torch_thread " + " ".join(argv or []), "machine": machine(),
+              "torch_threads": torch.get_num_threads(), "op": "silu(x @ w) + x, x 64x576, w 576x576, float32",
+              "repeats": rows, "summary": summary,
+              "idle_over_before": {"median": statistics.median(ratio), "min": min(ratio), "max": max(ratio)}}
+    write_json(Path(args.out), result)
+    for key, cell in summary.items():
+        print(f"{key:18s} {cell['median_us']:7.1f} us ({cell['min_us']:.1f}-{cell['max_us']:.1f})")
+    print(f"idle side thread / before: {result['idle_over_before']['median']:.2f}x; wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
