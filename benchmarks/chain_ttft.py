@@ -16,7 +16,8 @@ one at a time) and per repeat (a new content each time):
   content, nothing to reuse) sent right after the warm chains, while a kvcmas
   learner still has their observations queued (``pending`` says how many);
   every arm runs the same warm chains and probes, so ``while_learning_vs_off``
-  compares like with like (issue 15: at most 1.10x).
+  compares like with like (issue 15: at most 1.10x); ``--probe-gap`` spaces
+  them (back to back is steady load; a gap is a lull the learner may use).
 
 Arms: ``off``, ``fullshared``, ``kvcmas``, ``stock`` (``sglang.launch_server``
 with SGLang's default cache: is ``off`` free?), ``MODE:K`` for
@@ -31,6 +32,7 @@ Medians and min-max over ``--repeats``; ratios within one run of this machine.
 from __future__ import annotations
 
 import argparse
+import sys
 import statistics
 import time
 from pathlib import Path
@@ -97,10 +99,12 @@ def pending_observations(url: str) -> int | None:
         return None  # the stock server has no kvshare endpoints
 
 
-def probe_dense(url: str, tok, length: int, n: int) -> list[dict]:
-    """``n`` dense requests of new contents, back to back, each with the learner's backlog before it."""
+def probe_dense(url: str, tok, length: int, n: int, gap_s: float = 0.0) -> list[dict]:
+    """``n`` dense requests of new contents, ``gap_s`` apart, each with the learner's backlog before it."""
     rows = []
     for i in range(n):
+        if i and gap_s > 0:
+            time.sleep(gap_s)  # an agent's think time: a lull the learner may use
         pending = pending_observations(url)
         ids, cp = request(tok, list(AGENTS)[0], context_tokens(tok, length, seed=50_000 + 10 * length + i))
         timed = stream_generate(url, ids, custom_params=cp, max_new_tokens=1)
@@ -134,6 +138,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tau", type=float, default=0.3)
     ap.add_argument("--probe", type=int, default=4,
                     help="dense requests sent right after the warm chains, while kvcmas learns (0: none)")
+    ap.add_argument("--probe-gap", type=float, default=0.0, help="seconds between the probes (default back to back)")
     ap.add_argument("--out", default=str(RESULTS / "chain_ttft.json"))
     args = ap.parse_args(argv)
 
@@ -143,9 +148,10 @@ def main(argv=None) -> int:
 
     model_path = str(prepare("smollm2-135m"))
     tok = AutoTokenizer.from_pretrained(model_path)
-    results: dict = {"command": "python -m benchmarks.chain_ttft " + " ".join(argv or []), "machine": machine(),
+    results: dict = {"command": "python -m benchmarks.chain_ttft " + " ".join(
+        argv if argv is not None else sys.argv[1:]), "machine": machine(),
                      "model": "SmolLM2-135M-Instruct", "agents": list(AGENTS), "tau": args.tau,
-                     "repeats": args.repeats,
+                     "repeats": args.repeats, "probe": args.probe, "probe_gap_s": args.probe_gap,
                      "ttft_definition": "time to the first streamed chunk of a 1-token greedy generation",
                      "floor_definition": "TTFT of the same request sent again at once (an exact radix hit)",
                      "arms": {}}
@@ -164,7 +170,7 @@ def main(argv=None) -> int:
                         run_chain(server.url, tok, context_tokens(tok, length, seed=1000 + 10 * length + w),
                                   floor=False)
                 if args.probe:
-                    cell["while_learning"] = probe_dense(server.url, tok, length, args.probe)
+                    cell["while_learning"] = probe_dense(server.url, tok, length, args.probe, args.probe_gap)
                 if arm.startswith("kvcmas"):
                     wait_learning(server.url)
                 reps = []

@@ -22,6 +22,7 @@ thread that ends with it (``sglang_kvshare/cache/learner.py``).
 from __future__ import annotations
 
 import argparse
+import sys
 import queue
 import statistics
 import threading
@@ -73,7 +74,8 @@ def main(argv=None) -> int:
         values = [r[key] for r in rows]
         summary[key] = {"median_us": statistics.median(values), "min_us": min(values), "max_us": max(values)}
     ratio = [r["idle_side_thread"] / r["before"] for r in rows]
-    result = {"command": "python -m benchmarks.idle_torch_thread " + " ".join(argv or []), "machine": machine(),
+    result = {"command": "python -m benchmarks.idle_torch_thread " + " ".join(
+        argv if argv is not None else sys.argv[1:]), "machine": machine(),
               "torch_threads": torch.get_num_threads(), "op": "silu(x @ w) + x, x 64x576, w 576x576, float32",
               "repeats": rows, "summary": summary,
               "idle_over_before": {"median": statistics.median(ratio), "min": min(ratio), "max": max(ratio)}}

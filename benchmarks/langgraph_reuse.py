@@ -22,6 +22,7 @@ questions with greedy decoding, and writes per mode the answers, the server's
 from __future__ import annotations
 
 import argparse
+import sys
 import importlib.util
 import json
 import re
@@ -114,7 +115,8 @@ def main(argv: Optional[list[str]] = None) -> None:
             mode_args = MODES[mode]
             print(f"[langgraph_reuse] {mode}: {len(questions)} questions x {len(team.AGENTS)} agents", flush=True)
             results[mode] = run_mode(model_path, mode_args, team, questions, args.max_tokens)
-        out = {"command": "python -m benchmarks.langgraph_reuse " + " ".join(argv or []),
+        out = {"command": "python -m benchmarks.langgraph_reuse " + " ".join(
+            argv if argv is not None else sys.argv[1:]),
                "questions": questions, "max_tokens": args.max_tokens, "runs": results}
     summary = summarize(results, AutoTokenizer.from_pretrained(model_path), questions)
     out["summary"] = summary

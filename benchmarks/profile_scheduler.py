@@ -22,6 +22,7 @@ the shares, not the seconds.
 from __future__ import annotations
 
 import argparse
+import sys
 import collections
 import os
 import re
@@ -157,7 +158,8 @@ def main(argv=None) -> int:
             server.proc.wait(timeout=120)
         finally:
             server.stop()
-    result = {"command": "python -m benchmarks.profile_scheduler " + " ".join(argv or []), "machine": machine(),
+    result = {"command": "python -m benchmarks.profile_scheduler " + " ".join(
+        argv if argv is not None else sys.argv[1:]), "machine": machine(),
               "mode": args.mode, "length": args.length, "chains": args.chains, "rate_hz": args.rate,
               "wall_s_incl_startup": round(load_s, 1), "raw": raw.name,
               "note": "startup (model load, warm-up) is in the samples; shares are of scheduler samples, "
