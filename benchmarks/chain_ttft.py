@@ -113,15 +113,23 @@ def probe_dense(url: str, tok, length: int, n: int, gap_s: float = 0.0) -> list[
     return rows
 
 
-def start(model_path: str, arm: str, tau: float) -> ServerProcess:
-    if arm == "stock":
-        return ServerProcess(model_path=model_path, stock=True).start()
+def arm_launch(arm: str, tau: float) -> tuple[str, list[str]]:
+    """An arm's mode and extra kvshare flags: ``MODE[:K][@name=value,...]``."""
     arm, _, flags = arm.partition("@")
     mode, _, head = arm.partition(":")
     extra = ["--kvshare-tau", str(tau)] + (["--kvshare-recompute-head", head] if head else [])
     for flag in filter(None, flags.split(",")):  # ``kvcmas@learn-yield-s=0``: one more launch flag
-        name, _, value = flag.partition("=")
+        name, sep, value = flag.partition("=")
+        if not sep or not name:
+            raise ValueError(f"arm {arm!r}: flag {flag!r} is not name=value")
         extra += [f"--kvshare-{name}", value]
+    return mode, extra
+
+
+def start(model_path: str, arm: str, tau: float) -> ServerProcess:
+    if arm == "stock":
+        return ServerProcess(model_path=model_path, stock=True).start()
+    mode, extra = arm_launch(arm, tau)
     return ServerProcess(model_path=model_path, kvshare_args=mode_args(mode, extra)).start()
 
 

@@ -251,13 +251,11 @@ class KVShareRadixCache(CacheAdmin, RadixCache):
     def kvshare_resume(self, req) -> int:
         """Between two stages of one request: reuse what can be reused from ``req.prefix_len`` on.
 
-        Called by the scheduler hook before the request's next chunk is sized;
-        the checkpoint of the previous chunk has put its rows in the tree and
-        locked the node that ends them (``req.last_node``). Assembled rows are
-        inserted below it (estimate namespace), written into the request's row
-        and handed to the tree (``cache_protected_len``); the request's prefix
-        grows past them. Returns the number of rows reused (0 when nothing could be).
-        Never raises: an error leaves the request to dense prefill.
+        Called by the scheduler hook before the next chunk is sized, after the
+        previous chunk's checkpoint locked ``req.last_node``. Assembled rows go
+        below it (estimate namespace), into the request's row and to the tree
+        (``cache_protected_len``). Returns the rows reused; never raises (an
+        error leaves the request to dense prefill).
         """
         plan = plan_of(req)
         if plan is None or not self.active or plan.next_stage is None:

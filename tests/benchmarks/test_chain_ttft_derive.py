@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from benchmarks.chain_ttft import AGENTS, derive
+import pytest
+
+from benchmarks.chain_ttft import AGENTS, arm_launch, derive
 
 
 def _rep(ttft: float, floor: float, reused: int, first: float = 2.0, assembly: float = 0.01) -> dict:
@@ -27,3 +29,12 @@ def test_derive_ratios_against_floor_and_off():
     # assembly against off's dense prefill of the same content (TTFT minus its floor)
     assert abs(cell["assembly_over_dense_prefill"]["median"] - 0.01 / 1.5) < 1e-9
     assert results["arms"]["off"]["100"]["agent1_vs_off"]["median"] == 1.0
+
+
+def test_an_arm_names_its_mode_head_and_extra_flags():
+    assert arm_launch("kvcmas", 0.3) == ("kvcmas", ["--kvshare-tau", "0.3"])
+    assert arm_launch("fullshared:8", 0.3) == ("fullshared", ["--kvshare-tau", "0.3", "--kvshare-recompute-head", "8"])
+    mode, extra = arm_launch("kvcmas:8@learn-yield-s=0,learn-cpu-share=1", 0.3)
+    assert mode == "kvcmas" and extra[-4:] == ["--kvshare-learn-yield-s", "0", "--kvshare-learn-cpu-share", "1"]
+    with pytest.raises(ValueError, match="name=value"):
+        arm_launch("kvcmas@learn-yield-s", 0.3)
