@@ -23,9 +23,10 @@ Arms: ``off``, ``fullshared``, ``kvcmas``, ``stock`` (``sglang.launch_server``
 with SGLang's default cache: is ``off`` free?), ``MODE:K`` for
 ``--kvshare-recompute-head K`` (one extra stage per reused segment: the stage
 cost is its TTFT minus ``MODE``'s), and ``ARM@name=value,...`` for more
-``--kvshare-name value`` launch flags (``kvcmas@learn-yield-s=0``). ``kvcmas`` learns on its background thread
-(the serving default) from ``--warm`` chains before the measured repeats; a
-kvcmas agent 1 runs while that learning may still be going on.
+``--kvshare-name value`` launch flags (``kvcmas@learn-yield-s=0``).
+``kvcmas`` learns on its background thread (the serving default) from
+``--warm`` chains; the measured repeats start once that learning is done
+(``wait_learning``, at most 300 s); the probes run before it.
 Medians and min-max over ``--repeats``; ratios within one run of this machine.
 """
 

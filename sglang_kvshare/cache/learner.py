@@ -213,10 +213,11 @@ class Learner:
         OpenMP ops keeps its own OpenMP team alive while it lives, and with more
         OpenMP threads than cores GNU libgomp stops spinning at its barriers, so
         the scheduler's forward pays a futex round trip per parallel region. On
-        this 2-core machine an *idle* learner thread that had once run an SVD
-        slowed small parallel ops of the main thread 2.4x (about 490-675 us
-        against 200-240 us per op) until it exited, and a kvcmas server's dense
-        prefills stayed 8-28 % slower after its learning had finished. A thread
+        this 2-core machine an *idle* thread that had once run an SVD slowed a
+        small op mix of the main thread from 263 to 740 us until it exited
+        (``benchmarks.idle_torch_thread``), and a kvcmas server's first agent
+        stayed 1.23-1.39x slower than ``off`` after learning had finished
+        (0.83x with this thread per observation; README, chain_ttft). A thread
         per observation (microseconds to start, against a second of SVDs) keeps
         the team alive only while it learns.
         """

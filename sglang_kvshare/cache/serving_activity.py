@@ -3,8 +3,9 @@
 Why: on a machine with few cores the learner's SVDs and the model's forward
 share the cores. A duty cycle (``Learner.cpu_share``) bounds *how much* the
 learner takes, not *when*: an SVD that starts just before a dense prefill
-stretches that request's TTFT (issue 15: requests that reuse nothing were up
-to 1.27x slower in a kvcmas server). The cache sees every request twice, at
+stretches that request's TTFT (issue 15: with 1.5 s between dense requests a
+kvcmas server that was learning served them at 1.25x ``off`` without this
+wait, 0.99x with it; ``chain_ttft --probe-gap``). The cache sees every request twice, at
 ``match_prefix`` (its prefill is about to run) and at the checkpoint that
 covers its whole prompt or its release (the prefill is over), so it can tell
 the learner when serving is quiet.
@@ -60,11 +61,6 @@ class ServingActivity:
             if self._open.pop(id(req), None) is not None:
                 self._last_closed = self._clock()
                 self._cond.notify_all()
-
-    def clear(self) -> None:
-        with self._cond:
-            self._open.clear()
-            self._cond.notify_all()
 
     # ------------------------------------------------------------ learner side
     @staticmethod
