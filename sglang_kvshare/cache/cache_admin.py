@@ -52,7 +52,7 @@ class CacheAdmin:
                               rank=cfg.effective_rank, window=cfg.evict_window,
                               gate_len=cfg.gate_max_tokens or None, min_anchor_len=cfg.min_anchor_len or None,
                               max_slots=cfg.max_pools, budget_bytes=int(cfg.pool_budget_mb * 2**20),
-                              svd_method="randomized")  # serving: a cheaper SVD on the learning thread
+                              svd_method="gram")  # serving: exact and the cheapest on the learning thread
 
     # ------------------------------------------------------------ naming
     def _display(self, namespace, slot: str) -> str:

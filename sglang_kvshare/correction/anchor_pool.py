@@ -63,7 +63,7 @@ class PoolConfig:
     """Comparison length cap k of the gate (None: the full source length)."""
     activation_mass: float = 0.9
     """An accepted match activates the anchors holding this much gate weight."""
-    svd_method: Literal["svd", "randomized"] = "svd"
+    svd_method: Literal["svd", "randomized", "gram"] = "svd"
     """Truncated SVD flavour used for new anchors."""
     min_anchor_len: int | None = None
     """None: an anchor is eligible only if it covers the whole comparison length (``min(L, gate_len)``).

@@ -91,7 +91,7 @@ def factor_nbytes(num_layers: int, length: int, dim: int, rank: int | None, item
     return num_layers * r * (length + dim) * itemsize
 
 
-def factorize(x: torch.Tensor, rank: int | None, method: Literal["svd", "randomized"] = "svd",
+def factorize(x: torch.Tensor, rank: int | None, method: Literal["svd", "randomized", "gram"] = "svd",
               dtype: torch.dtype | None = None, niter: int = 2) -> Factors:
     """Truncated-SVD factors of every layer's ``L x D`` matrix.
 
@@ -99,8 +99,15 @@ def factorize(x: torch.Tensor, rank: int | None, method: Literal["svd", "randomi
         x: ``[num_layers, L, kv_heads, head_dim]`` (or ``[num_layers, L, D]``).
         rank: kept singular directions; ``None`` stores the matrix itself.
             Capped at ``min(L, D)`` (then the factors are exact).
-        method: ``"svd"`` (exact truncation, float32 math) or ``"randomized"``
-            (``torch.svd_lowrank``, faster for long segments).
+        method: ``"svd"`` (exact truncation, float32 math), ``"randomized"``
+            (``torch.svd_lowrank``, approximate) or ``"gram"``: the same
+            truncation as ``"svd"`` from the eigenvectors of the ``D x D`` Gram
+            matrix (float64 eigensolver). A K/V matrix is tall (``L`` tokens by
+            ``D = kv_heads * head_dim``), so one ``L x D x D`` product and a
+            subspace iteration on the small Gram matrix replace the SVD of
+            the tall matrix; residual within 1e-4 of the exact truncation and
+            no global RNG draw (the learner's default in the server;
+            ``python -m benchmarks.learn_cost`` times the three).
         dtype: storage dtype; defaults to ``x.dtype``.
     Returns: new ``Factors``; ``x`` is not modified.
     """
@@ -114,7 +121,9 @@ def factorize(x: torch.Tensor, rank: int | None, method: Literal["svd", "randomi
         raise ValueError(f"rank must be positive or None, got {rank}")
     r = min(rank, length, m.shape[-1])
     work = m.float() if m.dtype in (torch.float16, torch.bfloat16) else m
-    if method == "randomized" and r < min(length, m.shape[-1]):
+    if method == "gram" and r < min(length, m.shape[-1]):
+        a, b = _gram_truncation(work, r, niter)
+    elif method == "randomized" and r < min(length, m.shape[-1]):
         u, s, v = torch.svd_lowrank(work, q=min(r + 8, length, m.shape[-1]), niter=niter)
         a = u[..., :r] * s[..., None, :r]
         b = v[..., :r].transpose(-1, -2)
@@ -123,6 +132,35 @@ def factorize(x: torch.Tensor, rank: int | None, method: Literal["svd", "randomi
         a = u[..., :r] * s[..., None, :r]
         b = vh[..., :r, :]
     return Factors(a.to(store).contiguous(), b.to(store).contiguous(), None, head_shape)
+
+
+def _gram_truncation(m: torch.Tensor, r: int, niter: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(U_r S_r, V_r^T)`` of every layer of ``m`` from the top eigenvectors of ``m^T m``.
+
+    ``m V_r V_r^T`` is the best rank-``r`` approximation of ``m`` (Eckart-Young).
+    The ``D x D`` Gram matrix is formed in ``m``'s dtype (float32) and solved
+    in float64; its top eigenvectors come from a subspace iteration of width
+    ``r + 8`` (``niter`` power steps on the Gram matrix, that is ``2 * niter + 1``
+    on ``m``'s spectrum) and a small eigensolve, because a full ``D x D``
+    eigensolve per layer costs more than the rest of an observation. The start
+    block comes from a fixed-seed generator: no draw from torch's global RNG,
+    the same factors for the same input.
+    """
+    gram = (m.transpose(-1, -2) @ m).double()
+    d = gram.shape[-1]
+    width = min(r + 8, d)
+    if 2 * width >= d:
+        _, vecs = torch.linalg.eigh(gram)  # ascending eigenvalues
+        v_r = vecs[..., -r:]
+    else:
+        start = torch.randn(d, width, generator=torch.Generator().manual_seed(0), dtype=gram.dtype)
+        basis = torch.linalg.qr(gram @ start).Q
+        for _ in range(niter):
+            basis = torch.linalg.qr(gram @ basis).Q
+        _, small = torch.linalg.eigh(basis.transpose(-1, -2) @ gram @ basis)
+        v_r = basis @ small[..., -r:]
+    v_r = v_r.flip(-1).to(m.dtype)  # [layers, D, r], largest first
+    return m @ v_r, v_r.transpose(-1, -2)
 
 
 def stack_factors(factors: list[Factors], lo: int, hi: int,

@@ -33,5 +33,21 @@ def test_full_rank_factors_are_exact_and_truncation_is_optimal(gen):
     rnd = factorize(x, 4, method="randomized", niter=6)
     resid_rnd = (rnd.reconstruct() - x).reshape(2, -1).pow(2).sum(1)
     assert torch.all(resid_rnd <= resid * 1.05)
+    gram = factorize(x, 4, method="gram")  # the server's learner: exact, from the D x D Gram matrix
+    resid_gram = (gram.reconstruct() - x).reshape(2, -1).pow(2).sum(1)
+    torch.testing.assert_close(resid_gram, resid, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(gram.reconstruct(), f.reconstruct(), rtol=1e-4, atol=1e-4)
     # Partial reconstruction returns the leading rows.
     torch.testing.assert_close(f.reconstruct(rows=7), f.reconstruct()[:, :7])
+
+
+def test_gram_method_on_tall_kv_is_the_optimal_truncation_and_leaves_the_rng_alone(gen):
+    """The server's learner path (D = 192 > 2 * (r + 8): the subspace iteration, not the full eigensolve)."""
+    u = torch.randn(2, 300, 24, generator=gen) * torch.logspace(0, -2, 24)
+    x = (u @ torch.randn(2, 24, 192, generator=gen) + 0.01 * torch.randn(2, 300, 192, generator=gen)).view(2, 300, 3, 64)
+    exact = (factorize(x, 8).reconstruct() - x).pow(2).sum()
+    state = torch.get_rng_state()
+    first = factorize(x, 8, method="gram")
+    assert torch.equal(torch.get_rng_state(), state)
+    assert (first.reconstruct() - x).pow(2).sum() <= exact * (1 + 1e-4)
+    assert torch.equal(factorize(x, 8, method="gram").a, first.a)  # deterministic
