@@ -50,7 +50,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Generator, Optional, Sequence
+from contextlib import contextmanager
+from typing import Callable, ContextManager, Generator, Iterator, Optional, Sequence
 
 import requests
 from tqdm import tqdm
@@ -290,42 +291,53 @@ def _on_sigterm(*_) -> None:
     os._exit(143)
 
 
-def run_arm(arm: Arm, spec: TaskSpec, samples, warm, tok, args, off_raw: Optional[dict], max_tokens: int) -> dict:
-    """Start a server for ``arm``, run warm-up and scored samples, each followed by its teacher-forced replays."""
+@contextmanager
+def fresh_server(arm: Arm, model_path: str) -> Iterator[str]:
+    """The benchmark's servers: a new one per arm, launched with the arm's flags; yields its URL."""
     from sglang_kvshare.server_process import ServerProcess
 
-    enc = _encoder(tok)
-    t0 = time.perf_counter()
-    with ServerProcess(model_path=args.model_path, kvshare_args=arm.server_args()) as server:
+    with ServerProcess(model_path=model_path, kvshare_args=arm.server_args()) as server:
         _ACTIVE.append(server)
         try:
-            runner = Runner(server.url, arm, args.seed, tok.eos_token_id)
-
-            def one(smp) -> list[dict]:
-                return runner.sample(spec.program(smp, enc, max_tokens), smp.id)
-
-            def scored(si: int) -> tuple[list[dict], dict]:
-                """One sample, then at once its teacher-forced replays, while its sources are in the pool.
-
-                (Replaying after all samples would find most sources evicted from
-                this CPU server's small KV pool: the replay would measure dense
-                prefill, not the arm.)"""
-                rows = one(samples[si])
-                ref = rows if off_raw is None else off_raw["raw"][si]
-                tfs = {(si, ri): runner.teacher_forced(row["call"], samples[si].id, row["output_ids"])
-                       for ri, row in enumerate(ref) if row["position"] > 1}
-                return rows, tfs
-
-            for smp in warm:  # unscored: pools and caches see other contents first
-                one(smp)
-            with ThreadPoolExecutor(args.concurrency) as pool:
-                done = list(tqdm(pool.map(scored, range(len(samples))), total=len(samples),
-                                 desc=f"{spec.name}/{arm.name}", disable=args.no_progress))
-            raw = [rows for rows, _ in done]
-            tf = {job: t for _, tfs in done for job, t in tfs.items()}
-            run_s = time.perf_counter() - t0
+            yield server.url
         finally:
             _ACTIVE.remove(server)
+
+
+ArmServer = Callable[[Arm, str], ContextManager[str]]
+"""``(arm, model_path) -> context manager yielding a server URL`` with the arm's settings and cold caches."""
+
+
+def run_arm(arm: Arm, spec: TaskSpec, samples, warm, tok, args, off_raw: Optional[dict], max_tokens: int) -> dict:
+    """Get a server for ``arm``, run warm-up and scored samples, each followed by its teacher-forced replays."""
+    enc = _encoder(tok)
+    t0 = time.perf_counter()
+    with args.arm_server(arm, args.model_path) as url:
+        runner = Runner(url, arm, args.seed, tok.eos_token_id)
+
+        def one(smp) -> list[dict]:
+            return runner.sample(spec.program(smp, enc, max_tokens), smp.id)
+
+        def scored(si: int) -> tuple[list[dict], dict]:
+            """One sample, then at once its teacher-forced replays, while its sources are in the pool.
+
+            (Replaying after all samples would find most sources evicted from
+            this CPU server's small KV pool: the replay would measure dense
+            prefill, not the arm.)"""
+            rows = one(samples[si])
+            ref = rows if off_raw is None else off_raw["raw"][si]
+            tfs = {(si, ri): runner.teacher_forced(row["call"], samples[si].id, row["output_ids"])
+                   for ri, row in enumerate(ref) if row["position"] > 1}
+            return rows, tfs
+
+        for smp in warm:  # unscored: pools and caches see other contents first
+            one(smp)
+        with ThreadPoolExecutor(args.concurrency) as pool:
+            done = list(tqdm(pool.map(scored, range(len(samples))), total=len(samples),
+                             desc=f"{spec.name}/{arm.name}", disable=args.no_progress))
+        raw = [rows for rows, _ in done]
+        tf = {job: t for _, tfs in done for job, t in tfs.items()}
+        run_s = time.perf_counter() - t0
     return {"arm": arm, "raw": raw, "tf": tf, "run_s": run_s,
             "wall_s": time.perf_counter() - t0}
 
@@ -536,8 +548,10 @@ def run_task(name: str, args, tok, argv_used: Sequence[str]) -> dict:
     return out
 
 
-def main(argv=None) -> int:
+def main(argv=None, *, arm_server: Optional[ArmServer] = None) -> int:
+    """``arm_server`` replaces the fresh server per arm (the test suite passes its shared servers)."""
     args = parse_args(argv)
+    args.arm_server = arm_server or fresh_server
     signal.signal(signal.SIGTERM, _on_sigterm)
     from transformers import AutoTokenizer
 

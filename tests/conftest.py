@@ -37,32 +37,67 @@ MAX_ALIVE_SERVERS = 3
 def server_pool(model_path) -> Iterator[Callable[..., ServerProcess]]:
     """``get(name, **kwargs)`` returns a running server, started on first use.
 
+    ``get.launch(name, **kwargs)`` starts one without waiting for it (the next
+    ``get`` of those arguments waits until it answers).
+
     Servers are keyed by their arguments, not by ``name`` (a label for the log):
     every test that asks for the same arguments shares one server, so tests must
     not assume a server fresh (``tests.servers.clean`` empties its caches). The
     last ``MAX_ALIVE_SERVERS`` servers used stay up; an idle one costs no CPU.
     """
     running: OrderedDict[tuple, ServerProcess] = OrderedDict()
+    unconfirmed: set[tuple] = set()  # launched ahead (``get.launch``), not yet seen ready
 
-    def get(name: str, *, kvshare_args=(), extra_args=(), stock: bool = False) -> ServerProcess:
+    def launch(name: str, *, kvshare_args=(), extra_args=(), stock: bool = False) -> tuple:
         key = (tuple(kvshare_args), tuple(extra_args), stock)
         server = running.get(key)
         if server is not None and server.proc.poll() is None:
-            running.move_to_end(key)
-            return server
+            return key
         running.pop(key, None)
         while len(running) >= MAX_ALIVE_SERVERS:
-            running.popitem(last=False)[1].stop()
-        server = ServerProcess(model_path=model_path, kvshare_args=key[0], extra_args=key[1], stock=stock)
-        server.start()
-        running[key] = server
+            old_key, old = running.popitem(last=False)
+            unconfirmed.discard(old_key)
+            old.stop()
+        running[key] = ServerProcess(model_path=model_path, kvshare_args=key[0], extra_args=key[1],
+                                     stock=stock).launch()
+        unconfirmed.add(key)
+        return key
+
+    def get(name: str, *, kvshare_args=(), extra_args=(), stock: bool = False) -> ServerProcess:
+        key = launch(name, kvshare_args=kvshare_args, extra_args=extra_args, stock=stock)
+        server = running[key]
+        running.move_to_end(key)
+        if key in unconfirmed:
+            server.wait_ready()
+            unconfirmed.discard(key)
         return server
 
+    get.launch = launch
     try:
         yield get
     finally:
         for server in running.values():
             server.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _launch_common_servers_together(request) -> None:
+    """When the run spans many server modules, launch their common servers at once, up front.
+
+    A server start is mostly single-threaded imports (about 45 s here), so three
+    started side by side on two cores are ready well before three started one
+    after another. A run of one or two server modules starts servers lazily.
+    """
+    modules = {item.module.__name__ for item in request.session.items
+               if "server_pool" in getattr(item, "fixturenames", ()) and getattr(item, "module", None)}
+    if len(modules) < 3:
+        return
+    from tests.servers import OFF, SHARED, SHARED_EXTRA
+
+    server_pool = request.getfixturevalue("server_pool")
+    server_pool.launch("shared", kvshare_args=SHARED, extra_args=SHARED_EXTRA)
+    server_pool.launch("off", kvshare_args=OFF)
+    server_pool.launch("stock", stock=True)
 
 
 @pytest.fixture

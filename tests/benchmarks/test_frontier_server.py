@@ -1,22 +1,40 @@
-"""``python -m benchmarks.frontier`` end to end on real servers, at the smallest size (one arm pair)."""
+"""``python -m benchmarks.frontier`` end to end on real servers, at the smallest size (one arm pair).
+
+The arms run on the suite's shared servers (``off`` and the fullshared one,
+reconfigured and emptied for the arm) instead of the benchmark's fresh server
+per arm: two server starts fewer; what differs, the launch, is tested elsewhere.
+"""
 
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 
 import pytest
+import requests
 
 from benchmarks import frontier
+from tests.servers import OFF, reconfigured, shared_server
 
 pytestmark = [
     pytest.mark.server,
 ]
 
 
-def test_frontier_retrieval_off_and_fullshared(tmp_path):
+def test_frontier_retrieval_off_and_fullshared(tmp_path, server_pool):
+    @contextmanager
+    def pooled(arm: frontier.Arm, _model_path: str):
+        if arm.mode == "off":
+            server = server_pool("off", kvshare_args=OFF)
+            requests.post(server.url + "/flush_cache", timeout=120).raise_for_status()
+            yield server.url
+            return
+        with reconfigured(shared_server(server_pool), mode=arm.mode, recompute_head=arm.recompute_head) as server:
+            yield server.url
+
     frontier.main(["--task", "retrieval", "--limit", "2", "--warmup", "0", "--heads", "0", "--mix",
                    "--arms", "off,fullshared_k0", "--concurrency", "2", "--out-dir", str(tmp_path),
-                   "--no-progress"])
+                   "--no-progress"], arm_server=pooled)
     out = json.loads((tmp_path / "frontier_retrieval.json").read_text())
     assert out["complete"] and (tmp_path / "frontier_retrieval.png").stat().st_size > 0
     off, full = out["arms"]["off"], out["arms"]["fullshared_k0"]
