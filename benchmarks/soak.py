@@ -23,7 +23,8 @@ idle and flushed (``kv_pool_tokens``); kvshare memory within its limits
 (``stats["limits"]`` vs ``stats["usage"]``); zero aligned or corrected tokens across
 salts; and every plain request served from exact KV only, structurally
 (``counters["plain_tokens_from_estimates"] == 0``) and by output: a sample of plain
-requests is replayed one at a time on a fresh server in mode ``off`` and must give
+requests is replayed one at a time on a fresh server in mode ``off`` (or on the
+running one ``--reference-url`` names, flushed before each replay) and must give
 the same greedy tokens (divergences whose first differing token was a near-tie in
 the ``off`` run are listed apart). A check the server cannot answer yet (a missing
 field) is reported as ``"not checked"`` and does not fail the run.
@@ -836,10 +837,10 @@ def reference_server(model_path: str, max_total_tokens: int) -> ServerProcess:
                          extra_args=["--max-total-tokens", str(max_total_tokens)])
 
 
-def replay(server: ServerProcess, samples: list[dict]) -> list[dict]:
+def replay(url: str, samples: list[dict]) -> list[dict]:
     rows = []
     rec = Recorder()
-    ep = Endpoint(server.url, None, rec)
+    ep = Endpoint(url, None, rec)
     for sample in tqdm(samples, desc="replay in mode off", unit="req"):
         flush(ep, attempts=3)  # alone on a cold cache: no prefix of another replay
         out = ep.generate("replay", sample["input_ids"], salt=sample["salt"], max_new_tokens=PLAIN_TOKENS,
@@ -945,6 +946,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--warm-rounds", type=int, default=3, help="team rounds before the clients start")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/soak[_quick].json)")
+    ap.add_argument("--reference-url", default=None,
+                    help="replay on this running mode-off server (flushed before each replay) instead of "
+                         "starting one; it must serve the same model")
     args = ap.parse_args(argv)
     args.argv = list(argv) if argv is not None else __import__("sys").argv[1:]
     if args.quick:
@@ -970,18 +974,20 @@ def main(argv=None) -> int:
     # NOTE: the off reference starts now, beside the soak's own server (a start is mostly
     # single-threaded imports), and idles (--sleep-on-idle) until the replay: about half a
     # server start saved. Launched from this thread, which outlives it (see ServerProcess.launch).
-    reference = reference_server(model_path, args.max_total_tokens)
-    if args.replay > 0:
+    reference = None if args.reference_url else reference_server(model_path, args.max_total_tokens)
+    if reference is not None and args.replay > 0:
         reference.launch()
     try:
         res = run_soak(args, tokenizer, model_path, texts)
         samples = pick_replay(res["rec"].plain, args.replay, args.seed)
         rows = []
         if samples:
-            reference.wait_ready()
-            rows = replay(reference, samples)
+            if reference is not None:
+                reference.wait_ready()
+            rows = replay(args.reference_url or reference.url, samples)
     finally:
-        reference.stop()
+        if reference is not None:
+            reference.stop()
     data = summarize(args, res, rows, time.monotonic() - t0)
     write_json(out, data)
     print(json.dumps({"passed": data["passed"], "verdicts": data["verdicts"], "totals": data["totals"],

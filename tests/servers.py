@@ -27,6 +27,8 @@ SHARED = ("--kvshare-mode", "fullshared", "--kvshare-auto", "true", "--kvshare-l
 ADMIN_KEY = "kvshare-test-admin-key"
 SHARED_EXTRA = ("--enable-metrics", "--admin-api-key", ADMIN_KEY)
 ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN_KEY}"}
+# A fullshared server with a KV pool small enough that the tree evicts (eviction tests).
+SMALL_POOL = dict(kvshare_args=("--kvshare-mode", "fullshared"), extra_args=("--max-total-tokens", "2400"))
 
 
 def shared_server(server_pool):

@@ -13,7 +13,7 @@ import pytest
 import requests
 
 from tests.agent_chain import AGENTS, SUFFIX, agent_request, context, report, warm_request
-from tests.servers import OFF, reconfigured, shared_server
+from tests.servers import OFF, SMALL_POOL, reconfigured, shared_server
 
 pytestmark = pytest.mark.server
 
@@ -212,8 +212,7 @@ def test_concurrent_agents_with_eviction_leak_no_slots(server_pool, tokenizer):
 
     # 2400 slots hold about six of these requests: sources get evicted while
     # consumers assemble from them, and assembly itself must evict to allocate.
-    server = server_pool("cache-fullshared-small", kvshare_args=["--kvshare-mode", "fullshared"],
-                         extra_args=["--max-total-tokens", "2400"])
+    server = server_pool("cache-fullshared-small", **SMALL_POOL)
     warm_agents(server, tokenizer)
     texts = [context(40 + 3 * i, 3) for i in range(4)]
 
