@@ -861,7 +861,6 @@ def verdicts(res: dict, replay_rows: list[dict]) -> dict:
     log_found = res["server_log"]["found"]
     salt_reuse = [p for p in rec.salt_probes if p["aligned"] or p["corrected"]]
     real = [r for r in replay_rows if r.get("same") is False and not r.get("near_tie")]
-    ties = [r for r in replay_rows if r.get("same") is False and r.get("near_tie")]
     counter_vals = mon.plain_from_estimates
     bounds = res["bounds"]
     v = {
