@@ -40,6 +40,7 @@ import random
 import secrets
 import threading
 import time
+from contextlib import nullcontext
 from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -727,13 +728,25 @@ def scan_log(text: str) -> dict:
     return {"found": found, "lines": lines[:20]}
 
 
-def run_soak(args, tokenizer, model_path: str, texts: list[str]) -> dict:
+def soak_launch_args(mode: str, tau: float, max_total_tokens: int, admin_key: str) -> dict:
+    """``ServerProcess`` keyword arguments of the soak's server (``kvshare_args``, ``extra_args``)."""
+    return {"kvshare_args": ("--kvshare-mode", mode, "--kvshare-tau", str(tau)),
+            "extra_args": ("--max-total-tokens", str(max_total_tokens), "--admin-api-key", admin_key)}
+
+
+def run_soak(args, tokenizer, model_path: str, texts: list[str], launched: Optional[ServerProcess] = None,
+             admin_key: Optional[str] = None) -> dict:
+    """Soak a fresh server: one started here, or ``launched`` (started by the caller with
+    ``soak_launch_args(args.mode, args.tau, args.max_total_tokens, admin_key)``, never used before)."""
     rec = Recorder()
-    key = secrets.token_hex(16)
-    kvshare_args = ["--kvshare-mode", args.mode, "--kvshare-tau", str(args.tau)]
-    server_args = ["--max-total-tokens", str(args.max_total_tokens), "--admin-api-key", key]
+    key = admin_key or secrets.token_hex(16)
+    launch = soak_launch_args(args.mode, args.tau, args.max_total_tokens, key)
+    if launched is not None and (tuple(launched.kvshare_args), tuple(launched.extra_args)) != (
+            launch["kvshare_args"], launch["extra_args"]):
+        raise ValueError(f"the launched server's arguments {launched.kvshare_args} {launched.extra_args} "
+                         f"are not the soak's {launch}")
     result: dict = {}
-    with ServerProcess(model_path=model_path, kvshare_args=kvshare_args, extra_args=server_args) as server:
+    with (nullcontext(launched) if launched is not None else ServerProcess(model_path=model_path, **launch)) as server:
         ep = Endpoint(server.url, key, rec)
         started = time.monotonic()
         s = Shared(tokenizer, texts, ep, args.mode, args.tau, args.slot_names, deadline=0.0, started=started)
@@ -957,7 +970,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def main(argv=None) -> int:
+def main(argv=None, *, launched: Optional[ServerProcess] = None, admin_key: Optional[str] = None) -> int:
+    """``launched``/``admin_key``: soak a server the caller started (see ``run_soak``; the test
+    suite launches it beside its other servers)."""
     args = parse_args(argv)
     out = Path(args.out or RESULTS / ("soak_quick.json" if args.quick else "soak.json"))
     from transformers import AutoTokenizer
@@ -977,7 +992,7 @@ def main(argv=None) -> int:
     if reference is not None and args.replay > 0:
         reference.launch()
     try:
-        res = run_soak(args, tokenizer, model_path, texts)
+        res = run_soak(args, tokenizer, model_path, texts, launched, admin_key)
         samples = pick_replay(res["rec"].plain, args.replay, args.seed)
         rows = []
         if samples:

@@ -29,6 +29,15 @@ SHARED_EXTRA = ("--enable-metrics", "--admin-api-key", ADMIN_KEY)
 ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN_KEY}"}
 # A fullshared server with a KV pool small enough that the tree evicts (eviction tests).
 SMALL_POOL = dict(kvshare_args=("--kvshare-mode", "fullshared"), extra_args=("--max-total-tokens", "2400"))
+# The short soak's server (``benchmarks.soak``'s defaults: kvcmas, tau 1, a 3072-token pool); used by
+# the soak only, so it is fresh when the soak starts.
+SOAK_KEY = "kvshare-soak-admin-key"
+
+
+def soak_pool() -> dict:
+    from benchmarks.soak import soak_launch_args
+
+    return soak_launch_args("kvcmas", 1.0, 3072, SOAK_KEY)
 
 
 def shared_server(server_pool):

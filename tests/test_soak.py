@@ -11,7 +11,7 @@ import pytest
 from benchmarks import soak
 from benchmarks.soak_faults import catalogue, expected_status, fuzzed, many_slots
 from sglang_kvshare.protocol import DEFAULT_MAX_SEGMENTS, MAX_NAME_CHARS
-from tests.servers import OFF
+from tests.servers import OFF, SOAK_KEY, soak_pool
 
 
 def test_every_catalogued_fault_is_a_400_by_the_parser():
@@ -56,9 +56,12 @@ def test_bounds_check_reports_missing_fields_and_overruns():
 @pytest.fixture(scope="module")
 def short_soak(tmp_path_factory, server_pool) -> dict:
     out = tmp_path_factory.mktemp("soak") / "soak.json"
-    reference = server_pool("off", kvshare_args=OFF)  # the suite's off server: one start fewer
+    # The suite's servers: its off server as the replay reference, and the soak's own server
+    # launched up front with the others (conftest); two starts fewer on the critical path.
+    reference = server_pool("off", kvshare_args=OFF)
+    server = server_pool("soak", **soak_pool())
     soak.main(["--clients", "2", "--minutes", "0.5", "--replay", "5", "--slot-names", "300", "--out", str(out),
-               "--reference-url", reference.url])
+               "--reference-url", reference.url], launched=server, admin_key=SOAK_KEY)
     return json.loads(out.read_text())
 
 
