@@ -100,9 +100,9 @@ def factorize(x: torch.Tensor, rank: int | None, method: Literal["svd", "randomi
         rank: kept singular directions; ``None`` stores the matrix itself.
             Capped at ``min(L, D)`` (then the factors are exact).
         method: ``"svd"`` (exact truncation, float32 math), ``"randomized"``
-            (``torch.svd_lowrank``, approximate) or ``"gram"``: the same
-            truncation as ``"svd"`` from the eigenvectors of the ``D x D`` Gram
-            matrix (float64 eigensolver). A K/V matrix is tall (``L`` tokens by
+            (``torch.svd_lowrank``, approximate) or ``"gram"``: the truncation
+            of ``"svd"`` from the top eigenvectors of the ``D x D`` Gram matrix
+            (float64). A K/V matrix is tall (``L`` tokens by
             ``D = kv_heads * head_dim``), so one ``L x D x D`` product and a
             subspace iteration on the small Gram matrix replace the SVD of
             the tall matrix; residual within 1e-4 of the exact truncation and
