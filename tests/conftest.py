@@ -84,27 +84,23 @@ def server_pool(model_path) -> Iterator[Callable[..., ServerProcess]]:
 def _launch_common_servers_together(request) -> None:
     """When the run spans many server modules, launch their common servers at once, up front.
 
-    A server start is mostly single-threaded imports (about 45 s here), so the
-    servers started side by side on two cores are ready well before the same
-    started one after another (the suite took 500 s with three launched
-    together, 614 s with none). The soak's server is launched here too but used
-    only by the soak, so it is fresh when the soak starts. A run of one or two
-    server modules starts its servers lazily.
+    A server start is mostly single-threaded imports (about 45 s here alone), so
+    three started side by side on two cores are ready in about 81 s, not 135 s.
+    More do not pay: with five (the small-pool and the soak's servers too) the
+    first test waited 154 s and the suite took 521 s, against 500 s with these
+    three (614 s with none). The others start when first asked for. A run of
+    one or two server modules starts its servers lazily.
     """
     modules = {item.module.__name__ for item in request.session.items
                if "server_pool" in getattr(item, "fixturenames", ()) and getattr(item, "module", None)}
     if len(modules) < 3:
         return
-    from tests.servers import OFF, SHARED, SHARED_EXTRA, SMALL_POOL, soak_pool
+    from tests.servers import OFF, SHARED, SHARED_EXTRA
 
     server_pool = request.getfixturevalue("server_pool")
     server_pool.launch("shared", kvshare_args=SHARED, extra_args=SHARED_EXTRA)
     server_pool.launch("off", kvshare_args=OFF)
     server_pool.launch("stock", stock=True)
-    if "tests.test_placeholder_cache_server" in modules:
-        server_pool.launch("cache-fullshared-small", **SMALL_POOL)
-    if "tests.test_soak" in modules:
-        server_pool.launch("soak", **soak_pool())
 
 
 @pytest.fixture
