@@ -56,8 +56,8 @@ def test_bounds_check_reports_missing_fields_and_overruns():
 @pytest.fixture(scope="module")
 def short_soak(tmp_path_factory, server_pool) -> dict:
     out = tmp_path_factory.mktemp("soak") / "soak.json"
-    # The suite's servers: its off server as the replay reference, and the soak's own server
-    # launched up front with the others (conftest); two starts fewer on the critical path.
+    # The suite's off server is the replay reference (one start fewer); the soak's own server
+    # comes from the pool too, used by nothing else, so it is fresh here.
     reference = server_pool("off", kvshare_args=OFF)
     server = server_pool("soak", **soak_pool())
     soak.main(["--clients", "2", "--minutes", "0.5", "--replay", "5", "--slot-names", "300", "--out", str(out),
