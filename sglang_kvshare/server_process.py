@@ -130,6 +130,16 @@ class ServerProcess:
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path else ""
 
+    def terminate(self) -> None:
+        """Ask the server to exit, without waiting: call on several, then ``stop`` each, and they
+        shut down side by side (a shutdown takes seconds here)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return

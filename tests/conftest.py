@@ -77,6 +77,8 @@ def server_pool(model_path) -> Iterator[Callable[..., ServerProcess]]:
         yield get
     finally:
         for server in running.values():
+            server.terminate()
+        for server in running.values():
             server.stop()
 
 
