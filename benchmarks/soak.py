@@ -972,7 +972,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None, *, launched: Optional[ServerProcess] = None, admin_key: Optional[str] = None) -> int:
     """``launched``/``admin_key``: soak a server the caller started (see ``run_soak``; the test
-    suite launches it beside its other servers)."""
+    suite takes it from its server pool)."""
     args = parse_args(argv)
     out = Path(args.out or RESULTS / ("soak_quick.json" if args.quick else "soak.json"))
     from transformers import AutoTokenizer

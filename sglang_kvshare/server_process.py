@@ -63,6 +63,7 @@ class ServerProcess:
     log_path: Optional[Path] = None
     wrapper: Sequence[str] = ()  # a command prefix, e.g. a profiler: ``py-spy record ... --``
     proc: Optional[subprocess.Popen] = None
+    ready: bool = field(default=False, init=False)  # seen answering since the last launch
 
     @property
     def url(self) -> str:
@@ -103,18 +104,23 @@ class ServerProcess:
         if not gpu_visible():
             env = {**cpu_thread_env(), **env}
         log = open(self.log_path, "wb")
+        self.ready = False
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True, preexec_fn=_die_with_parent)
         log.close()
         return self
 
     def wait_ready(self) -> None:
+        """Block until ``/health_generate`` answers; returns at once once it has (no request)."""
+        if self.ready:
+            return
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise ServerStartError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
                 if requests.get(self.url + "/health_generate", timeout=30).status_code == 200:
+                    self.ready = True
                     return
             except requests.RequestException:
                 pass

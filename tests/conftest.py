@@ -30,6 +30,7 @@ def model_path() -> str:
 
 
 # Idle servers sleep (the launcher's --sleep-on-idle) and cost only memory, about 2 GiB each.
+# Five: every server the suite asks for (shared, off, stock, small pool, soak), so none restarts.
 MAX_ALIVE_SERVERS = 5
 
 
@@ -46,7 +47,6 @@ def server_pool(model_path) -> Iterator[Callable[..., ServerProcess]]:
     last ``MAX_ALIVE_SERVERS`` servers used stay up; an idle one costs no CPU.
     """
     running: OrderedDict[tuple, ServerProcess] = OrderedDict()
-    unconfirmed: set[tuple] = set()  # launched ahead (``get.launch``), not yet seen ready
 
     def launch(name: str, *, kvshare_args=(), extra_args=(), stock: bool = False) -> tuple:
         key = (tuple(kvshare_args), tuple(extra_args), stock)
@@ -55,21 +55,16 @@ def server_pool(model_path) -> Iterator[Callable[..., ServerProcess]]:
             return key
         running.pop(key, None)
         while len(running) >= MAX_ALIVE_SERVERS:
-            old_key, old = running.popitem(last=False)
-            unconfirmed.discard(old_key)
-            old.stop()
+            running.popitem(last=False)[1].stop()
         running[key] = ServerProcess(model_path=model_path, kvshare_args=key[0], extra_args=key[1],
                                      stock=stock).launch()
-        unconfirmed.add(key)
         return key
 
     def get(name: str, *, kvshare_args=(), extra_args=(), stock: bool = False) -> ServerProcess:
         key = launch(name, kvshare_args=kvshare_args, extra_args=extra_args, stock=stock)
         server = running[key]
         running.move_to_end(key)
-        if key in unconfirmed:
-            server.wait_ready()
-            unconfirmed.discard(key)
+        server.wait_ready()  # at once when it has answered before
         return server
 
     get.launch = launch
