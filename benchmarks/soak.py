@@ -737,7 +737,8 @@ def soak_launch_args(mode: str, tau: float, max_total_tokens: int, admin_key: st
 def run_soak(args, tokenizer, model_path: str, texts: list[str], launched: Optional[ServerProcess] = None,
              admin_key: Optional[str] = None) -> dict:
     """Soak a fresh server: one started here, or ``launched`` (started by the caller with
-    ``soak_launch_args(args.mode, args.tau, args.max_total_tokens, admin_key)``, never used before)."""
+    ``soak_launch_args(args.mode, args.tau, args.max_total_tokens, admin_key)``, and either never
+    used or set back to those settings with its pools reset and its cache flushed)."""
     rec = Recorder()
     key = admin_key or secrets.token_hex(16)
     launch = soak_launch_args(args.mode, args.tau, args.max_total_tokens, key)

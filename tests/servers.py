@@ -27,11 +27,10 @@ SHARED = ("--kvshare-mode", "fullshared", "--kvshare-auto", "true", "--kvshare-l
 ADMIN_KEY = "kvshare-test-admin-key"
 SHARED_EXTRA = ("--enable-metrics", "--admin-api-key", ADMIN_KEY)
 ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN_KEY}"}
-# A fullshared server with a KV pool small enough that the tree evicts (eviction tests).
-SMALL_POOL = dict(kvshare_args=("--kvshare-mode", "fullshared"), extra_args=("--max-total-tokens", "2400"))
-# The short soak's server (``benchmarks.soak``'s defaults: kvcmas, tau 1, a 3072-token pool); used by
-# the soak only, so it is fresh when the soak starts.
+# The short soak's server (``benchmarks.soak``'s defaults: kvcmas, tau 1, a 3072-token pool). Its
+# small KV pool also serves the eviction tests (``small_pool_server``): one server start fewer.
 SOAK_KEY = "kvshare-soak-admin-key"
+SOAK_HEADERS = {"Authorization": f"Bearer {SOAK_KEY}"}
 
 
 def soak_pool() -> dict:
@@ -53,16 +52,16 @@ _RESTORE = {"mode": "fullshared", "tau": _DEFAULTS.tau, "rank": _DEFAULTS.rank,
             "recompute_head": _DEFAULTS.recompute_head, "staged": _DEFAULTS.staged}
 
 
-def _post(server, path: str, body: dict | None = None) -> dict:
-    resp = requests.post(server.url + path, json=body, timeout=120, headers=ADMIN_HEADERS)
+def _post(server, path: str, body: dict | None = None, headers: dict = ADMIN_HEADERS) -> dict:
+    resp = requests.post(server.url + path, json=body, timeout=120, headers=headers)
     assert resp.status_code == 200, (path, resp.status_code, resp.text)
     return resp.json() if resp.content else {}
 
 
-def clean(server) -> None:
+def clean(server, headers: dict = ADMIN_HEADERS) -> None:
     """Empty the anchor pools and SGLang's radix tree: the next test starts cold."""
-    _post(server, "/kvshare/reset")
-    requests.post(server.url + "/flush_cache", timeout=120, headers=ADMIN_HEADERS).raise_for_status()
+    _post(server, "/kvshare/reset", headers=headers)
+    requests.post(server.url + "/flush_cache", timeout=120, headers=headers).raise_for_status()
 
 
 def restore(server) -> None:
@@ -82,3 +81,20 @@ def reconfigured(server, **changes: Any) -> Iterator[Any]:
         yield server
     finally:
         restore(server)
+
+
+@contextmanager
+def small_pool_server(server_pool) -> Iterator[Any]:
+    """A fullshared server whose KV pool (3072 tokens) is small enough that the tree evicts.
+
+    It is the soak's server, switched to fullshared with cold caches and switched back
+    (the soak's mode and tau, cold caches) afterwards, so the soak still starts clean.
+    """
+    server = server_pool("soak", **soak_pool())
+    _post(server, "/kvshare/config", {"mode": "fullshared"}, SOAK_HEADERS)
+    clean(server, SOAK_HEADERS)
+    try:
+        yield server
+    finally:
+        _post(server, "/kvshare/config", {"mode": "kvcmas", "tau": 1.0}, SOAK_HEADERS)
+        clean(server, SOAK_HEADERS)

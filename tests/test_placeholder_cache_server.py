@@ -13,7 +13,7 @@ import pytest
 import requests
 
 from tests.agent_chain import AGENTS, SUFFIX, agent_request, context, report, warm_request
-from tests.servers import OFF, SMALL_POOL, reconfigured, shared_server
+from tests.servers import OFF, reconfigured, shared_server, small_pool_server
 
 pytestmark = pytest.mark.server
 
@@ -207,14 +207,19 @@ def test_staged_prefill_cold_agent_and_a_miss_in_front(server_pool, tokenizer):
 
 
 def test_concurrent_agents_with_eviction_leak_no_slots(server_pool, tokenizer):
+    with small_pool_server(server_pool) as server:
+        _eviction_storm(server, tokenizer)
+
+
+def _eviction_storm(server, tokenizer):
     import time
     from concurrent.futures import ThreadPoolExecutor
 
-    # 2400 slots hold about six of these requests: sources get evicted while
-    # consumers assemble from them, and assembly itself must evict to allocate.
-    server = server_pool("cache-fullshared-small", **SMALL_POOL)
+    # 3072 slots hold about seven of these requests: with five in flight, sources get
+    # evicted while consumers assemble from them, and assembly itself must evict to allocate.
+    log_start = len(server.log_text())  # the server may have served others before (the soak)
     warm_agents(server, tokenizer)
-    texts = [context(40 + 3 * i, 3) for i in range(4)]
+    texts = [context(40 + 3 * i, 3) for i in range(5)]
 
     def pool_tokens() -> dict:
         return requests.get(server.url + "/kvshare/stats", timeout=60).json()["kv_pool_tokens"]
@@ -227,8 +232,8 @@ def test_concurrent_agents_with_eviction_leak_no_slots(server_pool, tokenizer):
         return server.generate(input_ids=ids, custom_params=cp, max_new_tokens=8)
 
     outs = []
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        for agent in AGENTS:  # each wave: one agent on 4 contents, 4 requests in flight
+    with ThreadPoolExecutor(max_workers=5) as pool:
+        for agent in AGENTS:  # each wave: one agent on 5 contents, 5 requests in flight
             outs += list(pool.map(one, [(agent, t) for t in texts]))
     assert all(o["meta_info"]["completion_tokens"] >= 1 for o in outs)
     allowed = {"no_source", "source_evicted", "alloc_failed", "partial"}
@@ -243,9 +248,8 @@ def test_concurrent_agents_with_eviction_leak_no_slots(server_pool, tokenizer):
     # Idle again: every slot is free or held by the tree (evictable), none locked, none lost.
     assert after["protected"] == 0
     assert after["available"] + after["evictable"] == before["available"] + before["evictable"]
-    log = server.log_text()
-    assert "memory leak detected" not in log and "double free" not in log
-    assert "Traceback" not in log.split("fired up")[-1]
+    log = server.log_text()[log_start:]
+    assert "memory leak detected" not in log and "double free" not in log and "Traceback" not in log
     # Still serving after the storm.
     assert server.generate("The capital of France is", max_new_tokens=4)["text"]
 

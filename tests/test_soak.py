@@ -57,7 +57,7 @@ def test_bounds_check_reports_missing_fields_and_overruns():
 def short_soak(tmp_path_factory, server_pool) -> dict:
     out = tmp_path_factory.mktemp("soak") / "soak.json"
     # The suite's off server is the replay reference (one start fewer); the soak's own server
-    # comes from the pool too, used by nothing else, so it is fresh here.
+    # comes from the pool too; the eviction tests borrow it and leave it as launched, caches cold.
     reference = server_pool("off", kvshare_args=OFF)
     server = server_pool("soak", **soak_pool())
     soak.main(["--clients", "2", "--minutes", "0.5", "--replay", "5", "--slot-names", "300", "--out", str(out),
