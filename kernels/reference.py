@@ -32,9 +32,11 @@ __all__ = [
     "token_distances_dense",
 ]
 
-# Bytes of the [Vn, layers, rows, D] reconstruction the token-distance reference
-# builds at once; longer segments are done in row blocks.
-_CHUNK_BYTES = 32 * 2**20
+# The CPU path works in row blocks of about this many bytes of [layers, rows, D]
+# (one anchor's reconstruction, one block of aligned rows): the block's temporaries
+# stay in cache and reuse one buffer. Whole-segment temporaries (tens of MiB, fresh
+# pages each time) measured 2-3x slower on this project's CPU (1K tokens, 6 anchors).
+_BLOCK_BYTES = 4 * 2**20
 
 
 @dataclass(frozen=True)
@@ -160,7 +162,10 @@ def _aligned_rows(srcs: Sequence[torch.Tensor], src_idx: torch.Tensor, p: AlignP
     n = len(srcs)
     _, heads, head_dim = srcs[0].shape
     idx = src_idx.long()
-    x = torch.stack([s[idx] for s in srcs]).to(compute)  # [n, L, H, Dh]
+    x = torch.empty((n, idx.numel(), heads, head_dim), dtype=srcs[0].dtype, device=srcs[0].device)
+    for i, s in enumerate(srcs):  # one gather per pool, straight into the stack
+        torch.index_select(s, 0, idx, out=x[i])
+    x = x.to(compute)
     if p.rotate:
         x = rotate_rows(x, p.dst_start - p.src_start, p.inv_freq, args.rotary_dim, p.layout, compute)
     lc = args.covered
@@ -170,9 +175,12 @@ def _aligned_rows(srcs: Sequence[torch.Tensor], src_idx: torch.Tensor, p: AlignP
         if args.full_rank:
             corr = torch.einsum("tv,lvtd->ltd", wc, delta[:, :, :lc].to(compute))
         else:
+            # sum_v w[t, v] A_v[t] B_v as one GEMM per layer: [lc, Vn*r] @ [Vn*r, D]. The weighted
+            # factors are written once, already in that layout (no transposed copy).
             vn, r = A.shape[1], A.shape[3]
-            wa = (A[:, :, :lc].to(compute) * wc.t()[None, :, :, None]).transpose(1, 2)
-            corr = wa.reshape(n, lc, vn * r) @ B.to(compute).reshape(n, vn * r, -1)
+            wa = torch.empty((n, lc, vn, r), dtype=compute, device=x.device)
+            torch.mul(A[:, :, :lc].permute(0, 2, 1, 3), wc[None, :, :, None], out=wa)
+            corr = torch.bmm(wa.view(n, lc, vn * r), B.to(compute).reshape(n, vn * r, -1))
         corr = corr.view(n, lc, heads, head_dim)
         if p.rotate:
             corr = rotate_rows(corr, p.dst_start, p.inv_freq, args.rotary_dim, p.layout, compute)
@@ -193,10 +201,11 @@ def align_correct_scatter_layers_reference(k_src: Sequence[torch.Tensor], v_src:
                                            v_dst: Sequence[torch.Tensor], compute: torch.dtype = torch.float64) -> None:
     """``align_correct_scatter_reference`` for K (``k``, factors per layer) and V of every layer, batched.
 
-    Contract as ``dispatch.align_correct_scatter_layers``. One gather and one
-    scatter per layer (the pools are separate tensors); the rotation and the
-    correction run once over the stacked [layers, L, kv_heads, head_dim] rows,
-    so the Python work does not grow with the number of anchors.
+    Contract as ``dispatch.align_correct_scatter_layers``. Per row block (about
+    ``_BLOCK_BYTES`` of [layers, rows, kv_heads, head_dim]): one gather and one
+    scatter per layer (the pools are separate tensors), and the rotation and the
+    correction once over the block's rows of every layer, so the Python work does
+    not grow with the number of anchors.
     """
     idx = dst_idx.long()
     for srcs, dsts, p in ((k_src, k_dst, k), (v_src, v_dst, v)):
@@ -208,9 +217,29 @@ def align_correct_scatter_layers_reference(k_src: Sequence[torch.Tensor], v_src:
         args = check_align_args(srcs[0], dsts[0], src_idx, dst_idx, p.layer(0))
         if args.num_tokens == 0:
             return
-        rows = _aligned_rows(srcs, src_idx, p, args, compute, per_layer=True)
-        for layer, d in enumerate(dsts):
-            d[idx] = rows[layer].to(d.dtype)
+        p = replace(p, A=_stacked(p.A), B=_stacked(p.B), delta=_stacked(p.delta))
+        row_bytes = len(srcs) * srcs[0].shape[1] * srcs[0].shape[2] * 4
+        # Rows are gathered block by block, so a destination row that is also a later block's
+        # source would be read after it was written: such calls run as one block.
+        aliased = any(s is d for s, d in zip(srcs, dsts)) and bool(torch.isin(idx, src_idx.long()).any())
+        blocks = [(0, args.num_tokens)] if aliased else _row_blocks(args.num_tokens, row_bytes)
+        for lo, hi in blocks:
+            pb, ab = _row_block(p, args, lo, hi)
+            rows = _aligned_rows(srcs, src_idx[lo:hi], pb, ab, compute, per_layer=True).to(dsts[0].dtype)
+            for layer, d in enumerate(dsts):
+                d.index_copy_(0, idx[lo:hi], rows[layer])
+
+
+def _row_block(p: AlignParams, args: AlignArgs, lo: int, hi: int) -> tuple[AlignParams, AlignArgs]:
+    """The settings of rows ``[lo, hi)`` of a layer-wise call (factors stacked [layers, Vn, rows, ...])."""
+    covered = max(0, min(args.covered, hi) - lo)
+    if covered == 0:
+        return replace(p, A=None, B=None, delta=None, w=None, covered=None), replace(
+            args, num_tokens=hi - lo, covered=0, num_anchors=0)
+    rows = slice(lo, lo + covered)
+    pick = lambda t: None if t is None else t[:, :, rows]  # noqa: E731
+    return (replace(p, A=pick(p.A), delta=pick(p.delta), w=p.w[rows], covered=covered),
+            replace(args, num_tokens=hi - lo, covered=covered))
 
 
 def gate_sq_distances_reference(X: torch.Tensor, A: torch.Tensor, B: torch.Tensor, gram: torch.Tensor | None = None,
@@ -228,16 +257,24 @@ def gate_sq_distances_reference(X: torch.Tensor, A: torch.Tensor, B: torch.Tenso
     check_factor_args(X, A, B)
     if gram is not None and gram.shape != (A.shape[0],):
         raise ValueError(f"gram must be [Vn={A.shape[0]}], got {tuple(gram.shape)}")
-    x, a, b = X.to(compute), A.to(compute), B.to(compute)
+    x = X.to(compute)
     xx = (x * x).sum(dtype=torch.float64)
-    cross = ((x.unsqueeze(0) @ b.transpose(-1, -2)) * a).sum(dim=(1, 2, 3), dtype=torch.float64)
+    cross = torch.empty(A.shape[0], dtype=torch.float64, device=X.device)
+    grams = []
+    for v in range(A.shape[0]):
+        a, b = A[v].to(compute), B[v].to(compute)
+        # <X, A_v B_v> = <A_v^T X, B_v>: the [layers, r, D] product has the long inner dimension k
+        # (an efficient GEMM), and X is never broadcast into a per-anchor copy.
+        cross[v] = ((a.transpose(-1, -2) @ x) * b).sum(dtype=torch.float64)
+        if gram is None:
+            grams.append(((a.transpose(-1, -2) @ a) * (b @ b.transpose(-1, -2))).sum(dtype=torch.float64))
     if gram is None:
-        gram = ((a.transpose(-1, -2) @ a) * (b @ b.transpose(-1, -2))).sum(dim=(1, 2, 3), dtype=torch.float64)
+        gram = torch.stack(grams) if grams else torch.zeros(0, dtype=torch.float64, device=X.device)
     return (xx - 2 * cross + gram.to(device=X.device, dtype=torch.float64)).to(torch.float32)
 
 
 def _row_blocks(rows: int, per_row_bytes: int):
-    step = max(1, _CHUNK_BYTES // max(per_row_bytes, 1))
+    step = max(1, _BLOCK_BYTES // max(per_row_bytes, 1))
     return ((lo, min(lo + step, rows)) for lo in range(0, rows, step))
 
 
@@ -248,7 +285,7 @@ def token_distances_reference(X: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
     dist[t, v] = mean over layers and dims of |X[l, t, :] - A_v[l, t, :] @ B_v[l]|.
     Shapes as in ``gate_sq_distances_reference``; returns fp32 [k, Vn]. Keys
     must already be in the canonical frame (the caller de-rotates them).
-    All anchors at once, in row blocks that bound the [Vn, layers, rows, D]
+    One anchor at a time, in row blocks that bound the [layers, rows, D]
     reconstruction to about 32 MiB.
     """
     check_factor_args(X, A, B)
@@ -257,14 +294,16 @@ def token_distances_reference(X: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
     out = torch.zeros(k, vn, dtype=torch.float32, device=X.device)
     if vn == 0 or nl == 0 or d == 0:
         return out
-    b = B.to(compute)
     item = torch.empty((), dtype=compute).element_size()
-    for lo, hi in _row_blocks(k, vn * nl * d * item):
-        rec = A[:, :, lo:hi].to(compute) @ b  # [Vn, layers, rows, D]
-        rec.sub_(X[:, lo:hi].to(compute)).abs_()
-        # NOTE: the contiguous dim first, then layers: a single mean over dims (1, 3) strides
-        # across rows and measured 12 % slower on CPU (1K tokens, 10 anchors).
-        out[lo:hi] = (rec.sum(dim=3).sum(dim=1) / (nl * d)).t().to(torch.float32)
+    buf = None
+    for lo, hi in _row_blocks(k, nl * d * item):
+        neg_x = X[:, lo:hi].to(compute).neg()
+        if buf is None:
+            buf = torch.empty_like(neg_x)
+        diff = buf[:, :hi - lo]
+        for v in range(vn):
+            torch.baddbmm(neg_x, A[v, :, lo:hi].to(compute), B[v].to(compute), out=diff)  # A_v B_v - X
+            out[lo:hi, v] = (diff.abs_().sum(dim=2).sum(dim=0) / (nl * d)).to(torch.float32)
     return out
 
 
