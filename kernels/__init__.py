@@ -17,6 +17,7 @@ from .dispatch import (
     gate_sq_distances_dense,
     token_distances,
     token_distances_dense,
+    token_gate_distances,
     token_weights,
     triton_available,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "gate_sq_distances_dense",
     "token_distances",
     "token_distances_dense",
+    "token_gate_distances",
     "token_weights",
     "triton_available",
 ]

@@ -33,6 +33,7 @@ __all__ = [
     "gate_from_sq_distances",
     "token_distances",
     "token_distances_dense",
+    "token_gate_distances",
     "token_weights",
     "triton_available",
 ]
@@ -198,6 +199,24 @@ def token_distances(X: torch.Tensor, A: torch.Tensor, B: torch.Tensor, *, backen
     if _use_triton(backend, X.device):
         return importlib.import_module(".token_distances", __package__).token_distances_triton(X, A, B)
     return reference.token_distances_reference(X, A, B, compute=compute_dtype(X.dtype))
+
+
+def token_gate_distances(X: torch.Tensor, A: torch.Tensor, B: torch.Tensor, gate_rows: int,
+                         gram: torch.Tensor | None = None, *,
+                         backend: Backend = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(token_distances(X, A, B), gate_sq_distances(X[:, :g], A[:, :, :g], B, gram))`` with g = ``gate_rows``.
+
+    Why one op: the gate and the value token weights compare the same values with
+    the same bases. The Triton path runs the two kernels (the gate on ``gram``, a
+    cached per-anchor summary, without reconstructing anything); the torch path
+    builds each reconstruction once for both (``reference.token_gate_distances_reference``),
+    so a CPU gate costs nothing extra when the weights are needed. Returns
+    (dist fp32 [k, Vn], d2 fp32 [Vn]). Pure.
+    """
+    if _use_triton(backend, X.device):
+        return (token_distances(X, A, B, backend=backend),
+                gate_sq_distances(X[:, :gate_rows], A[:, :, :gate_rows], B, gram, backend=backend))
+    return reference.token_gate_distances_reference(X, A, B, gate_rows, compute=compute_dtype(X.dtype))
 
 
 def token_distances_dense(X: torch.Tensor, F: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -28,6 +28,7 @@ __all__ = [
     "align_correct_scatter_layers_reference",
     "gate_sq_distances_reference",
     "token_distances_reference",
+    "token_gate_distances_reference",
     "gate_sq_distances_dense",
     "token_distances_dense",
 ]
@@ -285,26 +286,44 @@ def token_distances_reference(X: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
     dist[t, v] = mean over layers and dims of |X[l, t, :] - A_v[l, t, :] @ B_v[l]|.
     Shapes as in ``gate_sq_distances_reference``; returns fp32 [k, Vn]. Keys
     must already be in the canonical frame (the caller de-rotates them).
-    One anchor at a time, in row blocks that bound the [layers, rows, D]
-    reconstruction to about 32 MiB.
+    """
+    return token_gate_distances_reference(X, A, B, 0, compute)[0]
+
+
+def token_gate_distances_reference(X: torch.Tensor, A: torch.Tensor, B: torch.Tensor, gate_rows: int,
+                                   compute: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+    """``token_distances`` of all k rows and ``gate_sq_distances`` of the first ``gate_rows``, in one pass.
+
+    Why one pass: the gate and the value token weights compare the same source
+    values with the same anchor bases; on the CPU each reconstruction A_v B_v is
+    the cost, so it is built once, block by block, and both reductions read it
+    while it is in cache. The gate's squared distances come from the differences
+    themselves (no expansion, so no cancellation), summed in float64. Returns
+    (dist fp32 [k, Vn], d2 fp32 [Vn]; zeros when ``gate_rows`` is 0).
     """
     check_factor_args(X, A, B)
     nl, k, d = X.shape
     vn = A.shape[0]
+    if not 0 <= gate_rows <= k:
+        raise ValueError(f"gate_rows must lie in [0, k={k}], got {gate_rows}")
     out = torch.zeros(k, vn, dtype=torch.float32, device=X.device)
+    d2 = torch.zeros(vn, dtype=torch.float64, device=X.device)
     if vn == 0 or nl == 0 or d == 0:
-        return out
+        return out, d2.to(torch.float32)
     item = torch.empty((), dtype=compute).element_size()
     buf = None
     for lo, hi in _row_blocks(k, nl * d * item):
         neg_x = X[:, lo:hi].to(compute).neg()
-        if buf is None:
+        if buf is None or buf.shape != neg_x.shape:  # a shorter last block gets its own (contiguous) buffer
             buf = torch.empty_like(neg_x)
-        diff = buf[:, :hi - lo]
+        diff = buf
+        g = max(0, min(gate_rows, hi) - lo)
         for v in range(vn):
             torch.baddbmm(neg_x, A[v, :, lo:hi].to(compute), B[v].to(compute), out=diff)  # A_v B_v - X
+            if g:
+                d2[v] += torch.linalg.vector_norm(diff[:, :g]).to(torch.float64) ** 2
             out[lo:hi, v] = (diff.abs_().sum(dim=2).sum(dim=0) / (nl * d)).to(torch.float32)
-    return out
+    return out, d2.to(torch.float32)
 
 
 def gate_sq_distances_dense(X: torch.Tensor, F: Sequence[torch.Tensor],

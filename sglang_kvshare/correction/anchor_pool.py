@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field, replace
-from typing import Callable, Hashable, Literal
+from typing import Any, Callable, Hashable, Literal
 
 import torch
 
-from sglang_kvshare.kernels import (gate_from_sq_distances, gate_sq_distances, gate_sq_distances_dense,
-                                    token_distances, token_distances_dense, token_weights)
+from sglang_kvshare.kernels import (gate_from_sq_distances, gate_sq_distances_dense, token_distances,
+                                    token_distances_dense, token_gate_distances, token_weights)
 
 from .gate import top_mass
 from .low_rank import Factors, factor_nbytes, factorize, stack_factors
@@ -162,12 +162,13 @@ class Anchor:
         return (2 + 2 * len(self.deltas)) * factor_nbytes(nl, self.length, d, None, itemsize)
 
 
-def _by_storage(factors: list[Factors], low: Callable[[list[int]], torch.Tensor],
-                full: Callable[[list[int]], torch.Tensor], dim: int) -> torch.Tensor:
+def _by_storage(factors: list[Factors], low: Callable[[list[int]], Any], full: Callable[[list[int]], Any],
+                dim: int | tuple[int, ...]) -> Any:
     """Run ``low`` on the indices of the low-rank stacks and ``full`` on the full-dim ones; merge along ``dim``.
 
     Pools hold one kind unless the rank was changed at runtime, so the common
-    case is a single call.
+    case is a single call. ``low``/``full`` return a tensor, or a tuple of
+    tensors merged each along its entry of ``dim``.
     """
     full_idx = [i for i, f in enumerate(factors) if f.full is not None]
     low_idx = [i for i, f in enumerate(factors) if f.full is None]
@@ -175,9 +176,15 @@ def _by_storage(factors: list[Factors], low: Callable[[list[int]], torch.Tensor]
         return low(low_idx)
     if not low_idx:
         return full(full_idx)
-    parts = torch.cat([low(low_idx), full(full_idx)], dim=dim)
-    order = torch.tensor(low_idx + full_idx).argsort().to(parts.device)
-    return parts.index_select(dim, order)
+    lo, fu = low(low_idx), full(full_idx)
+
+    def merge(a: torch.Tensor, b: torch.Tensor, d: int) -> torch.Tensor:
+        order = torch.tensor(low_idx + full_idx).argsort().to(a.device)
+        return torch.cat([a, b], dim=d).index_select(d, order)
+
+    if isinstance(lo, tuple):
+        return tuple(merge(a, b, d) for a, b, d in zip(lo, fu, dim))
+    return merge(lo, fu, dim)
 
 
 class AnchorPool:
@@ -229,21 +236,23 @@ class AnchorPool:
         k_len = min(k_len, min(a.length for a in eligible))  # the common prefix (unchanged by default)
         work = torch.float64 if source_v.dtype == torch.float64 else torch.float32
         nl = source_v.shape[0]
-        g, h = gate_from_sq_distances(self._gate_sq_distances(eligible, source_v[:, :k_len].reshape(nl, k_len, -1)
-                                                              .to(work), k_len), cfg.temperature)
+        covered = min(s, max(a.length for a in eligible))
+        src_v = source_v[:, :covered].reshape(nl, covered, -1).to(work)
+        # The gate (first k_len rows) and the value token distances (all covered rows) in one op.
+        dist_v, d2 = self._value_distances(eligible, src_v, k_len)
+        g, h = gate_from_sq_distances(d2, cfg.temperature)
         ids = [a.id for a in eligible]
         if h > cfg.tau:
             return EstimateResult(False, "gate_rejected", h, compare_len=k_len, pool_anchors=size, anchor_ids=ids,
                                   gate_weights=g)
-        covered = min(s, max(a.length for a in eligible))
         for i in top_mass(g, cfg.activation_mass):
             eligible[i].activations += 1
         src_kc = to_canonical(source_k[:, :covered], src_pos, self.spec).reshape(nl, covered, -1).to(work)
-        src_v = source_v[:, :covered].reshape(nl, covered, -1).to(work)
+        bases_k = [a.base_k for a in eligible]
         plan = CorrectionPlan(deltas_k=[a.deltas[edge][0] for a in eligible],
                               deltas_v=[a.deltas[edge][1] for a in eligible],
-                              weights_k=self._token_weights(src_kc, [a.base_k for a in eligible]),
-                              weights_v=self._token_weights(src_v, [a.base_v for a in eligible]),
+                              weights_k=self._weights(self._key_distances(src_kc, bases_k), bases_k, covered),
+                              weights_v=self._weights(dist_v, [a.base_v for a in eligible], covered),
                               covered=covered)
         return EstimateResult(True, "accepted", h, covered=covered, compare_len=k_len, pool_anchors=size,
                               anchor_ids=ids, gate_weights=g, plan=plan)
@@ -353,26 +362,36 @@ class AnchorPool:
         return next((a for a in self._anchors if a.content_key == content_key), None)
 
     @staticmethod
-    def _gate_sq_distances(anchors: list[Anchor], x: torch.Tensor, k: int) -> torch.Tensor:
-        """sum_layers ||x - base_v[:k]||^2 per anchor, fp32 [V]; x [layers, k, D].
+    def _value_distances(anchors: list[Anchor], x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token distances fp32 [covered, V] of x's rows, the gate's sum_layers ||x[:k] - base_v[:k]||^2 fp32 [V]).
 
-        Low-rank bases: the kernel's expansion with the cached Gram term (no
-        base is reconstructed); full-dimension bases: direct differences.
+        x [layers, covered, D]. Low-rank bases: ``token_gate_distances`` (on a GPU the
+        gate uses the cached Gram term, no base is reconstructed); full-dimension
+        bases: direct differences.
         """
-        def low(idx: list[int]) -> torch.Tensor:
-            a, b = stack_factors([anchors[i].base_v for i in idx], 0, k)
-            return gate_sq_distances(x, a, b, torch.stack([anchors[i].base_v_gram[k - 1] for i in idx]))
+        covered = x.shape[1]
 
-        return _by_storage([a.base_v for a in anchors], low,
-                           lambda idx: gate_sq_distances_dense(x, [anchors[i].base_v.full for i in idx]), dim=0)
+        def low(idx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+            a, b = stack_factors([anchors[i].base_v for i in idx], 0, covered)
+            return token_gate_distances(x, a, b, k, torch.stack([anchors[i].base_v_gram[k - 1] for i in idx]))
 
-    def _token_weights(self, x: torch.Tensor, bases: list[Factors]) -> torch.Tensor:
-        """``w[t, v] = softmax_v(-mean|x[t] - base_v[t]| / T)`` over the anchors covering t; fp32 [covered, V]."""
+        def full(idx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+            dense = [anchors[i].base_v.full for i in idx]
+            return token_distances_dense(x, dense), gate_sq_distances_dense(x[:, :k], dense)
+
+        return _by_storage([a.base_v for a in anchors], low, full, dim=(1, 0))
+
+    @staticmethod
+    def _key_distances(x: torch.Tensor, bases: list[Factors]) -> torch.Tensor:
+        """Token distances fp32 [covered, V] of canonical-frame keys x [layers, covered, D] to the key bases."""
         covered = x.shape[1]
 
         def low(idx: list[int]) -> torch.Tensor:
             return token_distances(x, *stack_factors([bases[i] for i in idx], 0, covered))
 
-        dist = _by_storage(bases, low, lambda idx: token_distances_dense(x, [bases[i].full for i in idx]), dim=1)
-        lengths = torch.tensor([min(b.length, covered) for b in bases], device=x.device)
+        return _by_storage(bases, low, lambda idx: token_distances_dense(x, [bases[i].full for i in idx]), dim=1)
+
+    def _weights(self, dist: torch.Tensor, bases: list[Factors], covered: int) -> torch.Tensor:
+        """``w[t, v] = softmax_v(-dist[t, v] / T)`` over the anchors covering t; fp32 [covered, V]."""
+        lengths = torch.tensor([min(b.length, covered) for b in bases], device=dist.device)
         return token_weights(dist, self.config.temperature, lengths)

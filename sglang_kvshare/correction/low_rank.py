@@ -177,8 +177,11 @@ def stack_factors(factors: list[Factors], lo: int, hi: int,
     r = max(f.rank for f in factors)
     dtype = dtype or f0.a.dtype
     nl, dim = f0.num_layers, f0.b.shape[-1]
-    a = torch.zeros(len(factors), nl, hi - lo, r, dtype=dtype, device=f0.a.device)
-    b = torch.zeros(len(factors), nl, r, dim, dtype=dtype, device=f0.a.device)
+    # Zero padding is needed only where a stack is shorter or of lower rank than the widest.
+    ragged = any(f.rank < r or f.length < hi for f in factors)
+    fresh = torch.zeros if ragged else torch.empty
+    a = fresh(len(factors), nl, hi - lo, r, dtype=dtype, device=f0.a.device)
+    b = fresh(len(factors), nl, r, dim, dtype=dtype, device=f0.a.device)
     for i, f in enumerate(factors):  # NOTE: ragged lengths and ranks; one copy per stack, no arithmetic
         n = max(0, min(f.length, hi) - lo)
         a[i, :, :n, :f.rank] = f.a[:, lo:lo + n]
