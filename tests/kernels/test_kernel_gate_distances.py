@@ -9,7 +9,7 @@ import torch
 from helpers_kernels import DTYPE_TOLS
 
 from sglang_kvshare.kernels import (gate_from_sq_distances, gate_sq_distances, gate_sq_distances_dense, token_distances,
-                                    token_distances_dense, token_weights)
+                                    token_distances_dense, token_gate_distances, token_weights)
 from sglang_kvshare.kernels.reference import gate_sq_distances_reference, token_distances_reference
 
 # (layers, k, kv_heads * head_dim, rank, Vn): k not a multiple of the 32-row tile,
@@ -52,6 +52,22 @@ def test_distances_match_float64_reference(case, dtype, backend, device, gen):
     dist = token_distances(X, A, B, backend=backend)
     assert dist.dtype == torch.float32 and dist.shape == (case[1], case[4])
     torch.testing.assert_close(dist, token_distances_reference(X, A, B), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=pytest.mark.triton), "torch"])
+@pytest.mark.parametrize("case", CASES, ids=[f"NL{c[0]}-k{c[1]}-D{c[2]}-r{c[3]}-V{c[4]}" for c in CASES])
+def test_token_gate_distances_is_both_ops_on_the_gate_rows(case, backend, device, gen, monkeypatch):
+    """One pass (CPU) or two kernels (GPU): the token distances of every row and the gate of the first g."""
+    from sglang_kvshare.kernels import reference
+
+    monkeypatch.setattr(reference, "_BLOCK_BYTES", 4096)  # several row blocks, a shorter last one
+    X, A, B = make_factors(*case, torch.float32, device, gen)
+    for g in (0, 1, case[1] // 2, case[1]):
+        dist, d2 = token_gate_distances(X, A, B, g, backend=backend)
+        torch.testing.assert_close(dist, token_distances_reference(X, A, B), atol=1e-5, rtol=1e-5)
+        want = gate_sq_distances_reference(X[:, :g], A[:, :, :g], B) if g else torch.zeros(case[4])
+        assert d2.shape == (case[4],) and torch.all((d2 - want).abs() <= 1e-5 * _scale(
+            X[:, :g], A[:, :, :g], B) + 1e-4), (g, d2, want)
 
 
 @pytest.mark.parametrize("case", CASES[:3])
