@@ -25,9 +25,10 @@ slowed every request of a kvcmas server by up to 1.35x while it learned):
   up at full speed when a burst fills the queue (a full queue drops new
   observations, counted; it never blocks the scheduler);
 * the worker yields to serving (``activity``, ``yield_s``): before each
-  observation it waits, at most ``yield_s``, until no prefill is in flight, so
-  a request rarely shares the cores with an SVD; under steady load it waits
-  the bound and learns anyway;
+  observation it waits, at most ``yield_s``, until no prefill is in flight,
+  and again between the observation's factorizations (at most ``yield_s`` in
+  all), so a request shares the cores with at most one factorization; under
+  steady load it waits the bounds and learns anyway;
 * each observation is learned on a thread of its own that ends with it (see
   ``_learn_in_own_thread``: a live thread that once ran torch ops slows the
   scheduler's forward even while it sleeps).
@@ -192,8 +193,9 @@ class Learner:
             return
         with self._lock:  # cheap: half the SVDs are skipped for a content the pool already holds
             with_base = not estimator.has_content(obs.slot, obs.content_key)
+        yielded = self._yield_between_steps() if self.asynchronous else None
         prepared = estimator.prepare_observation(obs.slot, source, target, content_key=obs.content_key,
-                                                 with_base=with_base)
+                                                 with_base=with_base, between=yielded)
         t1 = time.perf_counter()
         if prepared is None:  # a mode that learns nothing
             return
@@ -239,13 +241,35 @@ class Learner:
         step.start()
         step.join()
 
-    def _yield_to_serving(self) -> None:
-        """Wait (bounded) until no prefill is in flight; counted in ``learn_yield_seconds``."""
+    def _yield_to_serving(self, budget_s: Optional[float] = None) -> float:
+        """Wait (at most ``budget_s``, default ``yield_s``) until no prefill is in flight.
+
+        Counted in ``learn_yield_seconds``; returns the seconds waited.
+        """
         if self.activity is None or self.yield_s <= 0:
-            return
-        waited = self.activity.wait_quiet(self.yield_s)
+            return 0.0
+        waited = self.activity.wait_quiet(self.yield_s if budget_s is None else budget_s)
         if waited > 0:
             self._counters.add("learn_yield_seconds", waited)
+        return waited
+
+    def _yield_between_steps(self) -> Optional[Callable[[], None]]:
+        """The pause between an observation's factorizations: wait for a lull again.
+
+        Why: the wait before an observation cannot see the request that arrives
+        during it (a 1K observation is four factorizations, about 0.25 s alone and
+        seconds beside a forward). All the pauses of one observation share one
+        ``yield_s`` budget, so under steady load learning slows, never stops.
+        """
+        if self.activity is None or self.yield_s <= 0:
+            return None
+        left = [self.yield_s]
+
+        def between() -> None:
+            if left[0] > 0:
+                left[0] -= self._yield_to_serving(left[0])
+
+        return between
 
     def _pause(self, busy: float) -> float:
         """Seconds to rest after ``busy`` seconds of learning.

@@ -106,21 +106,33 @@ class PreparedObservation:
 
 def prepare_observation(spec: RopeSpec, config: PoolConfig, source_k: torch.Tensor, source_v: torch.Tensor,
                         src_pos: int, target_k: torch.Tensor, target_v: torch.Tensor, dst_pos: int, edge: Edge,
-                        content_key: Hashable | None = None, with_base: bool = True) -> PreparedObservation:
+                        content_key: Hashable | None = None, with_base: bool = True,
+                        between: Callable[[], None] | None = None) -> PreparedObservation:
     """Factorize the exact correction of a dense prefill (the heavy, lock-free half of learning).
 
     ``target_*`` must come from a real (dense) prefill of the target; the
     source may be an estimate (a chain's previous hop) or dense. Pure: reads
     only its arguments. ``with_base=False`` skips the base's two SVDs when the
     pool already holds ``content_key`` (the commit then attaches the deltas to
-    that anchor, or drops them if it was evicted meanwhile).
+    that anchor, or drops them if it was evicted meanwhile). ``between`` is
+    called before each factorization but the first: the server's learner waits
+    there while a prefill is in flight, so a request shares the cores with at
+    most one factorization, not a whole observation.
     """
     if source_k.shape != target_k.shape or source_v.shape != target_v.shape:
         raise ValueError(f"source {tuple(source_k.shape)} and target {tuple(target_k.shape)} "
                          "caches of one segment must have the same shape")
     if not with_base and content_key is None:
         raise ValueError("with_base=False needs the content_key of an anchor the pool holds")
-    fac = lambda x: factorize(x, config.rank, config.svd_method)  # noqa: E731
+    done = 0
+
+    def fac(x: torch.Tensor) -> Factors:
+        nonlocal done
+        if done and between is not None:
+            between()
+        done += 1
+        return factorize(x, config.rank, config.svd_method)
+
     src_c = to_canonical(source_k, src_pos, spec)
     base = {}
     # NOTE: the order base K, base V, delta K, delta V is kept because randomized SVD draws

@@ -119,11 +119,13 @@ class Estimator(ABC):
         return not self.learns
 
     def prepare_observation(self, slot: Hashable, source: SegmentCache, target: SegmentCache,
-                            content_key: Hashable | None = None, with_base: bool = True) -> PreparedObservation | None:
+                            content_key: Hashable | None = None, with_base: bool = True,
+                            between: Callable[[], None] | None = None) -> PreparedObservation | None:
         """The heavy half of learning from a dense prefill ``target``; None when the mode learns nothing.
 
         ``with_base=False`` (pass ``not has_content(slot, content_key)``, read under the lock) skips
         factorizing a base the pool already holds: half the SVDs for a content seen on another edge.
+        ``between``: called between factorizations (the learner yields to serving there).
         """
         return None
 
@@ -241,12 +243,12 @@ class AnchorEstimator(Estimator):
         return pool is not None and content_key is not None and pool.has_delta(content_key,
                                                                                self.edge(src_agent, dst_agent))
 
-    def prepare_observation(self, slot, source, target, content_key=None, with_base=True):
+    def prepare_observation(self, slot, source, target, content_key=None, with_base=True, between=None):
         if not target.exact:
             raise ValueError("anchors come only from dense prefills; target.exact is False")
         prepared = prepare_observation(self.spec, self.config, source.k, source.v, source.start_pos, target.k,
                                        target.v, target.start_pos, self.edge(source.agent, target.agent),
-                                       content_key, with_base)
+                                       content_key, with_base, between)
         return replace(prepared, slot=slot)
 
     def commit_observation(self, prepared):

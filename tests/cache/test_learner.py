@@ -72,16 +72,24 @@ class _SlowEstimator:
     def __init__(self, busy: float) -> None:
         self.busy = busy
         self.starts: list[float] = []
+        self.middles: list[float] = []  # end of the first step
+        self.resumes: list[float] = []  # start of the second step
         self.ends: list[float] = []
         self.threads: list[threading.Thread] = []
 
     def has_content(self, slot, content_key):
         return False
 
-    def prepare_observation(self, slot, source, target, content_key=None, with_base=True):
+    def prepare_observation(self, slot, source, target, content_key=None, with_base=True, between=None):
+        """Two steps of ``busy / 2`` seconds with ``between`` in the middle (as the four factorizations)."""
         self.starts.append(time.monotonic())
         self.threads.append(threading.current_thread())
-        time.sleep(self.busy)
+        time.sleep(self.busy / 2)
+        self.middles.append(time.monotonic())
+        if between is not None:
+            between()
+        self.resumes.append(time.monotonic())
+        time.sleep(self.busy / 2)
         self.ends.append(time.monotonic())
         return None
 

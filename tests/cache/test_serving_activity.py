@@ -95,6 +95,39 @@ def test_the_worker_waits_for_the_open_prefill_before_learning():
     assert counters.get("learn_yield_seconds") >= 0.15
 
 
+def test_a_prefill_that_arrives_during_an_observation_pauses_it_between_steps():
+    activity = ServingActivity(quiet_gap_s=0.0)
+    estimator = _SlowEstimator(busy=0.4)
+    learner, counters = _learner(estimator, activity, asynchronous=True, yield_s=5.0)
+    assert learner.submit(Observation("query", _cache(1, 0, "A"), _cache(1, 5, "B"), "c1"))
+    _wait_for(lambda: len(estimator.starts) == 1)
+    req = _Req()
+    activity.opened(req)  # arrives during the first step
+    _wait_for(lambda: len(estimator.middles) == 1)
+    time.sleep(0.3)
+    assert estimator.resumes == []  # the second step waits for the prefill
+    closed_at = time.monotonic()
+    activity.closed(req)
+    _wait_for(lambda: len(estimator.ends) == 1)
+    assert estimator.resumes[0] >= closed_at
+    assert counters.get("learn_yield_seconds") >= 0.25
+
+
+def test_the_pauses_of_one_observation_share_one_bound():
+    activity = ServingActivity(quiet_gap_s=0.0)
+    estimator = _SlowEstimator(busy=0.0)
+    learner, _ = _learner(estimator, activity, asynchronous=True, yield_s=0.2)
+    req = _Req()
+    activity.opened(req)  # steady load: never closed
+    t0 = time.monotonic()
+    assert learner.submit(Observation("query", _cache(1, 0, "A"), _cache(1, 5, "B"), "c1"))
+    _wait_for(lambda: len(estimator.ends) == 1, timeout=3.0)
+    # One bound before the observation and one shared by its pauses, not one per pause.
+    assert 0.15 <= estimator.resumes[0] - estimator.middles[0] <= 0.2 + 0.1
+    assert time.monotonic() - t0 < 1.0
+    assert req is not None  # held until here: a collected request would not count as busy
+
+
 def test_under_steady_load_the_worker_learns_after_its_bound():
     activity = ServingActivity(quiet_gap_s=0.0)
     estimator = _SlowEstimator(busy=0.0)
