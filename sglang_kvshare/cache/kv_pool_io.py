@@ -16,18 +16,23 @@ def pool_layers(kvcache) -> range:
     return range(start, start + kvcache.layer_num)
 
 
-def read_segment(kvcache, indices: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def read_segment(kvcache, indices: torch.Tensor, dtype: torch.dtype | None = None,
+                 workspace: "ReadWorkspace | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Copies of K and V at ``indices`` (int64 pool slots) for every layer, in ``dtype`` (default: the pool's).
 
     One gather per layer straight into the result (no stacked temporaries).
+    With ``workspace`` the result is a view of its buffers, valid until the
+    next read through it.
     """
     idx = indices.to(torch.int64)
     layers = pool_layers(kvcache)
     out = []
-    for get in (kvcache.get_key_buffer, kvcache.get_value_buffer):
+    for which, get in enumerate((kvcache.get_key_buffer, kvcache.get_value_buffer)):
         first = get(layers[0])
-        dst = torch.empty((len(layers), idx.numel(), *first.shape[1:]), dtype=dtype or first.dtype,
-                          device=first.device)
+        shape = (len(layers), idx.numel(), *first.shape[1:])
+        out_dtype = dtype or first.dtype
+        dst = (workspace.take(which, shape, out_dtype, first.device) if workspace is not None
+               else torch.empty(shape, dtype=out_dtype, device=first.device))
         for i, layer in enumerate(layers):
             buf = get(layer)
             if dst.dtype == buf.dtype:
@@ -36,6 +41,34 @@ def read_segment(kvcache, indices: torch.Tensor, dtype: torch.dtype | None = Non
                 dst[i].copy_(buf[idx])
         out.append(dst)
     return out[0], out[1]
+
+
+class ReadWorkspace:
+    """Two grow-only buffers that ``read_segment`` gathers into, reused from request to request.
+
+    Why: a 1K segment's K and V are 2 x 23.6 MiB on the 135M model; fresh
+    tensors of that size come as fresh pages from the kernel on every read, and
+    faulting them in cost more than the gather itself on the CPU server. For one
+    reader at a time (the scheduler thread); a read returns views that the next
+    read overwrites. Segments longer than ``max_rows`` are read into fresh
+    tensors, so the buffers stay at most ``max_rows`` rows long.
+    """
+
+    def __init__(self, max_rows: int = 4096) -> None:
+        self.max_rows = max_rows
+        self._bufs: list[torch.Tensor | None] = [None, None]
+
+    def take(self, which: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A tensor of ``shape`` ([layers, rows, ...]) whose ``[i]`` slices are contiguous."""
+        rows = shape[1]
+        if rows > self.max_rows:
+            return torch.empty(shape, dtype=dtype, device=device)
+        buf = self._bufs[which]
+        if (buf is None or buf.shape[0] != shape[0] or buf.shape[2:] != shape[2:] or buf.shape[1] < rows
+                or buf.dtype != dtype or buf.device != device):
+            buf = torch.empty((shape[0], max(rows, 256), *shape[2:]), dtype=dtype, device=device)
+            self._bufs[which] = buf
+        return buf[:, :rows]
 
 
 def learning_copy_dtype(kvcache) -> torch.dtype:

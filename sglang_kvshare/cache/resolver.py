@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from sglang_kvshare.cache import tree_paths
-from sglang_kvshare.cache.kv_pool_io import read_segment, sync_device
+from sglang_kvshare.cache.kv_pool_io import ReadWorkspace, read_segment, sync_device
 from sglang_kvshare.cache.registry import Materialization, NamespaceRecords
 from sglang_kvshare.cache.request_state import RequestPlan, SegmentOutcome
 
@@ -68,6 +68,8 @@ class Resolver:
         self.cache = cache
         self._estimator = estimator
         self._lock = lock
+        # The gate's copy of a source: read into reused buffers (the estimate keeps no reference).
+        self._reads = ReadWorkspace()
 
     def candidates(self, records: NamespaceRecords, plan: RequestPlan, o: SegmentOutcome) -> list[Materialization]:
         """Copies of the segment's content, latest first, of this cache generation."""
@@ -113,7 +115,8 @@ class Resolver:
         counters = self.cache.counters
         with counters.timed("read_source"):
             sync_device(src_idx)  # the source rows may still be in flight (overlap scheduling)
-            k_src, v_src = read_segment(self.cache.token_to_kv_pool_allocator.get_kvcache(), src_idx)
+            k_src, v_src = read_segment(self.cache.token_to_kv_pool_allocator.get_kvcache(), src_idx,
+                                        workspace=self._reads)
         src_cache = SegmentCache(k_src, v_src, source.start, source.agent, exact=source.exact)
         with counters.timed("gate_estimate"), self._lock:
             estimator = self._estimator()

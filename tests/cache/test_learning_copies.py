@@ -13,7 +13,7 @@ import threading
 import torch
 
 from sglang_kvshare.cache.counters import Counters
-from sglang_kvshare.cache.kv_pool_io import learning_copy_dtype, read_pair, read_segment
+from sglang_kvshare.cache.kv_pool_io import ReadWorkspace, learning_copy_dtype, read_pair, read_segment
 from sglang_kvshare.cache.learner import Learner, Observation
 from sglang_kvshare.correction import RopeSpec, SegmentCache, make_estimator
 from sglang_kvshare.correction.anchor_pool import PoolConfig, prepare_observation
@@ -38,6 +38,24 @@ def test_read_segment_gathers_every_layer_in_the_pool_dtype_or_the_one_asked():
     k16, v16 = read_segment(kv, idx, torch.float16)
     assert k16.dtype == v16.dtype == torch.float16
     assert torch.equal(k16, k.half()) and torch.equal(v16, v.half())
+
+
+def test_reads_through_a_workspace_reuse_its_buffers_and_stay_exact():
+    kv = _filled_pool()
+    ws = ReadWorkspace(max_rows=6)
+    first = torch.tensor([5, 1, 9, 2])
+    k, v = read_segment(kv, first, workspace=ws)
+    ptr = k.untyped_storage().data_ptr()
+    assert torch.equal(k, read_segment(kv, first)[0]) and torch.equal(v, read_segment(kv, first)[1])
+    second = torch.tensor([7, 3])  # shorter: a view of the same buffers, overwritten
+    k2, v2 = read_segment(kv, second, workspace=ws)
+    assert k2.untyped_storage().data_ptr() == ptr and k2.shape == (LAYERS, 2, HEADS, HEAD_DIM)
+    for layer in range(LAYERS):
+        assert torch.equal(k2[layer], kv.k[layer][second]) and torch.equal(v2[layer], kv.v[layer][second])
+    long = torch.arange(10)  # past max_rows: fresh tensors, the workspace untouched
+    k3, _ = read_segment(kv, long, workspace=ws)
+    assert k3.untyped_storage().data_ptr() != ptr and torch.equal(k3[0], kv.k[0][long])
+    assert torch.equal(read_segment(kv, second, workspace=ws)[0], k2)
 
 
 def test_learning_copies_are_half_the_bytes_of_a_float32_pool_and_as_is_otherwise():
