@@ -30,7 +30,7 @@ def model_path() -> str:
 
 
 # Idle servers sleep (the launcher's --sleep-on-idle) and cost only memory, about 2 GiB each.
-# Five: every server the suite asks for (shared, off, stock, small pool, soak), so none restarts.
+# Every server the suite asks for (shared, off, stock, the soak's) stays up, so none restarts.
 MAX_ALIVE_SERVERS = 5
 
 
@@ -39,8 +39,7 @@ def server_pool(model_path) -> Iterator[Callable[..., ServerProcess]]:
     """``get(name, **kwargs)`` returns a running server, started on first use.
 
     ``get.launch(name, **kwargs)`` starts one without waiting for it (the next
-    ``get`` of those arguments waits until it answers); ``get.launch_later``
-    starts one at the next ``get``, once every running server has answered.
+    ``get`` of those arguments waits until it answers).
 
     Servers are keyed by their arguments, not by ``name`` (a label for the log):
     every test that asks for the same arguments shares one server, so tests must
@@ -48,7 +47,6 @@ def server_pool(model_path) -> Iterator[Callable[..., ServerProcess]]:
     last ``MAX_ALIVE_SERVERS`` servers used stay up; an idle one costs no CPU.
     """
     running: OrderedDict[tuple, ServerProcess] = OrderedDict()
-    deferred: list[dict] = []  # launches waiting for every running server to have answered
 
     def launch(name: str, *, kvshare_args=(), extra_args=(), stock: bool = False) -> tuple:
         key = (tuple(kvshare_args), tuple(extra_args), stock)
@@ -67,20 +65,9 @@ def server_pool(model_path) -> Iterator[Callable[..., ServerProcess]]:
         server = running[key]
         running.move_to_end(key)
         server.wait_ready()  # at once when it has answered before
-        if deferred:  # the servers launched with this one are about ready too: wait, then start the rest
-            for other in list(running.values()):
-                other.wait_ready()
-            for kwargs in deferred:
-                launch(**kwargs)
-            deferred.clear()
         return server
 
-    def launch_later(name: str, **kwargs) -> None:
-        """Start this server at the next ``get``, once every server started so far has answered."""
-        deferred.append(dict(name=name, **kwargs))
-
     get.launch = launch
-    get.launch_later = launch_later
     try:
         yield get
     finally:
@@ -96,25 +83,23 @@ def _launch_common_servers_together(request) -> None:
 
     A server start is mostly single-threaded imports (about 45 s here alone), so
     three started side by side on two cores are ready in about 81 s, not 135 s.
-    More at once do not pay: with five the first test waited 154 s and the suite
-    took 521 s, against 500 s with these three (614 s with none). The soak's
-    server starts once these three have answered, beside the first server tests.
-    A run of one or two server modules starts its servers lazily.
+    More do not pay: with five (the small-pool and the soak's servers too) the
+    first test waited 154 s and the suite took 521 s, against 500 s with these
+    three (614 s with none). Starting the soak's server as soon as these three
+    answered did not pay either (549 s against 487 s: its start slowed the
+    first server tests). The others start when first asked for. A run of one
+    or two server modules starts its servers lazily.
     """
     modules = {item.module.__name__ for item in request.session.items
                if "server_pool" in getattr(item, "fixturenames", ()) and getattr(item, "module", None)}
     if len(modules) < 3:
         return
-    from tests.servers import OFF, SHARED, SHARED_EXTRA, soak_pool
+    from tests.servers import OFF, SHARED, SHARED_EXTRA
 
     server_pool = request.getfixturevalue("server_pool")
     server_pool.launch("shared", kvshare_args=SHARED, extra_args=SHARED_EXTRA)
     server_pool.launch("off", kvshare_args=OFF)
     server_pool.launch("stock", stock=True)
-    if "tests.test_soak" in modules:
-        # The soak's small-pool server (the eviction test borrows it) starts once the three
-        # have answered: its start (mostly one thread) overlaps the first server tests.
-        server_pool.launch_later("soak", **soak_pool())
 
 
 @pytest.fixture
