@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 import torch
 
-from benchmarks.harness import RESULTS, machine, write_json
+from benchmarks.harness import RESULTS, write_op_timings
 from benchmarks.learn_cost import HEAD_DIM, KV_HEADS, LAYERS, synthetic_kv
 from sglang_kvshare.cache.kv_pool_io import read_segment
 from sglang_kvshare.correction.anchor_pool import AnchorPool, PoolConfig
@@ -117,13 +116,9 @@ def main(argv=None) -> int:
             print(f"L={length:5d} anchors={anchors:2d} " + " ".join(
                 f"{p} {row[p]['median_s'] * 1e3:6.1f} ms" for p in PHASES)
                   + f"  corrected total {row['corrected_total_s'] * 1e3:6.1f} ms", flush=True)
-    result = {"command": "python -m benchmarks.assembly_cost " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "machine": machine(), "torch_threads": torch.get_num_threads(),
-              "shapes": {"layers": LAYERS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "rank": 32,
-                         "pool_rows": POOL_ROWS},
-              "rows": rows}
-    write_json(Path(args.out), result)
-    print(f"wrote {args.out}")
+    write_op_timings(Path(args.out), "benchmarks.assembly_cost", argv,
+                     {"layers": LAYERS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "rank": 32,
+                      "pool_rows": POOL_ROWS}, rows)
     return 0
 
 

@@ -113,6 +113,18 @@ def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
 
 
+def write_op_timings(path: Path, module: str, argv: Optional[Sequence[str]], shapes: dict, rows: list) -> None:
+    """Write an offline CPU-op benchmark's JSON (command, machine, torch threads, shapes, rows) and say so."""
+    import sys
+
+    import torch
+
+    write_json(path, {"command": f"python -m {module} " + " ".join(argv if argv is not None else sys.argv[1:]),
+                      "machine": machine(), "torch_threads": torch.get_num_threads(), "shapes": shapes,
+                      "rows": rows})
+    print(f"wrote {path}")
+
+
 def process_tree_rss_mb(pid: int) -> float:
     """Resident memory of a server and its children (scheduler, detokenizer)."""
     import psutil

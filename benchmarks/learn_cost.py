@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.harness import RESULTS, machine, write_json
+from benchmarks.harness import RESULTS, write_op_timings
 from sglang_kvshare.correction.anchor_pool import PoolConfig, prepare_observation
 from sglang_kvshare.correction.low_rank import factorize
 from sglang_kvshare.correction.rope import RopeSpec
@@ -86,12 +85,8 @@ def main(argv=None) -> int:
             print(f"L={length:5d} {method:10s} with base {row['with_base']['median_s']:6.3f} s "
                   f"({row['with_base']['min_s']:.3f}-{row['with_base']['max_s']:.3f}), deltas only "
                   f"{row['deltas_only']['median_s']:6.3f} s, residual/svd {row['residual_over_svd']:.4f}", flush=True)
-    result = {"command": "python -m benchmarks.learn_cost " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "machine": machine(), "torch_threads": torch.get_num_threads(),
-              "shapes": {"layers": LAYERS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "rank": 32},
-              "rows": rows}
-    write_json(Path(args.out), result)
-    print(f"wrote {args.out}")
+    write_op_timings(Path(args.out), "benchmarks.learn_cost", argv,
+                     {"layers": LAYERS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "rank": 32}, rows)
     return 0
 
 
