@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,8 +116,6 @@ def write_json(path: Path, data: dict) -> None:
 
 def write_op_timings(path: Path, module: str, argv: Optional[Sequence[str]], shapes: dict, rows: list) -> None:
     """Write an offline CPU-op benchmark's JSON (command, machine, torch threads, shapes, rows) and say so."""
-    import sys
-
     import torch
 
     write_json(path, {"command": f"python -m {module} " + " ".join(argv if argv is not None else sys.argv[1:]),

@@ -219,7 +219,8 @@ def align_correct_scatter_layers_reference(k_src: Sequence[torch.Tensor], v_src:
         if args.num_tokens == 0:
             return
         p = replace(p, A=_stacked(p.A), B=_stacked(p.B), delta=_stacked(p.delta))
-        row_bytes = len(srcs) * srcs[0].shape[1] * srcs[0].shape[2] * 4
+        item = torch.empty((), dtype=compute).element_size()
+        row_bytes = len(srcs) * srcs[0].shape[1] * srcs[0].shape[2] * item
         # Rows are gathered block by block, so a destination row that is also a later block's
         # source would be read after it was written: such calls run as one block.
         aliased = any(s is d for s, d in zip(srcs, dsts)) and bool(torch.isin(idx, src_idx.long()).any())
@@ -298,7 +299,8 @@ def token_gate_distances_reference(X: torch.Tensor, A: torch.Tensor, B: torch.Te
     values with the same anchor bases; on the CPU each reconstruction A_v B_v is
     the cost, so it is built once, block by block, and both reductions read it
     while it is in cache. The gate's squared distances come from the differences
-    themselves (no expansion, so no cancellation), summed in float64. Returns
+    themselves (no expansion, so no cancellation): each block's norm in
+    ``compute``, the sum over blocks in float64. Returns
     (dist fp32 [k, Vn], d2 fp32 [Vn]; zeros when ``gate_rows`` is 0).
     """
     check_factor_args(X, A, B)
@@ -311,12 +313,11 @@ def token_gate_distances_reference(X: torch.Tensor, A: torch.Tensor, B: torch.Te
     if vn == 0 or nl == 0 or d == 0:
         return out, d2.to(torch.float32)
     item = torch.empty((), dtype=compute).element_size()
-    buf = None
+    diff = None
     for lo, hi in _row_blocks(k, nl * d * item):
         neg_x = X[:, lo:hi].to(compute).neg()
-        if buf is None or buf.shape != neg_x.shape:  # a shorter last block gets its own (contiguous) buffer
-            buf = torch.empty_like(neg_x)
-        diff = buf
+        if diff is None or diff.shape != neg_x.shape:  # a shorter last block gets its own (contiguous) buffer
+            diff = torch.empty_like(neg_x)
         g = max(0, min(gate_rows, hi) - lo)
         for v in range(vn):
             torch.baddbmm(neg_x, A[v, :, lo:hi].to(compute), B[v].to(compute), out=diff)  # A_v B_v - X

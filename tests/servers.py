@@ -31,12 +31,13 @@ ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN_KEY}"}
 # small KV pool also serves the eviction tests (``small_pool_server``): one server start fewer.
 SOAK_KEY = "kvshare-soak-admin-key"
 SOAK_HEADERS = {"Authorization": f"Bearer {SOAK_KEY}"}
+SOAK_MODE, SOAK_TAU, SOAK_POOL_TOKENS = "kvcmas", 1.0, 3072
 
 
 def soak_pool() -> dict:
     from benchmarks.soak import soak_launch_args
 
-    return soak_launch_args("kvcmas", 1.0, 3072, SOAK_KEY)
+    return soak_launch_args(SOAK_MODE, SOAK_TAU, SOAK_POOL_TOKENS, SOAK_KEY)
 
 
 def shared_server(server_pool):
@@ -96,5 +97,5 @@ def small_pool_server(server_pool) -> Iterator[Any]:
     try:
         yield server
     finally:
-        _post(server, "/kvshare/config", {"mode": "kvcmas", "tau": 1.0}, SOAK_HEADERS)
+        _post(server, "/kvshare/config", {"mode": SOAK_MODE, "tau": SOAK_TAU}, SOAK_HEADERS)
         clean(server, SOAK_HEADERS)

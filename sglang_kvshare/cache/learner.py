@@ -263,11 +263,12 @@ class Learner:
         """
         if self.activity is None or self.yield_s <= 0:
             return None
-        left = [self.yield_s]
+        left = self.yield_s
 
         def between() -> None:
-            if left[0] > 0:
-                left[0] -= self._yield_to_serving(left[0])
+            nonlocal left
+            if left > 0:
+                left -= self._yield_to_serving(left)
 
         return between
 
