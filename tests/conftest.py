@@ -79,27 +79,40 @@ def server_pool(model_path) -> Iterator[Callable[..., ServerProcess]]:
 
 @pytest.fixture(scope="session", autouse=True)
 def _launch_common_servers_together(request) -> None:
-    """When the run spans many server modules, launch their common servers at once, up front.
+    """When the run spans many server modules, launch their servers at once, up front.
 
-    A server start is mostly single-threaded imports (about 45 s here alone), so
-    three started side by side on two cores are ready in about 81 s, not 135 s.
-    More do not pay: with five (the small-pool and the soak's servers too) the
-    first test waited 154 s and the suite took 521 s, against 500 s with these
-    three (614 s with none). Starting the soak's server as soon as these three
-    answered did not pay either (549 s against 487 s: its start slowed the
-    first server tests). The others start when first asked for. A run of one
-    or two server modules starts its servers lazily.
+    A server start is mostly single-threaded imports (about 45 s here alone).
+    The tests that need no server run first (``pytest_collection_modifyitems``;
+    mostly single-threaded too: the Triton interpreter, the cache's unit tests)
+    and fill the cores while the four servers start: the three common ones and
+    the soak's, whose start otherwise ran alone in the eviction test with one
+    core idle. Before that order, three at once paid (the first server test
+    waited about 81 s, not 135 s) and five did not (154 s). A run of one or two
+    server modules starts its servers lazily.
     """
     modules = {item.module.__name__ for item in request.session.items
                if "server_pool" in getattr(item, "fixturenames", ()) and getattr(item, "module", None)}
     if len(modules) < 3:
         return
-    from tests.servers import OFF, SHARED, SHARED_EXTRA
+    from tests.servers import OFF, SHARED, SHARED_EXTRA, soak_pool
 
     server_pool = request.getfixturevalue("server_pool")
     server_pool.launch("shared", kvshare_args=SHARED, extra_args=SHARED_EXTRA)
     server_pool.launch("off", kvshare_args=OFF)
     server_pool.launch("stock", stock=True)
+    server_pool.launch("soak", **soak_pool())
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """Tests that need no server first, in their usual order, then the server tests in theirs.
+
+    Why: the common servers start up front and take about 85 s of mostly
+    single-threaded imports, during which the first server test can only wait.
+    The tests that need no server (kernels under the Triton interpreter, the
+    cache's unit tests on fake pools, about 60 s alone) fill that wait instead.
+    Module-scoped server fixtures stay contiguous: the sort is stable.
+    """
+    items.sort(key=lambda item: "server_pool" in getattr(item, "fixturenames", ()))
 
 
 @pytest.fixture
