@@ -29,9 +29,10 @@ slowed every request of a kvcmas server by up to 1.35x while it learned):
   and again between the observation's factorizations (at most ``yield_s`` in
   all), so a request shares the cores with at most one factorization; under
   steady load it waits the bounds and learns anyway;
-* each observation is learned on a thread of its own that ends with it (see
-  ``_learn_in_own_thread``: a live thread that once ran torch ops slows the
-  scheduler's forward even while it sleeps).
+* each step of an observation (a factorization) runs on a thread of its own
+  that ends with it, and the pauses between steps run on the worker, which
+  never runs a torch op (see ``_learn_stepwise``: a live thread that once ran
+  torch ops slows the scheduler's forward even while it sleeps).
 """
 
 from __future__ import annotations
@@ -180,36 +181,60 @@ class Learner:
         with self._bytes_lock:
             self._bytes -= obs.nbytes
 
-    def _learn(self, obs: Observation) -> None:
+    def _learn(self, obs: Observation, run: Callable[[Callable[[], Any]], Any] = lambda step: step(),
+               between: Optional[Callable[[], None]] = None) -> None:
+        """Learn one observation: each torch step through ``run``, ``between`` called between two steps.
+
+        Synchronously (the defaults) everything runs on the caller's thread. The
+        worker passes a ``run`` that starts a thread per step and a ``between``
+        that waits for a lull on its own (torch-free) thread; see ``_learn_stepwise``.
+        """
         estimator = self._estimator()
         if estimator is None:
             return
         t0 = time.perf_counter()
         if obs.queued_at:
             self._counters.add("learn_queue_wait_seconds", t0 - obs.queued_at)
-        source, target = _widened(obs.source, obs.compute_dtype), _widened(obs.target, obs.compute_dtype)
-        if source is None or target is None:
-            self._counters.add("observations_dropped_overflow")
+
+        def first_step():
+            source, target = _widened(obs.source, obs.compute_dtype), _widened(obs.target, obs.compute_dtype)
+            if source is None or target is None:
+                self._counters.add("observations_dropped_overflow")
+                return None
+            with self._lock:  # cheap: half the SVDs are skipped for a content the pool already holds
+                with_base = not estimator.has_content(obs.slot, obs.content_key)
+            steps = estimator.observation_steps(obs.slot, source, target, content_key=obs.content_key,
+                                                with_base=with_base)
+            return steps, _advance(steps)
+
+        started = run(first_step)
+        if started is None:
             return
-        with self._lock:  # cheap: half the SVDs are skipped for a content the pool already holds
-            with_base = not estimator.has_content(obs.slot, obs.content_key)
-        yielded = self._yield_between_steps() if self.asynchronous else None
-        prepared = estimator.prepare_observation(obs.slot, source, target, content_key=obs.content_key,
-                                                 with_base=with_base, between=yielded)
+        steps, (done, prepared) = started
+        while not done:
+            if between is not None:
+                between()
+            done, prepared = run(lambda: _advance(steps))
         t1 = time.perf_counter()
         if prepared is None:  # a mode that learns nothing
             return
-        with self._lock:
-            if obs.generation != self.generation or estimator is not self._estimator():
-                self._counters.add("observations_discarded_after_reset")
-                return
-            estimator.commit_observation(prepared)
+
+        def commit() -> bool:
+            with self._lock:
+                if obs.generation != self.generation or estimator is not self._estimator():
+                    return False
+                estimator.commit_observation(prepared)
+                return True
+
+        if not run(commit):
+            self._counters.add("observations_discarded_after_reset")
+            return
         self._counters.add("observations")
         self._counters.add("learn_prepare_seconds", t1 - t0)
         self._counters.add("learn_commit_seconds", time.perf_counter() - t1)
 
-    def _learn_in_own_thread(self, obs: Observation) -> None:
-        """Learn one observation on a thread that ends with it.
+    def _learn_stepwise(self, obs: Observation) -> None:
+        """Learn one observation, each step on a thread that ends with it, the pauses on this one.
 
         NOTE: why not on the worker itself: a thread that has run torch's
         OpenMP ops keeps its own OpenMP team alive while it lives, and with more
@@ -219,27 +244,14 @@ class Learner:
         small op mix of the main thread from 263 to 740 us until it exited
         (``benchmarks.idle_torch_thread``), and a kvcmas server's first agent
         stayed 1.23-1.39x slower than ``off`` after learning had finished
-        (0.83x with this thread per observation; README, chain_ttft). A thread
-        per observation (microseconds to start, against a second of SVDs) keeps
-        the team alive only while it learns.
+        (0.83x with a thread per observation; README, chain_ttft). For the same
+        reason the pause between two factorizations (``_yield_between_steps``)
+        waits here, on the worker, not inside a step's thread: a step thread
+        that slept through a prefill taxed that whole prefill. A thread per step
+        costs microseconds to start, against tenths of a second per factorization.
         """
-
-        def body() -> None:
-            # NOTE: lowest CPU priority for this thread (and the OpenMP team its torch ops
-            # start, which inherits it): on a machine with few cores the forward wins.
-            try:
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-            except (AttributeError, OSError):
-                pass
-            try:
-                self._learn(obs)
-            except Exception:  # noqa: BLE001 - a bad observation must not stop learning
-                logger.exception("sglang-kvshare: recording an anchor failed")
-                self._counters.add("internal_errors")
-
-        step = threading.Thread(target=body, name="kvshare-learn-step", daemon=True)
-        step.start()
-        step.join()
+        self._learn(obs, run=_in_own_thread,
+                    between=self._yield_between_steps() if self.asynchronous else None)
 
     def _yield_to_serving(self, budget_s: Optional[float] = None) -> float:
         """Wait (at most ``budget_s``, default ``yield_s``) until no prefill is in flight.
@@ -291,14 +303,18 @@ class Learner:
             return
 
         def run() -> None:
-            # NOTE: this dispatcher never runs a torch op (see _learn_in_own_thread):
+            # NOTE: this dispatcher never runs a torch op (see _learn_stepwise):
             # it waits for work, for a lull in serving and out its rests.
             while True:
                 obs = self._queue.get()
                 try:
                     self._yield_to_serving()
                     busy_since = time.perf_counter()
-                    self._learn_in_own_thread(obs)
+                    try:
+                        self._learn_stepwise(obs)
+                    except Exception:  # noqa: BLE001 - a bad observation must not stop learning
+                        logger.exception("sglang-kvshare: recording an anchor failed")
+                        self._counters.add("internal_errors")
                     busy = time.perf_counter() - busy_since
                 finally:
                     self._release(obs)
@@ -310,3 +326,36 @@ class Learner:
 
         self._worker = threading.Thread(target=run, name="kvshare-learn", daemon=True)
         self._worker.start()
+
+
+def _advance(steps) -> tuple[bool, Any]:
+    """One step of a step iterator: ``(False, None)`` when it paused, ``(True, result)`` when it ended."""
+    try:
+        next(steps)
+    except StopIteration as end:
+        return True, end.value
+    return False, None
+
+
+def _in_own_thread(step: Callable[[], Any]) -> Any:
+    """``step()`` on a fresh low-priority thread that ends with it; returns its result or raises its error."""
+    out: dict[str, Any] = {}
+
+    def body() -> None:
+        # NOTE: lowest CPU priority for this thread (and the OpenMP team its torch ops
+        # start, which inherits it): on a machine with few cores the forward wins.
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except (AttributeError, OSError):
+            pass
+        try:
+            out["value"] = step()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            out["error"] = exc
+
+    thread = threading.Thread(target=body, name="kvshare-learn-step", daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out.get("value")

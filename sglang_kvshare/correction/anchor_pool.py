@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Hashable, Literal
+from typing import Any, Callable, Generator, Hashable, Literal, TypeVar
 
 import torch
 
@@ -40,7 +40,10 @@ from .low_rank import Factors, factor_nbytes, factorize, stack_factors
 from .plan import CorrectionPlan, EstimateResult
 from .rope import RopeSpec, to_canonical
 
-__all__ = ["Anchor", "AnchorPool", "PoolConfig", "PreparedObservation", "prepare_observation", "Edge"]
+__all__ = ["Anchor", "AnchorPool", "PoolConfig", "PreparedObservation", "prepare_observation", "observation_steps",
+           "run_steps", "Edge"]
+
+T = TypeVar("T")
 
 Edge = Hashable
 
@@ -115,35 +118,58 @@ def prepare_observation(spec: RopeSpec, config: PoolConfig, source_k: torch.Tens
     only its arguments. ``with_base=False`` skips the base's two SVDs when the
     pool already holds ``content_key`` (the commit then attaches the deltas to
     that anchor, or drops them if it was evicted meanwhile). ``between`` is
-    called before each factorization but the first: the server's learner waits
-    there while a prefill is in flight, so a request shares the cores with at
-    most one factorization, not a whole observation.
+    called between two factorizations. The server's learner drives
+    ``observation_steps`` itself instead (see there).
+    """
+    return run_steps(observation_steps(spec, config, source_k, source_v, src_pos, target_k, target_v, dst_pos, edge,
+                                       content_key, with_base), between)
+
+
+def observation_steps(spec: RopeSpec, config: PoolConfig, source_k: torch.Tensor, source_v: torch.Tensor,
+                      src_pos: int, target_k: torch.Tensor, target_v: torch.Tensor, dst_pos: int, edge: Edge,
+                      content_key: Hashable | None = None,
+                      with_base: bool = True) -> Generator[None, None, PreparedObservation]:
+    """``prepare_observation`` as a generator: it yields between factorizations and returns the result.
+
+    Why a generator: the server's learner resumes each step on a fresh thread
+    and waits for a lull in serving between steps on a thread that runs no
+    torch op. A thread that has run torch's OpenMP ops slows the scheduler's
+    forward for as long as it lives, even asleep (docs/PROFILE.md, finding 1b),
+    so the pause must not happen inside a step's thread. Arguments are checked
+    at the first ``next``.
     """
     if source_k.shape != target_k.shape or source_v.shape != target_v.shape:
         raise ValueError(f"source {tuple(source_k.shape)} and target {tuple(target_k.shape)} "
                          "caches of one segment must have the same shape")
     if not with_base and content_key is None:
         raise ValueError("with_base=False needs the content_key of an anchor the pool holds")
-    done = 0
-
-    def fac(x: torch.Tensor) -> Factors:
-        nonlocal done
-        if done and between is not None:
-            between()
-        done += 1
-        return factorize(x, config.rank, config.svd_method)
-
     src_c = to_canonical(source_k, src_pos, spec)
     base = {}
     # NOTE: the order base K, base V, delta K, delta V is kept because randomized SVD draws
     # from torch's RNG: a seeded offline run gets the same factors as before plans existed.
     if with_base:
-        base_k = fac(src_c)
-        base_v = fac(source_v)
+        base_k = factorize(src_c, config.rank, config.svd_method)
+        yield
+        base_v = factorize(source_v, config.rank, config.svd_method)
         base = dict(base_k=base_k, base_v=base_v, base_v_gram=base_v.row_sq_norms().cumsum(0))
-    dk = to_canonical(target_k, dst_pos, spec) - src_c
-    return PreparedObservation(edge=edge, content_key=content_key, length=int(source_k.shape[1]), delta_k=fac(dk),
-                               delta_v=fac(target_v - source_v), **base)
+        yield
+    delta_k = factorize(to_canonical(target_k, dst_pos, spec) - src_c, config.rank, config.svd_method)
+    del src_c
+    yield
+    return PreparedObservation(edge=edge, content_key=content_key, length=int(source_k.shape[1]), delta_k=delta_k,
+                               delta_v=factorize(target_v - source_v, config.rank, config.svd_method), **base)
+
+
+def run_steps(steps: Generator[None, None, T], between: Callable[[], None] | None = None) -> T:
+    """Run a step generator to its end, calling ``between`` between two steps; returns its result."""
+    try:
+        next(steps)
+        while True:
+            if between is not None:
+                between()
+            next(steps)
+    except StopIteration as done:
+        return done.value
 
 
 @dataclass

@@ -43,11 +43,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from dataclasses import dataclass, fields, replace
-from typing import Any, Callable, Hashable, Literal
+from typing import Any, Callable, Hashable, Iterator, Literal
 
 import torch
 
-from .anchor_pool import AnchorPool, PoolConfig, PreparedObservation, prepare_observation
+from .anchor_pool import AnchorPool, PoolConfig, PreparedObservation, observation_steps, run_steps
 from .plan import EstimateResult
 from .rope import RopeSpec
 
@@ -125,9 +125,20 @@ class Estimator(ABC):
 
         ``with_base=False`` (pass ``not has_content(slot, content_key)``, read under the lock) skips
         factorizing a base the pool already holds: half the SVDs for a content seen on another edge.
-        ``between``: called between factorizations (the learner yields to serving there).
+        ``between``: called between factorizations.
         """
-        return None
+        return run_steps(self.observation_steps(slot, source, target, content_key, with_base), between)
+
+    def observation_steps(self, slot: Hashable, source: SegmentCache, target: SegmentCache,
+                          content_key: Hashable | None = None,
+                          with_base: bool = True) -> Iterator[None]:
+        """``prepare_observation`` as steps: an iterator that stops between factorizations.
+
+        Its ``StopIteration.value`` is what ``prepare_observation`` returns. The
+        server's learner resumes each step on a fresh thread (see
+        ``anchor_pool.observation_steps``). A mode that learns nothing has no step.
+        """
+        return iter(())
 
     def commit_observation(self, prepared: PreparedObservation | None) -> int | None:
         """Attach a prepared observation; returns the anchor id, None when nothing was kept."""
@@ -243,12 +254,15 @@ class AnchorEstimator(Estimator):
         return pool is not None and content_key is not None and pool.has_delta(content_key,
                                                                                self.edge(src_agent, dst_agent))
 
-    def prepare_observation(self, slot, source, target, content_key=None, with_base=True, between=None):
+    def observation_steps(self, slot, source, target, content_key=None, with_base=True):
         if not target.exact:
             raise ValueError("anchors come only from dense prefills; target.exact is False")
-        prepared = prepare_observation(self.spec, self.config, source.k, source.v, source.start_pos, target.k,
-                                       target.v, target.start_pos, self.edge(source.agent, target.agent),
-                                       content_key, with_base, between)
+        return self._steps(slot, source, target, content_key, with_base)
+
+    def _steps(self, slot, source, target, content_key, with_base):
+        prepared = yield from observation_steps(self.spec, self.config, source.k, source.v, source.start_pos,
+                                                target.k, target.v, target.start_pos,
+                                                self.edge(source.agent, target.agent), content_key, with_base)
         return replace(prepared, slot=slot)
 
     def commit_observation(self, prepared):

@@ -80,15 +80,15 @@ class _SlowEstimator:
     def has_content(self, slot, content_key):
         return False
 
-    def prepare_observation(self, slot, source, target, content_key=None, with_base=True, between=None):
-        """Two steps of ``busy / 2`` seconds with ``between`` in the middle (as the four factorizations)."""
+    def observation_steps(self, slot, source, target, content_key=None, with_base=True):
+        """Two steps of ``busy / 2`` seconds with a pause in the middle (as the four factorizations)."""
         self.starts.append(time.monotonic())
         self.threads.append(threading.current_thread())
         time.sleep(self.busy / 2)
         self.middles.append(time.monotonic())
-        if between is not None:
-            between()
+        yield
         self.resumes.append(time.monotonic())
+        self.threads.append(threading.current_thread())
         time.sleep(self.busy / 2)
         self.ends.append(time.monotonic())
         return None
@@ -131,14 +131,14 @@ def test_the_shares_are_validated():
         _learner(None, slot_interval_s=-1.0)
 
 
-def test_no_thread_that_ran_learning_outlives_its_observation():
+def test_no_thread_that_ran_learning_outlives_its_step():
     """A live thread that once ran torch's OpenMP ops slows the scheduler's forward (learner.py)."""
     estimator = _SlowEstimator(busy=0.0)
     learner, _ = _learner(estimator, asynchronous=True)
     for i in range(2):
         assert learner.submit(Observation("query", _cache(i, 0, "A"), _cache(i, 5, "B"), f"c{i}"))
     _wait_for(lambda: learner.pending() == 0)
-    assert len(estimator.threads) == 2 and estimator.threads[0] is not estimator.threads[1]
+    assert len(estimator.threads) == 4 and len(set(estimator.threads)) == 4  # two steps each, a thread per step
     assert learner._worker not in estimator.threads  # the long-lived dispatcher never learns itself
     for t in estimator.threads:
         t.join(timeout=5.0)

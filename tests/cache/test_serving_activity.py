@@ -113,6 +113,24 @@ def test_a_prefill_that_arrives_during_an_observation_pauses_it_between_steps():
     assert counters.get("learn_yield_seconds") >= 0.25
 
 
+def test_the_pause_between_steps_holds_no_thread_that_ran_a_step():
+    """The step threads end before the pause: one that slept through a prefill would tax it (learner.py)."""
+    activity = ServingActivity(quiet_gap_s=0.0)
+    estimator = _SlowEstimator(busy=0.2)
+    learner, _ = _learner(estimator, activity, asynchronous=True, yield_s=5.0)
+    assert learner.submit(Observation("query", _cache(1, 0, "A"), _cache(1, 5, "B"), "c1"))
+    _wait_for(lambda: len(estimator.starts) == 1)
+    req = _Req()
+    activity.opened(req)  # arrives during the first step: the learner pauses after it
+    _wait_for(lambda: len(estimator.middles) == 1)
+    first_step = estimator.threads[0]
+    first_step.join(timeout=5.0)
+    assert not first_step.is_alive() and estimator.resumes == []  # paused, and on no step's thread
+    activity.closed(req)
+    _wait_for(lambda: len(estimator.ends) == 1)
+    assert estimator.threads[1] is not first_step
+
+
 def test_the_pauses_of_one_observation_share_one_bound():
     activity = ServingActivity(quiet_gap_s=0.0)
     estimator = _SlowEstimator(busy=0.0)
