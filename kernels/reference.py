@@ -218,7 +218,9 @@ def align_correct_scatter_layers_reference(k_src: Sequence[torch.Tensor], v_src:
         args = check_align_args(srcs[0], dsts[0], src_idx, dst_idx, p.layer(0))
         if args.num_tokens == 0:
             return
-        p = replace(p, A=_stacked(p.A), B=_stacked(p.B), delta=_stacked(p.delta))
+        # B is the same for every row block: laid out once as the correction GEMM reads it.
+        B = None if p.B is None else _stacked(p.B).to(compute).contiguous()
+        p = replace(p, A=_stacked(p.A), B=B, delta=_stacked(p.delta))
         item = torch.empty((), dtype=compute).element_size()
         row_bytes = len(srcs) * srcs[0].shape[1] * srcs[0].shape[2] * item
         # Rows are gathered block by block, so a destination row that is also a later block's
@@ -315,12 +317,13 @@ def token_gate_distances_reference(X: torch.Tensor, A: torch.Tensor, B: torch.Te
     item = torch.empty((), dtype=compute).element_size()
     diff = None
     for lo, hi in _row_blocks(k, nl * d * item):
-        neg_x = X[:, lo:hi].to(compute).neg()
-        if diff is None or diff.shape != neg_x.shape:  # a shorter last block gets its own (contiguous) buffer
-            diff = torch.empty_like(neg_x)
+        x = X[:, lo:hi].to(compute)  # a view when X is already in ``compute``
+        if diff is None or diff.shape[1] != hi - lo:  # a shorter last block gets its own (contiguous) buffer
+            diff = torch.empty((nl, hi - lo, d), dtype=compute, device=X.device)
         g = max(0, min(gate_rows, hi) - lo)
         for v in range(vn):
-            torch.baddbmm(neg_x, A[v, :, lo:hi].to(compute), B[v].to(compute), out=diff)  # A_v B_v - X
+            # A_v B_v - X: beta=-1 subtracts X inside the GEMM (no negated copy of the block).
+            torch.baddbmm(x, A[v, :, lo:hi].to(compute), B[v].to(compute), beta=-1, out=diff)
             if g:
                 d2[v] += torch.linalg.vector_norm(diff[:, :g]).to(torch.float64) ** 2
             out[lo:hi, v] = (diff.abs_().sum(dim=2).sum(dim=0) / (nl * d)).to(torch.float32)
