@@ -30,9 +30,10 @@ slowed every request of a kvcmas server by up to 1.35x while it learned):
   all), so a request shares the cores with at most one factorization; under
   steady load it waits the bounds and learns anyway;
 * each step of an observation (a factorization) runs on a thread of its own
-  that ends with it, and the pauses between steps run on the worker, which
-  never runs a torch op (see ``_learn_stepwise``: a live thread that once ran
-  torch ops slows the scheduler's forward even while it sleeps).
+  that ends with it, single-threaded (no OpenMP team, no MKL threads), and the
+  pauses between steps run on the worker, which never runs a torch op (see
+  ``_learn_stepwise``: a thread with an OpenMP team of its own slows the
+  scheduler's forward while it lives, computing or asleep).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from typing import Any, Callable, Hashable, Optional
 
 from sglang_kvshare.cache.counters import Counters
 from sglang_kvshare.cache.serving_activity import ServingActivity
+from sglang_kvshare.cache.single_thread import single_threaded_torch
 
 logger = logging.getLogger(__name__)
 
@@ -348,6 +350,9 @@ def _in_own_thread(step: Callable[[], Any]) -> Any:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         except (AttributeError, OSError):
             pass
+        # NOTE: and on this thread alone: an OpenMP team of its own would make the
+        # scheduler's forward stop spinning at its barriers (cache/single_thread.py).
+        single_threaded_torch()
         try:
             out["value"] = step()
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread

@@ -16,6 +16,7 @@ import torch
 
 from sglang_kvshare.cache.counters import Counters
 from sglang_kvshare.cache.learner import Learner, Observation
+from sglang_kvshare.cache.single_thread import torch_libgomp
 from sglang_kvshare.correction import RopeSpec, SegmentCache, make_estimator
 
 LAYERS, LENGTH, HEADS, DIM = 2, 6, 2, 8
@@ -76,6 +77,7 @@ class _SlowEstimator:
         self.resumes: list[float] = []  # start of the second step
         self.ends: list[float] = []
         self.threads: list[threading.Thread] = []
+        self.torch_threads: list[int] = []  # torch's thread count seen by each step
 
     def has_content(self, slot, content_key):
         return False
@@ -84,11 +86,13 @@ class _SlowEstimator:
         """Two steps of ``busy / 2`` seconds with a pause in the middle (as the four factorizations)."""
         self.starts.append(time.monotonic())
         self.threads.append(threading.current_thread())
+        self.torch_threads.append(torch.get_num_threads())
         time.sleep(self.busy / 2)
         self.middles.append(time.monotonic())
         yield
         self.resumes.append(time.monotonic())
         self.threads.append(threading.current_thread())
+        self.torch_threads.append(torch.get_num_threads())
         time.sleep(self.busy / 2)
         self.ends.append(time.monotonic())
         return None
@@ -143,3 +147,19 @@ def test_no_thread_that_ran_learning_outlives_its_step():
     for t in estimator.threads:
         t.join(timeout=5.0)
         assert not t.is_alive()
+
+
+@pytest.mark.skipif(torch_libgomp() is None, reason="needs torch on GNU libgomp (Linux CPU builds)")
+def test_learning_steps_run_on_their_own_thread_alone_and_leave_the_scheduler_its_threads():
+    """A step thread with an OpenMP team of its own slows the forward's parallel regions (cache/single_thread.py)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        estimator = _SlowEstimator(busy=0.0)
+        learner, _ = _learner(estimator, asynchronous=True)
+        assert learner.submit(Observation("query", _cache(1, 0, "A"), _cache(1, 5, "B"), "c1"))
+        _wait_for(lambda: learner.pending() == 0)
+        assert estimator.torch_threads == [1, 1]
+        assert torch.get_num_threads() == 2  # the calling (scheduler) thread keeps its count
+    finally:
+        torch.set_num_threads(before)
