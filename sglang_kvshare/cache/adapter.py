@@ -72,7 +72,7 @@ class KVShareRadixCache(CacheAdmin, RadixCache):
                                max_jobs=config.learn_queue_max, max_bytes=int(config.learn_queue_mb * 2**20),
                                asynchronous=config.learn_async, cpu_share=config.learn_cpu_share,
                                slot_interval_s=config.learn_slot_interval_s, activity=self.activity,
-                               yield_s=config.learn_yield_s)
+                               yield_s=config.learn_yield_s, single_thread=config.learn_single_thread)
         self.resolver = Resolver(self, lambda: self.estimator, self._estimator_lock)
         super().__init__(params)
         if config.mode != "off":

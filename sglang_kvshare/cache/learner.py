@@ -30,15 +30,17 @@ slowed every request of a kvcmas server by up to 1.35x while it learned):
   all), so a request shares the cores with at most one factorization; under
   steady load it waits the bounds and learns anyway;
 * each step of an observation (a factorization) runs on a thread of its own
-  that ends with it, single-threaded (no OpenMP team, no MKL threads), and the
-  pauses between steps run on the worker, which never runs a torch op (see
-  ``_learn_stepwise``: a thread with an OpenMP team of its own slows the
-  scheduler's forward while it lives, computing or asleep).
+  that ends with it, and the pauses between steps run on the worker, which
+  never runs a torch op (see ``_learn_stepwise``: a thread with an OpenMP team
+  of its own slows the scheduler's forward while it lives, computing or
+  asleep); with ``single_thread`` each step runs on its thread alone (no
+  OpenMP team, no MKL threads): no tax on the forward, half the learning speed.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import queue
@@ -94,7 +96,7 @@ class Learner:
     def __init__(self, estimator: Callable[[], Any], lock: threading.RLock, counters: Counters, *,
                  max_jobs: int, max_bytes: int, asynchronous: bool = True, cpu_share: float = 1.0,
                  slot_interval_s: float = 0.0, activity: Optional[ServingActivity] = None,
-                 yield_s: float = 0.0) -> None:
+                 yield_s: float = 0.0, single_thread: bool = False) -> None:
         if not 0.0 < cpu_share <= 1.0:
             raise ValueError(f"cpu_share must lie in (0, 1], got {cpu_share}")
         if slot_interval_s < 0:
@@ -111,6 +113,7 @@ class Learner:
         self.slot_interval_s = slot_interval_s
         self.activity = activity
         self.yield_s = yield_s
+        self.single_thread = single_thread
         self._last_admitted: OrderedDict[Hashable, float] = OrderedDict()  # slot -> monotonic time, LRU-bounded
         self._queue: "queue.Queue[Observation]" = queue.Queue()
         self._bytes = 0
@@ -252,7 +255,7 @@ class Learner:
         that slept through a prefill taxed that whole prefill. A thread per step
         costs microseconds to start, against tenths of a second per factorization.
         """
-        self._learn(obs, run=_in_own_thread,
+        self._learn(obs, run=functools.partial(_in_own_thread, single=self.single_thread),
                     between=self._yield_between_steps() if self.asynchronous else None)
 
     def _yield_to_serving(self, budget_s: Optional[float] = None) -> float:
@@ -339,8 +342,11 @@ def _advance(steps) -> tuple[bool, Any]:
     return False, None
 
 
-def _in_own_thread(step: Callable[[], Any]) -> Any:
-    """``step()`` on a fresh low-priority thread that ends with it; returns its result or raises its error."""
+def _in_own_thread(step: Callable[[], Any], single: bool = False) -> Any:
+    """``step()`` on a fresh low-priority thread that ends with it; returns its result or raises its error.
+
+    ``single``: the thread's torch ops run on it alone (``--kvshare-learn-single-thread``).
+    """
     out: dict[str, Any] = {}
 
     def body() -> None:
@@ -350,9 +356,10 @@ def _in_own_thread(step: Callable[[], Any]) -> Any:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         except (AttributeError, OSError):
             pass
-        # NOTE: and on this thread alone: an OpenMP team of its own would make the
-        # scheduler's forward stop spinning at its barriers (cache/single_thread.py).
-        single_threaded_torch()
+        if single:
+            # NOTE: on this thread alone: an OpenMP team of its own makes the scheduler's
+            # forward stop spinning at its barriers (cache/single_thread.py).
+            single_threaded_torch()
         try:
             out["value"] = step()
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread

@@ -150,16 +150,20 @@ def test_no_thread_that_ran_learning_outlives_its_step():
 
 
 @pytest.mark.skipif(torch_libgomp() is None, reason="needs torch on GNU libgomp (Linux CPU builds)")
-def test_learning_steps_run_on_their_own_thread_alone_and_leave_the_scheduler_its_threads():
-    """A step thread with an OpenMP team of its own slows the forward's parallel regions (cache/single_thread.py)."""
+def test_single_threaded_learning_steps_leave_the_scheduler_its_threads():
+    """With ``single_thread`` a step starts no OpenMP team of its own (cache/single_thread.py)."""
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         estimator = _SlowEstimator(busy=0.0)
-        learner, _ = _learner(estimator, asynchronous=True)
+        learner, _ = _learner(estimator, asynchronous=True, single_thread=True)
         assert learner.submit(Observation("query", _cache(1, 0, "A"), _cache(1, 5, "B"), "c1"))
         _wait_for(lambda: learner.pending() == 0)
         assert estimator.torch_threads == [1, 1]
+        default, _ = _learner(estimator, asynchronous=True)  # the default keeps torch's threads (learns faster)
+        assert default.submit(Observation("query", _cache(2, 0, "A"), _cache(2, 5, "B"), "c2"))
+        _wait_for(lambda: default.pending() == 0)
+        assert estimator.torch_threads[2:] == [2, 2]
         assert torch.get_num_threads() == 2  # the calling (scheduler) thread keeps its count
     finally:
         torch.set_num_threads(before)
