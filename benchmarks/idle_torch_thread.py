@@ -16,12 +16,13 @@ of a decode step of the 135M model) on the main thread in three states:
   factorizations) at the lowest priority while the main thread is timed;
 * ``single_idle`` / ``single_busy``: the same with the side thread's torch ops
   on that thread alone (``cache.single_thread.single_threaded_torch``: its own
-  OpenMP count and MKL's thread-local one), as the learner's steps run now;
+  OpenMP count and MKL's thread-local one), as the learner's steps run with
+  ``--kvshare-learn-single-thread``;
 * ``after_exit``: the side threads have exited.
 
 Medians and min-max over ``--repeats``; one process, so the ratios are within
 one run of this machine. The learner therefore learns each step of an
-observation on a thread that ends with it, single-threaded
+observation on a thread that ends with it, single-threaded when asked
 (``sglang_kvshare/cache/learner.py``).
 """
 

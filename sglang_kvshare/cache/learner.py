@@ -54,6 +54,7 @@ from typing import Any, Callable, Hashable, Optional
 from sglang_kvshare.cache.counters import Counters
 from sglang_kvshare.cache.serving_activity import ServingActivity
 from sglang_kvshare.cache.single_thread import single_threaded_torch
+from sglang_kvshare.correction import advance
 
 logger = logging.getLogger(__name__)
 
@@ -210,7 +211,7 @@ class Learner:
                 with_base = not estimator.has_content(obs.slot, obs.content_key)
             steps = estimator.observation_steps(obs.slot, source, target, content_key=obs.content_key,
                                                 with_base=with_base)
-            return steps, _advance(steps)
+            return steps, advance(steps)
 
         started = run(first_step)
         if started is None:
@@ -219,7 +220,7 @@ class Learner:
         while not done:
             if between is not None:
                 between()
-            done, prepared = run(lambda: _advance(steps))
+            done, prepared = run(lambda: advance(steps))
         t1 = time.perf_counter()
         if prepared is None:  # a mode that learns nothing
             return
@@ -331,15 +332,6 @@ class Learner:
 
         self._worker = threading.Thread(target=run, name="kvshare-learn", daemon=True)
         self._worker.start()
-
-
-def _advance(steps) -> tuple[bool, Any]:
-    """One step of a step iterator: ``(False, None)`` when it paused, ``(True, result)`` when it ended."""
-    try:
-        next(steps)
-    except StopIteration as end:
-        return True, end.value
-    return False, None
 
 
 def _in_own_thread(step: Callable[[], Any], single: bool = False) -> Any:

@@ -6,10 +6,12 @@ stops spinning at barriers, so every parallel region of the scheduler's
 forward pays for sleeping and waking its threads (docs/PROFILE.md, findings
 1b-1d). A learner thread whose ops run single-threaded starts no team, so the
 scheduler's threads keep spinning and keep the cores, and the learner (at
-the lowest priority) gets what the forward leaves. Measured on this
-project's 2-core CPU (PROFILE, finding 1d): a small op mix on the main thread
-took 245-275 us alone, 570-817 us beside a thread computing with torch's
-defaults and 269-335 us beside one computing single-threaded.
+the lowest priority) gets what the forward leaves, about half as fast. Measured
+on this project's 2-core CPU (``python -m benchmarks.idle_torch_thread``,
+PROFILE finding 1d): a small op mix on the main thread took 243 us alone,
+708 us beside a thread computing with torch's defaults and 259 us beside one
+computing single-threaded (medians of 5). Used only with
+``--kvshare-learn-single-thread``: the slower learning cost serving reuse.
 
 ``torch.set_num_threads`` is process-wide, so this sets the calling thread's
 own counts: OpenMP's in the libgomp torch loaded and MKL's thread-local one

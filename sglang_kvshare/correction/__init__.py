@@ -8,8 +8,8 @@ Modules, lowest first: ``rope`` -> ``low_rank`` -> ``gate`` -> ``plan`` ->
 or K/V; ``cacheblend`` holds the selective-recompute math.
 """
 
-from .anchor_pool import (Anchor, AnchorPool, PoolConfig, PreparedObservation, observation_steps, prepare_observation,
-                          run_steps)
+from .anchor_pool import (Anchor, AnchorPool, PoolConfig, PreparedObservation, advance, observation_steps,
+                          prepare_observation, run_steps)
 from .apply import materialize, plan_kernel_args
 from .cacheblend import merge_rows, select_tokens, token_deviation
 from .estimators import (DEFAULT_BUDGET_BYTES, DEFAULT_MAX_SLOTS, ESTIMATORS, AnchorEstimator, CacheBlend,
@@ -20,8 +20,8 @@ from .plan import CorrectionPlan, EstimateResult
 from .rope import RopeSpec, UnsupportedAttentionError, from_canonical, rotate_keys, to_canonical
 
 __all__ = [
-    "Anchor", "AnchorPool", "PoolConfig", "PreparedObservation", "observation_steps", "prepare_observation",
-    "run_steps",
+    "Anchor", "AnchorPool", "PoolConfig", "PreparedObservation", "advance", "observation_steps",
+    "prepare_observation", "run_steps",
     "materialize", "plan_kernel_args",
     "merge_rows", "select_tokens", "token_deviation",
     "DEFAULT_BUDGET_BYTES", "DEFAULT_MAX_SLOTS", "ESTIMATORS", "AnchorEstimator", "CacheBlend",

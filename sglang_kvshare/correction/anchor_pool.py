@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Generator, Hashable, Literal, TypeVar
+from typing import Any, Callable, Generator, Hashable, Iterator, Literal
 
 import torch
 
@@ -41,9 +41,7 @@ from .plan import CorrectionPlan, EstimateResult
 from .rope import RopeSpec, to_canonical
 
 __all__ = ["Anchor", "AnchorPool", "PoolConfig", "PreparedObservation", "prepare_observation", "observation_steps",
-           "run_steps", "Edge"]
-
-T = TypeVar("T")
+           "advance", "run_steps", "Edge"]
 
 Edge = Hashable
 
@@ -160,16 +158,23 @@ def observation_steps(spec: RopeSpec, config: PoolConfig, source_k: torch.Tensor
                                delta_v=factorize(target_v - source_v, config.rank, config.svd_method), **base)
 
 
-def run_steps(steps: Generator[None, None, T], between: Callable[[], None] | None = None) -> T:
-    """Run a step generator to its end, calling ``between`` between two steps; returns its result."""
+def advance(steps: Iterator[None]) -> tuple[bool, Any]:
+    """One step of a step iterator: ``(False, None)`` when it paused, ``(True, result)`` when it ended."""
     try:
         next(steps)
-        while True:
-            if between is not None:
-                between()
-            next(steps)
-    except StopIteration as done:
-        return done.value
+    except StopIteration as end:
+        return True, end.value
+    return False, None
+
+
+def run_steps(steps: Iterator[None], between: Callable[[], None] | None = None) -> Any:
+    """Run a step iterator to its end, calling ``between`` between two steps; returns its result."""
+    done, result = advance(steps)
+    while not done:
+        if between is not None:
+            between()
+        done, result = advance(steps)
+    return result
 
 
 @dataclass
