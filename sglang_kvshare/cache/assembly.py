@@ -110,6 +110,20 @@ def next_stage(plan: RequestPlan, a: int, limit: int, recompute_head: int, has_s
     return None
 
 
+def mark_unreached(plan: RequestPlan) -> None:
+    """Give every shared segment prefilled densely without a recorded reason the reason ``not_reached``.
+
+    Why: such a segment sat inside a dense stretch no stage resumed from (behind
+    a miss, with staging off, or too short to be worth a stage). Without a
+    reason it would be a silent miss: the report's ``fallbacks`` and the
+    per-reason metric would not show why reuse was lower than the annotation
+    allowed (session 10's CI failure was one such miss).
+    """
+    for o in plan.outcomes:
+        if o.kind == "shared" and o.resolved_by == "dense" and o.reason is None:
+            o.reason = "not_reached"
+
+
 def alloc(cache: Any, n: int) -> Optional[torch.Tensor]:
     allocator = cache.token_to_kv_pool_allocator
     idx = allocator.alloc(n)

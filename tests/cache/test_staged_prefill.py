@@ -58,6 +58,8 @@ def test_staging_off_stops_at_the_first_miss():
     req = with_doc("B")
     sched.run(req)
     assert req.report()["tokens_aligned"] == 0 and req.stages == 0
+    # The query was never tried: still a fallback with a reason, not a silent miss.
+    assert {"segment": 2, "slot": "query", "reason": "not_reached"} in req.report()["fallbacks"]
 
 
 def test_head_recompute_prefills_the_first_k_tokens_in_the_request_context():
@@ -104,3 +106,27 @@ def test_a_short_private_tail_after_a_dense_stretch_is_not_staged():
     sched.run(second)
     assert second.stages == 0  # a 3-token tail is not worth a stage (--kvshare-min-stage-tokens)
     assert second.report()["segments"][2]["resolved_by"] == "dense"
+
+
+def test_a_request_matched_again_after_its_dense_stretch_became_a_hit_still_reuses():
+    """Two cold requests of one agent wait together (the CI failure of session 10).
+
+    The second was planned while the agent's system prompt was unseen (a dense
+    stretch, reuse resuming at the shared segment); by the time it is scheduled
+    the first has put that prompt in the tree, so its new match ends exactly where
+    the stage was to end. It must reuse from there, not prefill the rest densely.
+    """
+    other = list(range(7000, 7060))
+    sched = MiniScheduler(make_cache("fullshared"))
+    sched.run(annotated("A"))
+    sched.run(annotated("A", query=other))
+    first, second = annotated("B"), annotated("B", query=other)
+    sched.match(second)  # waits: planned with B's system prompt unseen
+    assert sched.cache.kvshare_stage_end(second, 0) == len(SYS["B"])
+    sched.run(first)
+    sched.run(second)  # scheduled now: matched again, B's system prompt is an exact hit
+    rep = second.report()
+    assert rep["segments"][0]["resolved_by"] == "hit" and "reason" not in rep["segments"][0]
+    assert rep["segments"][1]["resolved_by"] == "alignment" and rep["tokens_aligned"] == len(other)
+    assert rep["shared_tokens_reused"] == len(other) and rep["fallbacks"] == []
+    assert_pool_accounted(sched.cache)
