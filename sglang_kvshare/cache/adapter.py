@@ -186,22 +186,12 @@ class KVShareRadixCache(CacheAdmin, RadixCache):
             got = sum(len(v) for v in more)
             if got:
                 plan.est_start, m, node = m, m + got, deeper
-        # A waiting request is matched again every round. When the tree now holds more
-        # of its prompt than its plan assumed (another request of the same agent
-        # prefilled the system prompt meanwhile), the plan is stale: its dense stretch
-        # may end exactly where the new match ends, so no stage would resume reuse.
-        # Plan again from the new match.
+        # A waiting request is matched again every round: a longer match makes its plan stale.
         advanced = plan.attempted and m > plan.assembled_end
         if not plan.attempted:
             plan.exact_len = m  # first call: everything matched so far is a hit
         if not plan.attempted or advanced:
-            for o, seg in zip(plan.outcomes, plan.annotation.segments):
-                if seg.end <= m and (not plan.attempted or o.resolved_by == "dense"):
-                    o.reason = None
-                    # A segment inside estimates an earlier identical request left is served
-                    # approximate KV: reported apart from exact hits, and counted as reuse.
-                    on_estimate = plan.est_start is not None and seg.end > plan.est_start
-                    o.resolved_by, o.resolved_tokens = ("estimate_hit" if on_estimate else "hit"), o.tokens
+            assembly.mark_matched(plan, m)
         if not self.active:
             self._mark_unsupported(plan)
         elif not plan.attempted or m < plan.assembled_end or advanced:

@@ -110,6 +110,25 @@ def next_stage(plan: RequestPlan, a: int, limit: int, recompute_head: int, has_s
     return None
 
 
+def mark_matched(plan: RequestPlan, m: int) -> None:
+    """Mark the segments inside the matched prefix ``[0, m)`` as served by the tree.
+
+    On the first match every such segment; on a later one (the request waited,
+    and another request of the same agent prefilled its system prompt
+    meanwhile) only those the stale plan had left dense. Why plan again then:
+    the old plan's dense stretch may end exactly where the new match ends, so no
+    stage would resume reuse and the shared segments behind it would be
+    prefilled densely, without a reason (session 10's CI failure).
+    """
+    for o, seg in zip(plan.outcomes, plan.annotation.segments):
+        if seg.end <= m and (not plan.attempted or o.resolved_by == "dense"):
+            # A segment inside estimates an earlier identical request left is served
+            # approximate KV: reported apart from exact hits, and counted as reuse.
+            on_estimate = plan.est_start is not None and seg.end > plan.est_start
+            o.resolved_by, o.resolved_tokens = ("estimate_hit" if on_estimate else "hit"), o.tokens
+            o.reason = None
+
+
 def mark_unreached(plan: RequestPlan) -> None:
     """Give every shared segment prefilled densely without a recorded reason the reason ``not_reached``.
 

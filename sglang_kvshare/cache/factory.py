@@ -52,6 +52,11 @@ def build_kvshare_cache(ctx):
 
     staged_prefill.register()  # inert for requests the cache gives no stage end
     cache = KVShareRadixCache(ctx.params, config=config, model_config=ctx.model_config, tp_size=ctx.tp_size)
+    if config.learn_on_idle and config.learn_async:
+        from sglang_kvshare import idle_learning
+
+        idle_learning.register()  # runs the learner's steps while the scheduler is fully idle
+        cache.learner.use_idle_steps()
     logger.info("sglang-kvshare: KVShareRadixCache live (mode=%s%s)", config.mode,
                 f", disabled: {cache.unsupported_reason}" if cache.unsupported_reason else "")
     return cache

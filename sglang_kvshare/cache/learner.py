@@ -34,7 +34,11 @@ slowed every request of a kvcmas server by up to 1.35x while it learned):
   never runs a torch op (see ``_learn_stepwise``: a thread with an OpenMP team
   of its own slows the scheduler's forward while it lives, computing or
   asleep); with ``single_thread`` each step runs on its thread alone (no
-  OpenMP team, no MKL threads): no tax on the forward, half the learning speed.
+  OpenMP team, no MKL threads): no tax on the forward, half the learning speed;
+* with ``idle_steps`` (``--kvshare-learn-on-idle``, the server's default) the
+  steps run instead on the scheduler's own thread while it is fully idle
+  (``cache/idle_steps.py``): no step overlaps a forward, so the pauses and the
+  duty cycle above are not needed and are skipped.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from typing import Any, Callable, Hashable, Optional
 
 
 from sglang_kvshare.cache.counters import Counters
+from sglang_kvshare.cache.idle_steps import IdleSteps
 from sglang_kvshare.cache.serving_activity import ServingActivity
 from sglang_kvshare.cache.single_thread import single_threaded_torch
 from sglang_kvshare.correction import advance
@@ -121,6 +126,13 @@ class Learner:
         self._bytes_lock = threading.Lock()
         self.generation = 0
         self._worker: Optional[threading.Thread] = None
+        self.idle_steps: Optional[IdleSteps] = None
+
+    def use_idle_steps(self) -> IdleSteps:
+        """Run every learning step on the thread that calls ``idle_steps.run_pending()`` (the idle scheduler)."""
+        if self.idle_steps is None:
+            self.idle_steps = IdleSteps(self._counters)
+        return self.idle_steps
 
     # ------------------------------------------------------------ scheduler side
     _MAX_TRACKED_SLOTS = 4096
@@ -256,6 +268,9 @@ class Learner:
         that slept through a prefill taxed that whole prefill. A thread per step
         costs microseconds to start, against tenths of a second per factorization.
         """
+        if self.idle_steps is not None:
+            self._learn(obs, run=self.idle_steps.run)
+            return
         self._learn(obs, run=functools.partial(_in_own_thread, single=self.single_thread),
                     between=self._yield_between_steps() if self.asynchronous else None)
 
@@ -314,7 +329,8 @@ class Learner:
             while True:
                 obs = self._queue.get()
                 try:
-                    self._yield_to_serving()
+                    if self.idle_steps is None:
+                        self._yield_to_serving()
                     busy_since = time.perf_counter()
                     try:
                         self._learn_stepwise(obs)
@@ -325,7 +341,7 @@ class Learner:
                 finally:
                     self._release(obs)
                     self._queue.task_done()
-                pause = self._pause(busy)
+                pause = 0.0 if self.idle_steps is not None else self._pause(busy)
                 if pause > 0:
                     self._counters.add("learn_throttle_seconds", pause)
                     time.sleep(pause)
