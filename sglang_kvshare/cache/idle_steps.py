@@ -8,9 +8,11 @@ learned; docs/PROFILE.md). SGLang's scheduler, when it has no batch to run and
 nothing waits, polls ``Scheduler.maybe_sleep_on_idle`` in a loop; a step run
 there, on the scheduler's own thread and OpenMP team, never overlaps a forward.
 A request that arrives meanwhile waits at most one step (one factorization:
-tens of milliseconds at 1K tokens on this 2-core machine). Under steady load
-the scheduler is never idle, steps wait, and the learner's bounded queue drops
-new observations (counted): learning yields entirely to serving.
+about 55 ms at 1K tokens on this 2-core machine). Under steady load the
+scheduler is never idle: a step not taken within the learner's wait budget
+(``--kvshare-learn-yield-s`` per observation) is withdrawn and run beside the
+scheduler as before, so pools still fill (idle-only learning left a serving
+run with 4 observations learned, 28 dropped and no reuse).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from sglang_kvshare.cache.counters import Counters
 class _Job:
     def __init__(self, step: Callable[[], Any]) -> None:
         self.step = step
+        self.taken = threading.Event()
         self.done = threading.Event()
         self.value: Any = None
         self.error: Optional[BaseException] = None
@@ -40,15 +43,33 @@ class IdleSteps:
 
     def run(self, step: Callable[[], Any]) -> Any:
         """Post ``step`` and block until the scheduler ran it; returns its result or raises its error."""
+        return self.offer(step, None)[1]
+
+    def offer(self, step: Callable[[], Any], wait_s: Optional[float]) -> tuple[bool, Any, float]:
+        """Post ``step``; ``(taken, result, seconds waited)``, or its error raised when it failed.
+
+        ``wait_s`` (None: forever) bounds the wait for the scheduler to *take*
+        the step; past it the step is withdrawn, untaken (``taken`` False), so
+        the caller can run it elsewhere: under steady load the scheduler is
+        never idle, and a learner that only waited would never fill its pools.
+        A step once taken is always waited for.
+        """
         job = _Job(step)
         with self._lock:
             if self._pending is not None:
                 raise RuntimeError("IdleSteps takes one step at a time (one learner dispatcher)")
             self._pending = job
+        t0 = time.perf_counter()
+        if not job.taken.wait(wait_s):
+            with self._lock:
+                if self._pending is job:  # not taken yet: withdraw it
+                    self._pending = None
+                    return False, None, time.perf_counter() - t0
+        waited = time.perf_counter() - t0
         job.done.wait()
         if job.error is not None:
             raise job.error
-        return job.value
+        return True, job.value, waited
 
     def run_pending(self) -> bool:
         """Run the posted step, if any, on the calling (scheduler) thread; True when one ran.
@@ -59,6 +80,7 @@ class IdleSteps:
             job, self._pending = self._pending, None
         if job is None:
             return False
+        job.taken.set()
         t0 = time.perf_counter()
         try:
             job.value = job.step()

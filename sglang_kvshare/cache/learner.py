@@ -37,8 +37,9 @@ slowed every request of a kvcmas server by up to 1.35x while it learned):
   OpenMP team, no MKL threads): no tax on the forward, half the learning speed;
 * with ``idle_steps`` (``--kvshare-learn-on-idle``, the server's default) the
   steps run instead on the scheduler's own thread while it is fully idle
-  (``cache/idle_steps.py``): no step overlaps a forward, so the pauses and the
-  duty cycle above are not needed and are skipped.
+  (``cache/idle_steps.py``): such a step never overlaps a forward; a step the
+  scheduler does not take within the observation's ``yield_s`` budget runs
+  beside it as above, and only those count towards the duty cycle.
 """
 
 from __future__ import annotations
@@ -127,6 +128,7 @@ class Learner:
         self.generation = 0
         self._worker: Optional[threading.Thread] = None
         self.idle_steps: Optional[IdleSteps] = None
+        self._beside_s = 0.0  # with idle_steps: seconds of steps run beside the scheduler (the duty cycle's busy)
 
     def use_idle_steps(self) -> IdleSteps:
         """Run every learning step on the thread that calls ``idle_steps.run_pending()`` (the idle scheduler)."""
@@ -252,27 +254,43 @@ class Learner:
         self._counters.add("learn_commit_seconds", time.perf_counter() - t1)
 
     def _learn_stepwise(self, obs: Observation) -> None:
-        """Learn one observation, each step on a thread that ends with it, the pauses on this one.
+        """Learn one observation: each step on the idle scheduler or on a thread that ends with it.
 
-        NOTE: why not on the worker itself: a thread that has run torch's
-        OpenMP ops keeps its own OpenMP team alive while it lives, and with more
-        OpenMP threads than cores GNU libgomp stops spinning at its barriers, so
-        the scheduler's forward pays a futex round trip per parallel region. On
-        this 2-core machine an *idle* thread that had once run an SVD slowed a
-        small op mix of the main thread from 263 to 740 us until it exited
-        (``benchmarks.idle_torch_thread``), and a kvcmas server's first agent
-        stayed 1.23-1.39x slower than ``off`` after learning had finished
-        (0.83x with a thread per observation; README, chain_ttft). For the same
-        reason the pause between two factorizations (``_yield_between_steps``)
-        waits here, on the worker, not inside a step's thread: a step thread
-        that slept through a prefill taxed that whole prefill. A thread per step
-        costs microseconds to start, against tenths of a second per factorization.
+        NOTE: never on the worker itself: a thread that has run torch's OpenMP
+        ops keeps its OpenMP team alive while it lives, and with more OpenMP
+        threads than cores libgomp stops spinning at its barriers, so the
+        forward pays a futex round trip per parallel region (an idle side
+        thread: 263 -> 740 us on a small op mix, ``benchmarks.idle_torch_thread``;
+        docs/PROFILE.md, 1b). For the same reason the pauses wait here, not
+        inside a step's thread. A thread per step costs microseconds.
         """
-        if self.idle_steps is not None:
-            self._learn(obs, run=self.idle_steps.run)
+        beside = functools.partial(_in_own_thread, single=self.single_thread)
+        if self.idle_steps is None:
+            self._learn(obs, run=beside, between=self._yield_between_steps() if self.asynchronous else None)
             return
-        self._learn(obs, run=functools.partial(_in_own_thread, single=self.single_thread),
-                    between=self._yield_between_steps() if self.asynchronous else None)
+        left = self.yield_s if self.yield_s > 0 else None  # one wait budget per observation, as the yields
+
+        def on_idle_scheduler(step: Callable[[], Any]) -> Any:
+            nonlocal left
+            if left is not None and left <= 0:
+                return self._timed_beside(beside, step)
+            taken, value, waited = self.idle_steps.offer(step, left)
+            if left is not None:
+                left -= waited
+            if taken:
+                return value
+            self._counters.add("learn_idle_timeouts")
+            return self._timed_beside(beside, step)
+
+        self._learn(obs, run=on_idle_scheduler)
+
+    def _timed_beside(self, beside: Callable[[Callable[[], Any]], Any], step: Callable[[], Any]) -> Any:
+        """A step run beside the scheduler; its time counts towards the duty cycle (``_pause``)."""
+        t0 = time.perf_counter()
+        try:
+            return beside(step)
+        finally:
+            self._beside_s += time.perf_counter() - t0
 
     def _yield_to_serving(self, budget_s: Optional[float] = None) -> float:
         """Wait (at most ``budget_s``, default ``yield_s``) until no prefill is in flight.
@@ -331,7 +349,7 @@ class Learner:
                 try:
                     if self.idle_steps is None:
                         self._yield_to_serving()
-                    busy_since = time.perf_counter()
+                    busy_since, self._beside_s = time.perf_counter(), 0.0
                     try:
                         self._learn_stepwise(obs)
                     except Exception:  # noqa: BLE001 - a bad observation must not stop learning
@@ -341,7 +359,7 @@ class Learner:
                 finally:
                     self._release(obs)
                     self._queue.task_done()
-                pause = 0.0 if self.idle_steps is not None else self._pause(busy)
+                pause = self._pause(self._beside_s if self.idle_steps is not None else busy)
                 if pause > 0:
                     self._counters.add("learn_throttle_seconds", pause)
                     time.sleep(pause)

@@ -102,3 +102,20 @@ def test_the_scheduler_hook_runs_a_posted_step_and_ignores_other_caches():
     assert ran.is_set()
     assert before_sleep_on_idle(SimpleNamespace(tree_cache=object())) is None  # stock radix cache: nothing to do
     assert before_sleep_on_idle(SimpleNamespace()) is None
+
+
+def test_under_steady_load_a_step_not_taken_in_the_budget_runs_beside_the_scheduler():
+    """A scheduler that is never idle must not starve learning (pools would never fill)."""
+    estimator = _SlowEstimator(busy=0.0)
+    learner, counters = _learner(estimator, asynchronous=True, yield_s=0.2)
+    sched = _IdleScheduler(learner.use_idle_steps())  # never idle
+    try:
+        t0 = time.monotonic()
+        assert learner.submit(Observation("query", _cache(1, 0, "A"), _cache(1, 5, "B"), "c1"))
+        _wait_for(lambda: learner.pending() == 0)
+        assert time.monotonic() - t0 >= 0.2  # it waited its budget first
+        assert sched.thread not in estimator.threads and len(estimator.threads) == 2
+        assert counters.get("learn_idle_timeouts") == 1  # the budget is per observation: one timeout
+        assert counters.get("learn_idle_steps") == 0
+    finally:
+        sched.close()
