@@ -92,37 +92,3 @@ class IdleSteps:
                 self._counters.add("learn_idle_step_seconds", time.perf_counter() - t0)
             job.done.set()
         return True
-
-
-IDLE_SLICE_S = 0.25  # how long one offer to the idle scheduler waits before the urgency is checked again
-
-
-def idle_runner(steps: IdleSteps, budget_s: float, urgent: Callable[[], bool],
-                beside: Callable[[Callable[[], Any]], Any],
-                on_timeout: Callable[[], None]) -> Callable[[Callable[[], Any]], Any]:
-    """The step runner of one observation: the idle scheduler first, beside it only when urgent.
-
-    Each step is offered to the idle scheduler; the observation's waits share
-    ``budget_s``. Once it is spent, a step runs ``beside`` the scheduler if
-    ``urgent()`` says the observation may not wait longer (the learner: its pool
-    cannot gate yet, or its queue is filling); otherwise it keeps waiting for a
-    lull, re-checking every ``IDLE_SLICE_S``. ``on_timeout`` is called once,
-    when the first step goes beside.
-    """
-    left = budget_s
-    timed_out = False
-
-    def run(step: Callable[[], Any]) -> Any:
-        nonlocal left, timed_out
-        while True:
-            if left <= 0 and urgent():
-                if not timed_out:
-                    on_timeout()
-                    timed_out = True
-                return beside(step)
-            taken, value, waited = steps.offer(step, IDLE_SLICE_S if left <= 0 else min(left, IDLE_SLICE_S))
-            if taken:
-                return value
-            left -= waited
-
-    return run

@@ -35,10 +35,11 @@ slowed every request of a kvcmas server by up to 1.35x while it learned):
   of its own slows the scheduler's forward while it lives, computing or
   asleep); with ``single_thread`` each step runs on its thread alone (no
   OpenMP team, no MKL threads): no tax on the forward, half the learning speed;
-* with ``idle_steps`` (``--kvshare-learn-on-idle``, the server's default) steps
-  run on the scheduler's own thread while it is fully idle, never beside a
-  forward; past the ``yield_s`` budget an urgent one runs beside it as above
-  (``_urgent``; ``cache/idle_steps.py``), and only those count for the duty cycle.
+* with ``idle_steps`` (``--kvshare-learn-on-idle``, the server's default) the
+  steps run instead on the scheduler's own thread while it is fully idle
+  (``cache/idle_steps.py``): such a step never overlaps a forward; a step the
+  scheduler does not take within the observation's ``yield_s`` budget runs
+  beside it as above, and only those count towards the duty cycle.
 """
 
 from __future__ import annotations
@@ -54,16 +55,14 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Optional
 
+
 from sglang_kvshare.cache.counters import Counters
-from sglang_kvshare.cache.idle_steps import IdleSteps, idle_runner
+from sglang_kvshare.cache.idle_steps import IdleSteps
 from sglang_kvshare.cache.serving_activity import ServingActivity
 from sglang_kvshare.cache.single_thread import single_threaded_torch
 from sglang_kvshare.correction import advance
 
 logger = logging.getLogger(__name__)
-
-IDLE_PRESSURE = 0.5  # queue share from which a step waits no longer than its budget for the idle scheduler
-MIN_GATE_ANCHORS = 2  # below this many anchors a slot's pool cannot gate (too_few_anchors): learning is urgent
 
 
 @dataclass
@@ -115,8 +114,12 @@ class Learner:
         self._lock = lock
         self._counters = counters
         self.max_jobs = max_jobs
-        self.max_bytes, self.asynchronous, self.cpu_share = max_bytes, asynchronous, cpu_share
-        self.slot_interval_s, self.activity, self.yield_s = slot_interval_s, activity, yield_s
+        self.max_bytes = max_bytes
+        self.asynchronous = asynchronous
+        self.cpu_share = cpu_share
+        self.slot_interval_s = slot_interval_s
+        self.activity = activity
+        self.yield_s = yield_s
         self.single_thread = single_thread
         self._last_admitted: OrderedDict[Hashable, float] = OrderedDict()  # slot -> monotonic time, LRU-bounded
         self._queue: "queue.Queue[Observation]" = queue.Queue()
@@ -128,7 +131,7 @@ class Learner:
         self._beside_s = 0.0  # with idle_steps: seconds of steps run beside the scheduler (the duty cycle's busy)
 
     def use_idle_steps(self) -> IdleSteps:
-        """Offer learning steps to the thread that calls ``idle_steps.run_pending()`` (the idle scheduler)."""
+        """Run every learning step on the thread that calls ``idle_steps.run_pending()`` (the idle scheduler)."""
         if self.idle_steps is None:
             self.idle_steps = IdleSteps(self._counters)
         return self.idle_steps
@@ -265,20 +268,21 @@ class Learner:
         if self.idle_steps is None:
             self._learn(obs, run=beside, between=self._yield_between_steps() if self.asynchronous else None)
             return
-        self._learn(obs, run=idle_runner(self.idle_steps, self.yield_s, lambda: self._urgent(obs),
-                                         functools.partial(self._timed_beside, beside),
-                                         lambda: self._counters.add("learn_idle_timeouts")))
+        left = self.yield_s if self.yield_s > 0 else None  # one wait budget per observation, as the yields
 
-    def _urgent(self, obs: Observation) -> bool:
-        """Whether ``obs``, its wait budget spent, may not wait longer for the idle scheduler.
+        def on_idle_scheduler(step: Callable[[], Any]) -> Any:
+            nonlocal left
+            if left is not None and left <= 0:
+                return self._timed_beside(beside, step)
+            taken, value, waited = self.idle_steps.offer(step, left)
+            if left is not None:
+                left -= waited
+            if taken:
+                return value
+            self._counters.add("learn_idle_timeouts")
+            return self._timed_beside(beside, step)
 
-        Urgent while its slot's pool cannot gate (every consumer is prefilled
-        densely until it can) or once the queue is ``IDLE_PRESSURE`` full
-        (waiting longer would drop observations); else it only refines a pool.
-        """
-        with self._lock:
-            anchors = getattr(self._estimator(), "pool_size", lambda _slot: 0)(obs.slot)
-        return anchors < MIN_GATE_ANCHORS or self._fill() >= IDLE_PRESSURE
+        self._learn(obs, run=on_idle_scheduler)
 
     def _timed_beside(self, beside: Callable[[Callable[[], Any]], Any], step: Callable[[], Any]) -> Any:
         """A step run beside the scheduler; its time counts towards the duty cycle (``_pause``)."""
@@ -303,8 +307,9 @@ class Learner:
     def _yield_between_steps(self) -> Optional[Callable[[], None]]:
         """The pause between an observation's factorizations: wait for a lull again.
 
-        Why: the wait before an observation cannot see a request that arrives
-        during its four factorizations. All the pauses of one observation share one
+        Why: the wait before an observation cannot see the request that arrives
+        during it (a 1K observation is four factorizations, about 0.25 s alone and
+        seconds beside a forward). All the pauses of one observation share one
         ``yield_s`` budget, so under steady load learning slows, never stops.
         """
         if self.activity is None or self.yield_s <= 0:
@@ -328,12 +333,9 @@ class Learner:
         """
         if self.cpu_share >= 1.0:
             return 0.0
-        return busy * (1.0 / self.cpu_share - 1.0) * max(0.0, 1.0 - self._fill())
-
-    def _fill(self) -> float:
-        """How full the queue is: the larger of its job and byte shares."""
         with self._bytes_lock:
-            return max(self._queue.qsize() / self.max_jobs, self._bytes / self.max_bytes)
+            fill = max(self._queue.qsize() / self.max_jobs, self._bytes / self.max_bytes)
+        return busy * (1.0 / self.cpu_share - 1.0) * max(0.0, 1.0 - fill)
 
     def _ensure_worker(self) -> None:
         if self._worker is not None and self._worker.is_alive():
