@@ -268,15 +268,14 @@ class Learner:
         if self.idle_steps is None:
             self._learn(obs, run=beside, between=self._yield_between_steps() if self.asynchronous else None)
             return
-        left = self.yield_s if self.yield_s > 0 else None  # one wait budget per observation, as the yields
+        left = self.yield_s  # one wait budget per observation, as the yields' (0: never wait)
 
         def on_idle_scheduler(step: Callable[[], Any]) -> Any:
             nonlocal left
-            if left is not None and left <= 0:
+            if left <= 0:
                 return self._timed_beside(beside, step)
             taken, value, waited = self.idle_steps.offer(step, left)
-            if left is not None:
-                left -= waited
+            left -= waited
             if taken:
                 return value
             self._counters.add("learn_idle_timeouts")

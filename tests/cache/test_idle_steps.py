@@ -39,7 +39,7 @@ class _IdleScheduler:
 
 def test_learning_steps_run_on_the_scheduler_thread_and_only_while_it_is_idle():
     estimator = _SlowEstimator(busy=0.02)
-    learner, counters = _learner(estimator, asynchronous=True, cpu_share=0.25)
+    learner, counters = _learner(estimator, asynchronous=True, cpu_share=0.25, yield_s=60.0)
     sched = _IdleScheduler(learner.use_idle_steps())
     try:
         assert learner.submit(Observation("query", _cache(1, 0, "A"), _cache(1, 5, "B"), "c1"))
@@ -56,7 +56,7 @@ def test_learning_steps_run_on_the_scheduler_thread_and_only_while_it_is_idle():
 
 def test_an_observation_learned_on_the_idle_scheduler_reaches_the_pool():
     estimator = make_estimator("kvcmas", _spec(), tau=1.0)
-    learner, counters = _learner(estimator, asynchronous=True)
+    learner, counters = _learner(estimator, asynchronous=True, yield_s=60.0)
     sched = _IdleScheduler(learner.use_idle_steps())
     sched.idle.set()
     try:
@@ -117,5 +117,18 @@ def test_under_steady_load_a_step_not_taken_in_the_budget_runs_beside_the_schedu
         assert sched.thread not in estimator.threads and len(estimator.threads) == 2
         assert counters.get("learn_idle_timeouts") == 1  # the budget is per observation: one timeout
         assert counters.get("learn_idle_steps") == 0
+    finally:
+        sched.close()
+
+
+def test_a_zero_budget_never_waits_for_the_idle_scheduler():
+    """``--kvshare-learn-yield-s 0`` means never wait: steps go beside the scheduler at once."""
+    estimator = _SlowEstimator(busy=0.0)
+    learner, counters = _learner(estimator, asynchronous=True, yield_s=0.0)
+    sched = _IdleScheduler(learner.use_idle_steps())  # never idle
+    try:
+        assert learner.submit(Observation("query", _cache(1, 0, "A"), _cache(1, 5, "B"), "c1"))
+        _wait_for(lambda: learner.pending() == 0, timeout=2.0)
+        assert sched.thread not in estimator.threads and counters.get("learn_idle_steps") == 0
     finally:
         sched.close()
