@@ -21,7 +21,7 @@ def before_sleep_on_idle(scheduler: Any, *args: Any, **kwargs: Any) -> None:
     """Run one posted learning step of this scheduler's kvshare cache, if any."""
     learner = getattr(getattr(scheduler, "tree_cache", None), "learner", None)
     steps = getattr(learner, "idle_steps", None)
-    if steps is None:
+    if steps is None or not steps.pending:  # the idle loop polls this many times a second
         return None
     import torch
 

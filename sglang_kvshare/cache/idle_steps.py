@@ -42,9 +42,10 @@ class IdleSteps:
         self._lock = threading.Lock()
         self._pending: Optional[_Job] = None
 
-    def run(self, step: Callable[[], Any]) -> Any:
-        """Post ``step`` and block until the scheduler ran it; returns its result or raises its error."""
-        return self.offer(step, None)[1]
+    @property
+    def pending(self) -> bool:
+        """Whether a step waits: read without the lock, so the idle loop's poll stays a bare attribute check."""
+        return self._pending is not None
 
     def offer(self, step: Callable[[], Any], wait_s: Optional[float]) -> tuple[bool, Any, float]:
         """Post ``step``; ``(taken, result, seconds waited)``, or its error raised when it failed.

@@ -131,7 +131,7 @@ class Learner:
         self._beside_s = 0.0  # with idle_steps: seconds of steps run beside the scheduler (the duty cycle's busy)
 
     def use_idle_steps(self) -> IdleSteps:
-        """Run every learning step on the thread that calls ``idle_steps.run_pending()`` (the idle scheduler)."""
+        """Offer learning steps to the thread that calls ``idle_steps.run_pending()`` (the idle scheduler)."""
         if self.idle_steps is None:
             self.idle_steps = IdleSteps(self._counters)
         return self.idle_steps

@@ -73,19 +73,19 @@ def test_a_failing_step_raises_on_the_posting_thread_and_the_handoff_stays_usabl
 
     def post(step):
         try:
-            errors.append(steps.run(step))
+            errors.append(steps.offer(step, None)[1])
         except ValueError as exc:
             errors.append(exc)
 
     poster = threading.Thread(target=post, args=(lambda: (_ for _ in ()).throw(ValueError("bad step")),))
     poster.start()
-    _wait_for(lambda: steps._pending is not None)
+    _wait_for(lambda: steps.pending)
     assert steps.run_pending() is True and steps.run_pending() is False  # one step per pass
     poster.join(timeout=5.0)
     assert isinstance(errors[0], ValueError)
     poster = threading.Thread(target=post, args=(lambda: 7,))
     poster.start()
-    _wait_for(lambda: steps._pending is not None)
+    _wait_for(lambda: steps.pending)
     steps.run_pending()
     poster.join(timeout=5.0)
     assert errors[1] == 7
@@ -94,9 +94,9 @@ def test_a_failing_step_raises_on_the_posting_thread_and_the_handoff_stays_usabl
 def test_the_scheduler_hook_runs_a_posted_step_and_ignores_other_caches():
     steps = IdleSteps()
     ran = threading.Event()
-    poster = threading.Thread(target=steps.run, args=(ran.set,))
+    poster = threading.Thread(target=steps.offer, args=(ran.set, None))
     poster.start()
-    _wait_for(lambda: steps._pending is not None)
+    _wait_for(lambda: steps.pending)
     before_sleep_on_idle(SimpleNamespace(tree_cache=SimpleNamespace(learner=SimpleNamespace(idle_steps=steps))))
     poster.join(timeout=5.0)
     assert ran.is_set()
