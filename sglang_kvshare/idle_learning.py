@@ -7,6 +7,12 @@ one posted learning step per pass (``cache/idle_steps.py`` says why). Not on
 ``on_idle`` itself: the admin metrics already hook it, and SGLang patches a
 target once.
 
+With ``--kvshare-learn-before-decode`` a BEFORE hook on ``Scheduler.run_batch``
+also runs one posted step in front of a *decode* batch when no request waits:
+under serving load the scheduler is rarely fully idle, but it decodes most of
+the time, and a step there delays one decode iteration (inter-token latency)
+instead of sharing the cores with a prefill (time to first token).
+
 Everything that names an SGLang scheduler symbol for idle learning is in this module.
 """
 
@@ -15,33 +21,60 @@ from __future__ import annotations
 from typing import Any
 
 IDLE_TARGET = "sglang.srt.managers.scheduler.Scheduler.maybe_sleep_on_idle"
+DECODE_TARGET = "sglang.srt.managers.scheduler.Scheduler.run_batch"
+
+
+def _pending_steps(scheduler: Any) -> Any:
+    """The idle-step handoff of this scheduler's kvshare cache when a step waits on it, else None."""
+    learner = getattr(getattr(scheduler, "tree_cache", None), "learner", None)
+    steps = getattr(learner, "idle_steps", None)
+    return steps if steps is not None and steps.pending else None
+
+
+def _run_one(steps: Any, where: str) -> None:
+    import torch
+
+    # NOTE: the scheduler loop runs under SGLang's grad mode (inference mode where supported);
+    # anchors made in inference mode could not be updated in place outside it.
+    with torch.inference_mode(False), torch.no_grad():
+        steps.run_pending(where)
 
 
 def before_sleep_on_idle(scheduler: Any, *args: Any, **kwargs: Any) -> None:
     """Run one posted learning step of this scheduler's kvshare cache, if any."""
-    learner = getattr(getattr(scheduler, "tree_cache", None), "learner", None)
-    steps = getattr(learner, "idle_steps", None)
-    if steps is None or not steps.pending:  # the idle loop polls this many times a second
-        return None
-    import torch
-
-    # NOTE: on_idle runs under SGLang's grad mode (inference mode where supported);
-    # anchors made in inference mode could not be updated in place outside it.
-    with torch.inference_mode(False), torch.no_grad():
-        steps.run_pending()
+    steps = _pending_steps(scheduler)  # the idle loop polls this many times a second: a bare check first
+    if steps is not None:
+        _run_one(steps, "idle")
     return None
 
 
-_registered = False
+def before_run_batch(scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    """Run one posted learning step in front of a decode batch, when no request waits for a prefill."""
+    steps = _pending_steps(scheduler)
+    if steps is None or getattr(scheduler, "waiting_queue", None):
+        return None
+    batch = args[0] if args else kwargs.get("batch")
+    mode = getattr(batch, "forward_mode", None)
+    if mode is not None and mode.is_decode():
+        _run_one(steps, "decode")
+    return None
 
 
-def register() -> None:
-    """Install the hook (idempotent); called by the cache factory in the scheduler process."""
-    global _registered
-    if _registered:
-        return
+_registered: set[str] = set()
+
+
+def register(before_decode: bool = False) -> None:
+    """Install the idle hook, and with ``before_decode`` the decode hook (idempotent each).
+
+    Called by the cache factory in the scheduler process.
+    """
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    HookRegistry.register(IDLE_TARGET, before_sleep_on_idle, HookType.BEFORE)
+    wanted = [(IDLE_TARGET, before_sleep_on_idle)] + ([(DECODE_TARGET, before_run_batch)] if before_decode else [])
+    new = [(target, hook) for target, hook in wanted if target not in _registered]
+    if not new:
+        return
+    for target, hook in new:
+        HookRegistry.register(target, hook, HookType.BEFORE)
+        _registered.add(target)
     HookRegistry.apply_hooks()
-    _registered = True

@@ -55,7 +55,8 @@ def build_kvshare_cache(ctx):
     if config.learn_on_idle and config.learn_async:
         from sglang_kvshare import idle_learning
 
-        idle_learning.register()  # runs the learner's steps while the scheduler is fully idle
+        # Runs the learner's steps while the scheduler is fully idle (and in front of decode batches).
+        idle_learning.register(before_decode=config.learn_before_decode)
         cache.learner.use_idle_steps()
     logger.info("sglang-kvshare: KVShareRadixCache live (mode=%s%s)", config.mode,
                 f", disabled: {cache.unsupported_reason}" if cache.unsupported_reason else "")

@@ -73,10 +73,13 @@ class IdleSteps:
             raise job.error
         return True, job.value, waited
 
-    def run_pending(self) -> bool:
+    def run_pending(self, where: str = "idle") -> bool:
         """Run the posted step, if any, on the calling (scheduler) thread; True when one ran.
 
-        Never raises: a failing step hands its error to the learner's thread.
+        ``where`` names the scheduler's state for the counters
+        (``learn_<where>_steps``, ``learn_<where>_step_seconds``): ``idle``, or
+        ``decode`` for a step taken in front of a decode batch. Never raises: a
+        failing step hands its error to the learner's thread.
         """
         with self._lock:
             job, self._pending = self._pending, None
@@ -90,7 +93,7 @@ class IdleSteps:
             job.error = exc
         finally:
             if self._counters is not None:
-                self._counters.add("learn_idle_steps")
-                self._counters.add("learn_idle_step_seconds", time.perf_counter() - t0)
+                self._counters.add(f"learn_{where}_steps")
+                self._counters.add(f"learn_{where}_step_seconds", time.perf_counter() - t0)
             job.done.set()
         return True

@@ -11,10 +11,11 @@ import time
 from types import SimpleNamespace
 
 
+from sglang_kvshare.cache.counters import Counters
 from sglang_kvshare.cache.idle_steps import IdleSteps
 from sglang_kvshare.cache.learner import Observation
 from sglang_kvshare.correction import make_estimator
-from sglang_kvshare.idle_learning import before_sleep_on_idle
+from sglang_kvshare.idle_learning import before_run_batch, before_sleep_on_idle
 from tests.cache.test_learner import _cache, _learner, _SlowEstimator, _spec, _wait_for
 
 
@@ -102,6 +103,39 @@ def test_the_scheduler_hook_runs_a_posted_step_and_ignores_other_caches():
     assert ran.is_set()
     assert before_sleep_on_idle(SimpleNamespace(tree_cache=object())) is None  # stock radix cache: nothing to do
     assert before_sleep_on_idle(SimpleNamespace()) is None
+
+
+class _Mode:
+    def __init__(self, decode: bool) -> None:
+        self.decode = decode
+
+    def is_decode(self) -> bool:
+        return self.decode
+
+
+def test_a_step_runs_in_front_of_a_decode_batch_only_when_no_request_waits():
+    """``--kvshare-learn-before-decode``: a step may delay a decode iteration, never a waiting prefill."""
+    counters = Counters()
+    steps = IdleSteps(counters)
+    ran = threading.Event()
+    poster = threading.Thread(target=steps.offer, args=(ran.set, None))
+    poster.start()
+    _wait_for(lambda: steps.pending)
+
+    def scheduler(waiting: list) -> SimpleNamespace:
+        return SimpleNamespace(tree_cache=SimpleNamespace(learner=SimpleNamespace(idle_steps=steps)),
+                               waiting_queue=waiting)
+
+    before_run_batch(scheduler([]), SimpleNamespace(forward_mode=_Mode(decode=False)))  # a prefill batch
+    before_run_batch(scheduler(["a request"]), SimpleNamespace(forward_mode=_Mode(decode=True)))  # one waits
+    before_run_batch(scheduler([]), None)  # no batch object: nothing to judge by
+    assert steps.pending and not ran.is_set()
+    before_run_batch(scheduler([]), batch=SimpleNamespace(forward_mode=_Mode(decode=True)))
+    poster.join(timeout=5.0)
+    assert ran.is_set() and not steps.pending
+    assert counters.get("learn_decode_steps") == 1 and counters.get("learn_idle_steps") == 0
+    assert before_run_batch(SimpleNamespace(tree_cache=object(), waiting_queue=[]),
+                            SimpleNamespace(forward_mode=_Mode(decode=True))) is None  # stock radix cache
 
 
 def test_under_steady_load_a_step_not_taken_in_the_budget_runs_beside_the_scheduler():
