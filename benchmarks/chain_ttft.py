@@ -41,7 +41,7 @@ from pathlib import Path
 import requests
 from tqdm import tqdm
 
-from benchmarks.harness import RESULTS, machine, mode_args, stream_generate, write_json
+from benchmarks.harness import RESULTS, machine, mode_args, stream_generate, wait_learning, write_json
 from benchmarks.texts import context_tokens
 from sglang_kvshare.segments import build_request, private_part, shared_part
 from sglang_kvshare.server_process import ServerProcess
@@ -82,15 +82,6 @@ def run_chain(url: str, tok, ctx: list[int], *, floor: bool) -> dict:
             row["floor_prefill_tokens"] = again.meta["prompt_tokens"] - again.meta["cached_tokens"]
         rows[agent] = row
     return rows
-
-
-def wait_learning(url: str, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        stats = requests.get(url + "/kvshare/stats", timeout=30).json()
-        if not stats.get("pending_observations"):
-            return
-        time.sleep(0.5)
 
 
 def pending_observations(url: str) -> int | None:

@@ -79,6 +79,25 @@ def stream_generate(url: str, input_ids: list[int], *, custom_params: Optional[d
     return Timed(ttft=ttft, e2e=e2e, output_ids=list(last.get("output_ids") or []), meta=last["meta_info"])
 
 
+def wait_learning(url: str, timeout: float = 300.0) -> float:
+    """Wait until the server's learner has no observation pending (at most ``timeout``); seconds waited.
+
+    Why: a benchmark that measures "once pools are warm" must not start while
+    the warm-up's observations still wait to be learned. A server without
+    kvshare endpoints (stock SGLang) returns at once.
+    """
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        try:
+            resp = requests.get(url + "/kvshare/stats", timeout=30)
+            if not resp.ok or not resp.json().get("pending_observations"):
+                break
+        except (requests.RequestException, ValueError):
+            break
+        time.sleep(0.5)
+    return time.monotonic() - t0
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     data = sorted(values)
     if not data:

@@ -7,9 +7,10 @@ tokens) behind its own system prompt, plus the previous agent's output
 slot ``out:<agent>``. Workflows arrive by a seeded Poisson process at each
 rate of ``--rates`` (workflows per second; each brings 4 requests), against a
 real server on loopback, one server per mode, restarted between modes and
-warmed up. Per request it records TTFT (first streamed chunk), end-to-end
-latency, prefill tokens (``prompt - cached``) and tokens served by alignment
-or correction. The arithmetic ceiling of prefill speedup for a reuse ratio
+warmed up (``--warm`` workflows per length, whose observations the learner
+finishes before the measured arrivals start). Per request it records TTFT
+(first streamed chunk), end-to-end latency, prefill tokens (``prompt -
+cached``) and tokens served by alignment or correction. The arithmetic ceiling of prefill speedup for a reuse ratio
 ``rho`` of prefill tokens is ``1 / (1 - rho)``.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import shlex
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +28,7 @@ import requests
 from tqdm import tqdm
 
 from benchmarks.harness import (RESULTS, machine, process_tree_rss_mb, start_server, stream_generate, summary,
-                                write_json)
+                                wait_learning, write_json)
 from benchmarks.texts import context_tokens
 from sglang_kvshare.segments import build_request, private_part, shared_part
 
@@ -109,8 +111,11 @@ def main(argv=None) -> int:
     ap.add_argument("--workflows", type=int, default=3, help="workflows per (length, rate) and repeat")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--output-tokens", type=int, default=64)
-    ap.add_argument("--warm", type=int, default=2, help="workflows run before measuring (kvcmas learns here)")
+    ap.add_argument("--warm", type=int, default=2, help="workflows run before measuring, per length (kvcmas learns from them; measuring starts once they are learned)")
     ap.add_argument("--tau", type=float, default=0.3)
+    ap.add_argument("--kvshare-extra", default="",
+                    help="more kvshare launch flags for the fullshared/kvcmas servers, one string "
+                         "(e.g. \"--kvshare-learn-before-decode false\")")
     ap.add_argument("--max-seconds", type=float, default=240.0, help="bound on arrivals per (length, rate)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
@@ -137,7 +142,8 @@ def main(argv=None) -> int:
     cells = len(args.modes) * len(args.lengths) * len(args.rates) * args.repeats
     bar = tqdm(total=cells, desc="serving")
     for mode in args.modes:
-        server = start_server(model_path, mode, kvshare_extra=["--kvshare-tau", str(args.tau)])
+        server = start_server(model_path, mode, kvshare_extra=["--kvshare-tau", str(args.tau),
+                                                               *shlex.split(args.kvshare_extra)])
         peak = {"rss_mb": 0.0}
         stop = threading.Event()
 
@@ -149,11 +155,13 @@ def main(argv=None) -> int:
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
         try:
-            per_len = {}
+            per_len, warm_waits = {}, {}
             for length in args.lengths:
                 for w in range(args.warm):
                     run_workflow(server.url, tok, context_tokens(tok, length, seed=10_000 + length + w),
                                  args.output_tokens)
+                # "Once pools are warm": the warm-up's observations are learned before the measured arrivals.
+                warm_waits[str(length)] = wait_learning(server.url)
                 per_rate = {}
                 for r_i, rate in enumerate(args.rates):
                     reps = []
@@ -165,7 +173,7 @@ def main(argv=None) -> int:
                     per_rate[str(rate)] = {"repeats": reps}
                 per_len[str(length)] = per_rate
             result["modes"][mode] = {"cells": per_len, "peak_rss_mb": peak["rss_mb"],
-                                     "kvshare_stats": kvshare_stats(server.url)}
+                                     "warm_learning_wait_s": warm_waits, "kvshare_stats": kvshare_stats(server.url)}
         finally:
             stop.set()
             server.stop()
