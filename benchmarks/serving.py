@@ -134,7 +134,7 @@ def main(argv=None) -> int:
 
     model_path = str(prepare("smollm2-135m"))
     tok = AutoTokenizer.from_pretrained(model_path)
-    result: dict = {"command": "python -m benchmarks.serving " + " ".join(argv if argv is not None else
+    result: dict = {"command": "python -m benchmarks.serving " + shlex.join(argv if argv is not None else
                                                                           __import__("sys").argv[1:]),
                     "machine": machine(), "model": "SmolLM2-135M-Instruct", "agents": list(AGENTS),
                     "settings": {k: v for k, v in vars(args).items() if k not in ("out", "plot")},

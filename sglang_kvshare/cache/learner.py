@@ -36,8 +36,9 @@ slowed every request of a kvcmas server by up to 1.35x while it learned):
   asleep); with ``single_thread`` each step runs on its thread alone (no
   OpenMP team, no MKL threads): no tax on the forward, half the learning speed;
 * with ``idle_steps`` (``--kvshare-learn-on-idle``, the server's default) the
-  steps run instead on the scheduler's own thread while it is fully idle
-  (``cache/idle_steps.py``): such a step never overlaps a forward; a step the
+  steps run instead on the scheduler's own thread while it is fully idle, or
+  in front of a decode batch (``cache/idle_steps.py``): such a step never
+  overlaps a forward; a step the
   scheduler does not take within the observation's ``yield_s`` budget runs
   beside it as above, and only those count towards the duty cycle.
 """
