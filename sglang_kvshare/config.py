@@ -43,6 +43,7 @@ class KVShareConfig:
     learn_single_thread: bool = field(default=False, metadata={"help": "Run each learning step on its thread alone (no OpenMP team, no MKL threads), so a CPU forward keeps its threads spinning while the learner computes: requests beside learning lose no speed, but learning takes about twice as long and pools fill later (measured on 2 cores: serving reuse 0.35 instead of 0.61). For CPU servers whose dense requests must not slow down while learning."})
     learn_on_idle: bool = field(default=True, metadata={"help": "Offer the learner's steps (its factorizations) to the scheduler's own thread, which runs them only while fully idle (nothing running, nothing waiting), so they never share the cores with a forward; a request that arrives meanwhile waits at most one step. A step the scheduler does not take within the observation's --kvshare-learn-yield-s budget (steady load) runs beside it on a low-priority thread, as with false."})
     learn_before_decode: bool = field(default=True, metadata={"help": "With --kvshare-learn-on-idle: the scheduler also runs one waiting learner step in front of a decode batch when no request waits for a prefill. Under serving load the scheduler is rarely fully idle but decodes most of the time; such a step delays one decode iteration (about 55 ms at 1K tokens on 2 CPU cores) instead of sharing the cores with a prefill."})
+    learn_step_layers: int = field(default=10, metadata={"help": "Layers per learning step: each factorization of an observation runs this many layers at a time, so a step on the idle scheduler is shorter and a request that arrives during it waits less (the factors are the same); 0 = all layers in one step."})
     learn_slot_interval_s: float = field(default=0.0, metadata={"help": "Observe one slot at most once per this many seconds (0 = no limit). Observations of a (content, edge) the pool already holds are always skipped."})
     recompute_head: int = field(default=0, metadata={"help": "K: the first K tokens of every reused segment are prefilled densely in the request's own context (EPIC-style boundary recompute); only the rest is re-aligned (and corrected). 0 = reuse whole segments."})
     staged: bool = field(default=True, metadata={"help": "Staged prefill: after a dense stretch (an unseen segment, or a recomputed head) resume reuse for the segments behind it, within the same request. false = stop reusing at the first segment that needs prefill."})
@@ -66,6 +67,8 @@ class KVShareConfig:
             raise ValueError(f"min_stage_tokens must be >= 1, got {self.min_stage_tokens}")
         if self.recompute_head < 0:
             raise ValueError(f"recompute_head must be >= 0, got {self.recompute_head}")
+        if self.learn_step_layers < 0:
+            raise ValueError(f"learn_step_layers must be >= 0 (0 = all layers in one step), got {self.learn_step_layers}")
         if self.min_anchor_len < 0:
             raise ValueError(f"min_anchor_len must be >= 0 (0 = anchors cover the comparison), got {self.min_anchor_len}")
         if self.gate_max_tokens is not None and self.gate_max_tokens < 0:

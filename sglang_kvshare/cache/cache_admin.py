@@ -52,6 +52,7 @@ class CacheAdmin:
                               rank=cfg.effective_rank, window=cfg.evict_window,
                               gate_len=cfg.gate_max_tokens or None, min_anchor_len=cfg.min_anchor_len or None,
                               max_slots=cfg.max_pools, budget_bytes=int(cfg.pool_budget_mb * 2**20),
+                              step_layers=cfg.learn_step_layers or None,
                               svd_method="gram")  # serving: exact and the cheapest on the learning thread
 
     # ------------------------------------------------------------ naming

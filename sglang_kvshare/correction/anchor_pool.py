@@ -36,7 +36,7 @@ from sglang_kvshare.kernels import (gate_from_sq_distances, gate_sq_distances_de
                                     token_distances_dense, token_gate_distances, token_weights)
 
 from .gate import top_mass
-from .low_rank import Factors, factor_nbytes, factorize, stack_factors
+from .low_rank import Factors, factor_nbytes, factorize, stack_factors, stack_layer_groups
 from .plan import CorrectionPlan, EstimateResult
 from .rope import RopeSpec, to_canonical
 
@@ -70,6 +70,10 @@ class PoolConfig:
     """None: an anchor is eligible only if it covers the whole comparison length (``min(L, gate_len)``).
     An int n: anchors of at least ``min(n, comparison length)`` tokens are eligible; the gate compares
     on the common prefix of the eligible anchors and rows past every anchor stay aligned only."""
+    step_layers: int | None = None
+    """Layers per learning step: ``observation_steps`` factorizes this many layers at a time and yields
+    between them (None: every layer in one step). The factors are the same; the server's learner runs one
+    step at a time on the idle scheduler, so a request that arrives meanwhile waits for a shorter step."""
 
     def __post_init__(self) -> None:
         if self.capacity < 1 or self.window < 1:
@@ -80,6 +84,8 @@ class PoolConfig:
             raise ValueError("temperature must be > 0")
         if self.gate_len is not None and self.gate_len < 1:
             raise ValueError(f"gate_len must be >= 1 or None (whole segment), got {self.gate_len}")
+        if self.step_layers is not None and self.step_layers < 1:
+            raise ValueError(f"step_layers must be >= 1 or None (all layers in one step), got {self.step_layers}")
         if self.min_anchor_len is not None and self.min_anchor_len < 1:
             raise ValueError(f"min_anchor_len must be >= 1 or None (anchors cover the comparison), "
                              f"got {self.min_anchor_len}")
@@ -146,16 +152,35 @@ def observation_steps(spec: RopeSpec, config: PoolConfig, source_k: torch.Tensor
     # NOTE: the order base K, base V, delta K, delta V is kept because randomized SVD draws
     # from torch's RNG: a seeded offline run gets the same factors as before plans existed.
     if with_base:
-        base_k = factorize(src_c, config.rank, config.svd_method)
+        base_k = yield from _factorize_steps(src_c, config)
         yield
-        base_v = factorize(source_v, config.rank, config.svd_method)
+        base_v = yield from _factorize_steps(source_v, config)
         base = dict(base_k=base_k, base_v=base_v, base_v_gram=base_v.row_sq_norms().cumsum(0))
         yield
-    delta_k = factorize(to_canonical(target_k, dst_pos, spec) - src_c, config.rank, config.svd_method)
+    delta_k = yield from _factorize_steps(to_canonical(target_k, dst_pos, spec) - src_c, config)
     del src_c
     yield
+    delta_v = yield from _factorize_steps(target_v - source_v, config)
     return PreparedObservation(edge=edge, content_key=content_key, length=int(source_k.shape[1]), delta_k=delta_k,
-                               delta_v=factorize(target_v - source_v, config.rank, config.svd_method), **base)
+                               delta_v=delta_v, **base)
+
+
+def _factorize_steps(x: torch.Tensor, config: PoolConfig) -> Generator[None, None, Factors]:
+    """``factorize(x)`` over ``config.step_layers`` layers at a time, yielding between the groups.
+
+    Every layer's truncation is independent of the others, so the stacked
+    groups are the factors of the whole (the same rank in every group).
+    """
+    nl = x.shape[0]
+    step = config.step_layers or nl
+    if step >= nl:
+        return factorize(x, config.rank, config.svd_method)
+    parts = []
+    for lo in range(0, nl, step):
+        if lo:
+            yield
+        parts.append(factorize(x[lo:lo + step], config.rank, config.svd_method))
+    return stack_layer_groups(parts)
 
 
 def advance(steps: Iterator[None]) -> tuple[bool, Any]:

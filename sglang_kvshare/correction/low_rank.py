@@ -16,7 +16,7 @@ from typing import Literal
 
 import torch
 
-__all__ = ["Factors", "factorize", "factor_nbytes", "stack_factors", "stack_dense"]
+__all__ = ["Factors", "factorize", "factor_nbytes", "stack_factors", "stack_dense", "stack_layer_groups"]
 
 
 @dataclass
@@ -161,6 +161,17 @@ def _gram_truncation(m: torch.Tensor, r: int, niter: int = 2) -> tuple[torch.Ten
         v_r = basis @ small[..., -r:]
     v_r = v_r.flip(-1).to(m.dtype)  # [layers, D, r], largest first
     return m @ v_r, v_r.transpose(-1, -2)
+
+
+def stack_layer_groups(parts: list[Factors]) -> Factors:
+    """Factors of consecutive layer groups of one matrix stack, as one stack (the layers concatenated)."""
+    if not parts:
+        raise ValueError("stack_layer_groups needs at least one group")
+    if len({(p.rank, p.length, p.head_shape) for p in parts}) != 1:
+        raise ValueError("layer groups must share rank, length and head shape")
+    if parts[0].full is not None:
+        return Factors(None, None, torch.cat([p.full for p in parts]), parts[0].head_shape)
+    return Factors(torch.cat([p.a for p in parts]), torch.cat([p.b for p in parts]), None, parts[0].head_shape)
 
 
 def stack_factors(factors: list[Factors], lo: int, hi: int,

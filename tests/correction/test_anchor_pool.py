@@ -228,3 +228,35 @@ def test_kvcmas_anchor_memory_4x_below_kvcomm_for_2k_segments(gen):
     assert comm.memory_bytes() == (2 + 2 * 4) * nl * length * 192 * 4 + length * 8  # + the gate's Gram summary
     assert mas.memory_bytes() == (2 + 2 * 4) * nl * 32 * (length + 192) * 4 + length * 8
     assert ratio >= 4.0, ratio
+
+
+@pytest.mark.parametrize("method", ["gram", "svd"])
+def test_learning_steps_of_a_few_layers_give_the_same_factors_in_more_steps(gen, method):
+    """``step_layers``: each factorization in layer groups, one step each; the factors are the stack's own."""
+    from sglang_kvshare.correction import observation_steps
+
+    spec = RopeSpec.default(8)
+    layers, length = 5, 24
+    src_k, src_v, dst_k, dst_v = (torch.randn(layers, length, 2, 8, generator=gen) for _ in range(4))
+
+    def run(step_layers):
+        cfg = PoolConfig(rank=4, svd_method=method, step_layers=step_layers)
+        steps = observation_steps(spec, cfg, src_k, src_v, 3, dst_k, dst_v, 11, edge="e", content_key="c")
+        pauses = 0
+        while True:
+            try:
+                next(steps)
+            except StopIteration as end:
+                return end.value, pauses
+            pauses += 1
+
+    whole, whole_pauses = run(None)
+    grouped, grouped_pauses = run(2)  # groups of 2, 2 and 1 layers
+    assert whole_pauses == 3 and grouped_pauses == 3 + 4 * 2  # two more pauses in each of 4 factorizations
+    for name in ("base_k", "base_v", "delta_k", "delta_v"):
+        a, b = getattr(whole, name), getattr(grouped, name)
+        assert b.a.shape == a.a.shape and b.b.shape == a.b.shape
+        torch.testing.assert_close(b.a @ b.b, a.a @ a.b, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(grouped.base_v_gram, whole.base_v_gram)
+    with pytest.raises(ValueError, match="step_layers"):
+        PoolConfig(step_layers=0)
