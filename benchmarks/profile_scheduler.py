@@ -31,8 +31,7 @@ import time
 from pathlib import Path
 
 from benchmarks.chain_ttft import run_chain
-from benchmarks.harness import wait_learning
-from benchmarks.harness import RESULTS, machine, mode_args, write_json
+from benchmarks.harness import RESULTS, machine, mode_args, wait_learning, write_json
 from benchmarks.texts import context_tokens
 from sglang_kvshare.server_process import ServerProcess
 

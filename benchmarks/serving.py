@@ -10,8 +10,9 @@ real server on loopback, one server per mode, restarted between modes and
 warmed up (``--warm`` workflows per length, whose observations the learner
 finishes before the measured arrivals start). Per request it records TTFT
 (first streamed chunk), end-to-end latency, prefill tokens (``prompt -
-cached``) and tokens served by alignment or correction. The arithmetic ceiling of prefill speedup for a reuse ratio
-``rho`` of prefill tokens is ``1 / (1 - rho)``.
+cached``) and tokens served by alignment or correction. The arithmetic
+ceiling of prefill speedup for a reuse ratio ``rho`` of prefill tokens is
+``1 / (1 - rho)``.
 """
 
 from __future__ import annotations
@@ -111,7 +112,9 @@ def main(argv=None) -> int:
     ap.add_argument("--workflows", type=int, default=3, help="workflows per (length, rate) and repeat")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--output-tokens", type=int, default=64)
-    ap.add_argument("--warm", type=int, default=2, help="workflows run before measuring, per length (kvcmas learns from them; measuring starts once they are learned)")
+    ap.add_argument("--warm", type=int, default=2,
+                    help="workflows run before measuring, per length (kvcmas learns from them; "
+                         "measuring starts once they are learned)")
     ap.add_argument("--tau", type=float, default=0.3)
     ap.add_argument("--kvshare-extra", default="",
                     help="more kvshare launch flags for the fullshared/kvcmas servers, one string "

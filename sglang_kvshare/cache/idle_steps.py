@@ -8,8 +8,9 @@ whole prompt took 1.2-1.35 s while it learned, fullshared's 0.46-0.51 s;
 docs/PROFILE.md). SGLang's scheduler, when it has no batch to run and
 nothing waits, polls ``Scheduler.maybe_sleep_on_idle`` in a loop; a step run
 there, on the scheduler's own thread and OpenMP team, never overlaps a forward.
-A request that arrives meanwhile waits at most one step (one factorization:
-about 55 ms at 1K tokens on this 2-core machine). Under serving load the
+A request that arrives meanwhile waits at most one step (one factorization of
+``--kvshare-learn-step-layers`` layers: about 26 ms at 1K tokens on this
+2-core machine with 10 layers, 74 ms with all 30). Under serving load the
 scheduler is rarely fully idle but decodes most of the time: with
 ``--kvshare-learn-before-decode`` it also takes a step in front of a decode
 batch when no request waits for a prefill (the step delays one decode

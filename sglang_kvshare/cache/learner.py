@@ -38,9 +38,9 @@ slowed every request of a kvcmas server by up to 1.35x while it learned):
 * with ``idle_steps`` (``--kvshare-learn-on-idle``, the server's default) the
   steps run instead on the scheduler's own thread while it is fully idle, or
   in front of a decode batch (``cache/idle_steps.py``): such a step never
-  overlaps a forward; a step the
-  scheduler does not take within the observation's ``yield_s`` budget runs
-  beside it as above, and only those count towards the duty cycle.
+  overlaps a forward; a step the scheduler does not take within the
+  observation's ``yield_s`` budget runs beside it as above, and only those
+  count towards the duty cycle.
 """
 
 from __future__ import annotations
