@@ -43,6 +43,7 @@ sent -> first chunk; with ``--concurrency`` > 1 it includes queueing).
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import signal
 import sys
@@ -425,6 +426,8 @@ def random_mix_line(arms: dict) -> list[tuple[float, float, str]]:
 
 
 def add_line_gaps(arms: dict) -> None:
+    """Each arm's gap to the random-mix line: agreement and teacher-forced top-1, and the agreement gap's
+    95 % interval (``above_random_mix_ci95``, items resampled jointly for all arms) when items are recorded."""
     pts = [(x, y) for x, y, _ in random_mix_line(arms)]
     tpts = [(a["reuse_ratio"] or 0.0, a["teacher_forced_top1"]) for name, a in arms.items() if on_mix_line(name, a)]
     for a in arms.values():
@@ -435,6 +438,16 @@ def add_line_gaps(arms: dict) -> None:
         a["random_mix_top1_at_same_reuse"] = tline
         a["top1_above_random_mix"] = None if tline is None or a["teacher_forced_top1"] is None \
             else a["teacher_forced_top1"] - tline
+    off = arms.get("off")
+    if off is None or "per_item" not in off or any("per_item" not in a for a in arms.values()):
+        return
+    ref = [it["answer"] for it in off["per_item"]]
+    agree = {name: [1.0 if it["answer"] == r else 0.0 for it, r in zip(a["per_item"], ref)]
+             for name, a in arms.items()}
+    reuse = {name: a["reuse_ratio"] or 0.0 for name, a in arms.items()}
+    ci = fm.line_gap_intervals(agree, reuse, [name for name, a in arms.items() if on_mix_line(name, a)])
+    for name, a in arms.items():
+        a["above_random_mix_ci95"] = ci[name]
 
 
 # ------------------------------------------------------------------ plot
@@ -498,6 +511,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out-dir", default=str(RESULTS))
     ap.add_argument("--tag", default="", help="suffix of the output names (frontier_<task><tag>.json)")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--rescore", nargs="+", metavar="JSON", default=None,
+                    help="start no server: recompute the line gaps (and their intervals) of finished results "
+                         "files from their recorded per-item answers, rewrite them and their plots")
     return ap.parse_args(argv)
 
 
@@ -551,6 +567,15 @@ def run_task(name: str, args, tok, argv_used: Sequence[str]) -> dict:
 def main(argv=None, *, arm_server: Optional[ArmServer] = None) -> int:
     """``arm_server`` replaces the fresh server per arm (the test suite passes its shared servers)."""
     args = parse_args(argv)
+    if args.rescore:
+        for name in args.rescore:
+            path = Path(name)
+            out = json.loads(path.read_text())
+            add_line_gaps(out["arms"])
+            write_json(path, out)
+            plot(out, path.with_suffix(".png"))
+            print(f"{path}: line gaps recomputed", file=sys.stderr)
+        return 0
     args.arm_server = arm_server or fresh_server
     signal.signal(signal.SIGTERM, _on_sigterm)
     from transformers import AutoTokenizer

@@ -17,7 +17,7 @@ import hashlib
 import math
 import random
 import statistics
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Mapping, Optional, Sequence
 
 TopK = dict[int, float]  # token id -> logprob
 
@@ -126,6 +126,42 @@ def paired_bootstrap(arm: Sequence[float], ref: Sequence[float], reps: int = 400
     return {"n": n, "mean": sum(d) / n,
             "ci95": [means[int(0.025 * (reps - 1))], means[int(round(0.975 * (reps - 1)))]],
             "discordant": {"arm_only_right": sum(1 for x in d if x > 0), "ref_only_right": sum(1 for x in d if x < 0)}}
+
+
+def line_gap_intervals(agree: Mapping[str, Sequence[float]], reuse: Mapping[str, float], line: Sequence[str],
+                       reps: int = 2000, seed: int = 0) -> dict[str, Optional[list[float]]]:
+    """95 % interval of each arm's agreement minus the random-mix line at the arm's reuse.
+
+    ``agree[arm]``: one 0/1 per scored item, the same items in the same order
+    in every arm; ``line``: the arms that make the line (off, the mix sweep,
+    fullshared K=0). Why the items are resampled jointly for all arms: the line
+    is made of arms scored on the same items, so an item that every arm finds
+    hard moves an arm and the line together; one draw of items per replicate
+    keeps that pairing, as ``paired_bootstrap`` does for two arms. Reuse ratios
+    stay fixed (token counts over the whole run). None for an arm outside the
+    line's reuse range or when no item was scored.
+    """
+    names = list(agree)
+    n = len(next(iter(agree.values()), []))
+    if any(len(v) != n for v in agree.values()):
+        raise ValueError("every arm must score the same items: agreement lists differ in length")
+    if n == 0 or not line:
+        return {name: None for name in names}
+    rng = random.Random(seed)
+    gaps: dict[str, list[float]] = {name: [] for name in names}
+    for _ in range(reps):
+        idx = [rng.randrange(n) for _ in range(n)]
+        mean = {name: sum(agree[name][i] for i in idx) / n for name in names}
+        pts = [(reuse[name], mean[name]) for name in line]
+        for name in names:
+            y = interpolate(pts, reuse[name])
+            if y is not None:
+                gaps[name].append(mean[name] - y)
+    out: dict[str, Optional[list[float]]] = {}
+    for name in names:
+        g = sorted(gaps[name])
+        out[name] = [g[int(0.025 * (len(g) - 1))], g[int(round(0.975 * (len(g) - 1)))]] if g else None
+    return out
 
 
 def spread(values: Sequence[float]) -> dict:
