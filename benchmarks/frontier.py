@@ -450,6 +450,42 @@ def add_line_gaps(arms: dict) -> None:
         a["above_random_mix_ci95"] = ci[name]
 
 
+def merge_runs(runs: Sequence[dict]) -> dict:
+    """One results dict holding the arms of several finished runs of the same samples.
+
+    Why: one run of every arm takes hours on this CPU, so the arms of a task are
+    run in parts, each part with its own ``off``. Parts are comparable only if
+    they scored the same items and ``off`` answered them alike: then every
+    arm's agreement, teacher-forced metrics and paired accuracy were taken
+    against the same reference, and one random-mix line serves all of them.
+    Raises ValueError when a part differs. The first part's ``off`` (and any
+    arm's first occurrence) is kept; ``commands`` lists every part's command.
+    """
+    if not runs:
+        raise ValueError("nothing to merge")
+    first = runs[0]
+    ref = [it["answer"] for it in first["arms"]["off"]["per_item"]]
+    for run in runs[1:]:
+        for key in ("task", "samples", "seed", "max_tokens"):
+            if run.get(key) != first.get(key):
+                raise ValueError(f"runs differ in {key}: {first.get(key)!r} vs {run.get(key)!r}")
+        off = run["arms"].get("off")
+        if off is None or [it["answer"] for it in off["per_item"]] != ref:
+            raise ValueError("off answered differently in two runs: their arms are not measured against the "
+                             "same reference and cannot share one line")
+        if off.get("teacher_forced_positions") != first["arms"]["off"].get("teacher_forced_positions"):
+            raise ValueError("off's continuations differ between runs (teacher-forced positions)")
+    merged = {k: v for k, v in first.items() if k not in ("command", "arms")}
+    merged["commands"] = [run["command"] for run in runs]
+    merged["complete"] = all(run.get("complete") for run in runs)
+    merged["arms"] = {}
+    for run in runs:
+        for name, arm in run["arms"].items():
+            merged["arms"].setdefault(name, arm)
+    add_line_gaps(merged["arms"])
+    return merged
+
+
 # ------------------------------------------------------------------ plot
 def plot(out: dict, path: Path) -> None:
     import matplotlib
@@ -514,6 +550,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--rescore", nargs="+", metavar="JSON", default=None,
                     help="start no server: recompute the line gaps (and their intervals) of finished results "
                          "files from their recorded per-item answers, rewrite them and their plots")
+    ap.add_argument("--merge", nargs="+", metavar=("OUT", "JSON"), default=None,
+                    help="start no server: OUT = the arms of the finished results files JSON... (same task and "
+                         "samples, off's answers identical in every file), with line gaps and a plot")
     return ap.parse_args(argv)
 
 
@@ -567,6 +606,15 @@ def run_task(name: str, args, tok, argv_used: Sequence[str]) -> dict:
 def main(argv=None, *, arm_server: Optional[ArmServer] = None) -> int:
     """``arm_server`` replaces the fresh server per arm (the test suite passes its shared servers)."""
     args = parse_args(argv)
+    if args.merge:
+        if len(args.merge) < 3:
+            raise SystemExit("--merge needs OUT and at least two results files")
+        out_path = Path(args.merge[0])
+        merged = merge_runs([json.loads(Path(p).read_text()) for p in args.merge[1:]])
+        write_json(out_path, merged)
+        plot(merged, out_path.with_suffix(".png"))
+        print(f"{out_path}: {len(merged['arms'])} arms from {len(args.merge) - 1} runs", file=sys.stderr)
+        return 0
     if args.rescore:
         for name in args.rescore:
             path = Path(name)

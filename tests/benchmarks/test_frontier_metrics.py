@@ -151,6 +151,58 @@ def test_interpolate_and_line_gaps():
     assert arms["off"]["above_random_mix"] == pytest.approx(0.0)
 
 
+def test_the_line_gap_interval_covers_the_gap_and_separates_a_clear_winner():
+    n = 60
+    off = [1.0] * n
+    full = [1.0 if i % 5 == 0 else 0.0 for i in range(n)]  # 0.2 at reuse 0.8
+    mix = [1.0 if i % 5 < 3 else 0.0 for i in range(n)]  # 0.6 at reuse 0.4
+    good = [1.0 if i % 10 else 0.0 for i in range(n)]  # 0.9 at reuse 0.6: the line gives 0.4
+    same = [1.0 if i % 5 < 2 else 0.0 for i in range(n)]  # 0.4 at reuse 0.6: on the line
+    agree = {"off": off, "fullshared_k0": full, "mix_p0.5": mix, "good": good, "same": same}
+    reuse = {"off": 0.0, "fullshared_k0": 0.8, "mix_p0.5": 0.4, "good": 0.6, "same": 0.6}
+    ci = fm.line_gap_intervals(agree, reuse, ["off", "fullshared_k0", "mix_p0.5"], reps=500)
+    assert ci["good"][0] > 0.3 and ci["good"][0] < 0.5 < ci["good"][1]
+    assert ci["same"][0] < 0 < ci["same"][1]
+    assert ci["off"] == [0.0, 0.0]
+    with pytest.raises(ValueError):
+        fm.line_gap_intervals({"off": off, "x": off[:-1]}, {"off": 0.0, "x": 0.5}, ["off"])
+    # Through add_line_gaps, from the per-item answers of the arms' summaries.
+    def arm(mode, k, p, r, ind):
+        return {"mode": mode, "recompute_head": k, "random_mix_p": p, "reuse_ratio": r,
+                "agreement_final": sum(ind) / n, "teacher_forced_top1": None,
+                "per_item": [{"id": str(i), "answer": "a" if x else f"b{i}", "correct": False} for i, x in enumerate(ind)]}
+    arms = {"off": arm("off", 0, None, 0.0, off), "fullshared_k0": arm("fullshared", 0, None, 0.8, full),
+            "mix_p0.5": arm("fullshared", 0, 0.5, 0.4, mix), "kvcmas_k8": arm("kvcmas", 8, None, 0.6, good)}
+    fr.add_line_gaps(arms)
+    lo, hi = arms["kvcmas_k8"]["above_random_mix_ci95"]
+    assert lo < arms["kvcmas_k8"]["above_random_mix"] < hi and lo > 0.3
+
+
+def test_runs_of_the_same_samples_merge_and_runs_with_another_reference_do_not():
+    def arm(mode, k, p, r, answers):
+        return {"mode": mode, "recompute_head": k, "random_mix_p": p, "reuse_ratio": r,
+                "agreement_final": sum(a == "x" for a in answers) / len(answers), "teacher_forced_top1": 1.0,
+                "teacher_forced_positions": 10, "per_item": [{"id": str(i), "answer": a, "correct": False}
+                                                            for i, a in enumerate(answers)]}
+
+    head = {"task": "gsm8k", "samples": 4, "seed": 0, "max_tokens": 8, "complete": True}
+    off = arm("off", 0, None, 0.0, ["x"] * 4)
+    one = {**head, "command": "a", "arms": {"off": off, "fullshared_k0": arm("fullshared", 0, None, 0.8, ["x", "y", "y", "y"]),
+                                          "mix_p0.5": arm("fullshared", 0, 0.5, 0.4, ["x", "x", "y", "y"])}}
+    two = {**head, "command": "b", "arms": {"off": arm("off", 0, None, 0.0, ["x"] * 4),
+                                          "kvcmas_k32": arm("kvcmas", 32, None, 0.6, ["x", "x", "x", "y"])}}
+    merged = fr.merge_runs([one, two])
+    assert list(merged["arms"]) == ["off", "fullshared_k0", "mix_p0.5", "kvcmas_k32"]
+    assert merged["commands"] == ["a", "b"] and "command" not in merged
+    assert merged["arms"]["kvcmas_k32"]["above_random_mix"] == pytest.approx(0.75 - 0.375)
+    assert merged["arms"]["kvcmas_k32"]["above_random_mix_ci95"] is not None
+    other_ref = {**two, "arms": {**two["arms"], "off": arm("off", 0, None, 0.0, ["x", "x", "x", "z"])}}
+    with pytest.raises(ValueError, match="off answered differently"):
+        fr.merge_runs([one, other_ref])
+    with pytest.raises(ValueError, match="samples"):
+        fr.merge_runs([one, {**two, "samples": 5}])
+
+
 # ------------------------------------------------------------------ summaries
 def test_paired_bootstrap_interval_covers_the_mean_and_detects_a_shift():
     ref = [1.0] * 150 + [0.0] * 150
