@@ -463,14 +463,16 @@ def merge_runs(runs: Sequence[dict]) -> dict:
     """
     if not runs:
         raise ValueError("nothing to merge")
+    if any("off" not in run["arms"] for run in runs):
+        raise ValueError("every run to merge needs its off arm (the reference its arms were measured against)")
     first = runs[0]
     ref = [it["answer"] for it in first["arms"]["off"]["per_item"]]
     for run in runs[1:]:
         for key in ("task", "samples", "seed", "max_tokens"):
             if run.get(key) != first.get(key):
                 raise ValueError(f"runs differ in {key}: {first.get(key)!r} vs {run.get(key)!r}")
-        off = run["arms"].get("off")
-        if off is None or [it["answer"] for it in off["per_item"]] != ref:
+        off = run["arms"]["off"]
+        if [it["answer"] for it in off["per_item"]] != ref:
             raise ValueError("off answered differently in two runs: their arms are not measured against the "
                              "same reference and cannot share one line")
         if off.get("teacher_forced_positions") != first["arms"]["off"].get("teacher_forced_positions"):
@@ -530,6 +532,12 @@ def plot(out: dict, path: Path) -> None:
 
 
 # ------------------------------------------------------------------ main
+def save(out: dict, path: Path) -> None:
+    """The results JSON at ``path`` and its plot beside it (same name, ``.png``)."""
+    write_json(path, out)
+    plot(out, path.with_suffix(".png"))
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.frontier", description=__doc__.split("\n\n")[0])
     ap.add_argument("--task", choices=TASKS + ("all",), default="all")
@@ -591,15 +599,13 @@ def run_task(name: str, args, tok, argv_used: Sequence[str]) -> dict:
         out["arms"][arm.name] = summarize_arm(run, off, spec, samples, decode)
         out["scored_items"] = out["arms"]["off"]["scored_items"]
         add_line_gaps(out["arms"])
-        write_json(path, out)
-        plot(out, path.with_suffix(".png"))
+        save(out, path)
         a = out["arms"][arm.name]
         print(f"[{name}] {arm.name}: reuse {a['reuse_ratio']} agreement {a['agreement_final']:.3f} "
               f"top1 {a['teacher_forced_top1']} kl {a['teacher_forced_kl']} acc {a['accuracy']:.3f} "
               f"ttft {a['ttft_agents_2_4_s']['median']:.3f}s ({a['run_s']}s)", file=sys.stderr, flush=True)
     out["complete"] = True
-    write_json(path, out)
-    plot(out, path.with_suffix(".png"))
+    save(out, path)
     return out
 
 
@@ -611,8 +617,7 @@ def main(argv=None, *, arm_server: Optional[ArmServer] = None) -> int:
             raise SystemExit("--merge needs OUT and at least two results files")
         out_path = Path(args.merge[0])
         merged = merge_runs([json.loads(Path(p).read_text()) for p in args.merge[1:]])
-        write_json(out_path, merged)
-        plot(merged, out_path.with_suffix(".png"))
+        save(merged, out_path)
         print(f"{out_path}: {len(merged['arms'])} arms from {len(args.merge) - 1} runs", file=sys.stderr)
         return 0
     if args.rescore:
@@ -620,8 +625,7 @@ def main(argv=None, *, arm_server: Optional[ArmServer] = None) -> int:
             path = Path(name)
             out = json.loads(path.read_text())
             add_line_gaps(out["arms"])
-            write_json(path, out)
-            plot(out, path.with_suffix(".png"))
+            save(out, path)
             print(f"{path}: line gaps recomputed", file=sys.stderr)
         return 0
     args.arm_server = arm_server or fresh_server
