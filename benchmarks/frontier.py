@@ -272,6 +272,34 @@ def _refer_spec(name: str) -> TaskSpec:
                     lambda smp, enc, mt: refer_program(task, smp, enc, mt), score_rows)
 
 
+# Warm-up samples sit this far past the scored ones in a task's own order (GSM8K: 550-557 for
+# 50 scored questions), so a run's warm-up is the same whatever the scored count up to 500.
+WARMUP_GAP = 500
+# Retrieval documents are generated from their index: warm-up ones far from any scored index.
+RETRIEVAL_WARMUP_OFFSET = 100_000
+
+
+def load_warmup(spec: TaskSpec, limit: int, warmup: int) -> list:
+    """``warmup`` unscored samples that share nothing with the ``limit`` scored ones.
+
+    Why a function: the fixed offset ``limit + 500`` ran past the end of HumanEval's 164
+    problems and gave no warm-up at all, silently (every HumanEval frontier run before
+    session 14 had ``warmup_samples`` 0). A set too short for the gap now gives its last
+    ``warmup`` samples; one too short for any raises instead of warming up on scored items.
+    """
+    if warmup <= 0:
+        return []
+    if spec.name == "retrieval":
+        return spec.load(warmup, RETRIEVAL_WARMUP_OFFSET)
+    rest = spec.load(10**9, limit)  # everything after the scored samples (small files)
+    if len(rest) < warmup:
+        raise ValueError(f"--warmup {warmup}: the {spec.name} set has only {len(rest)} samples after the "
+                         f"{limit} scored ones")
+    if len(rest) >= WARMUP_GAP + warmup:
+        return rest[WARMUP_GAP:WARMUP_GAP + warmup]
+    return rest[-warmup:]
+
+
 def task_spec(name: str, seed: int) -> TaskSpec:
     if name == "retrieval":
         return _retrieval_spec(seed)
@@ -569,7 +597,7 @@ def run_task(name: str, args, tok, argv_used: Sequence[str]) -> dict:
     limit = args.limit or (100 if name == "retrieval" else 50)
     max_tokens = args.max_tokens or (8 if name == "retrieval" else 128)
     samples = spec.load(limit, 0)
-    warm = spec.load(args.warmup, 100_000 if name == "retrieval" else limit + 500)[: args.warmup]
+    warm = load_warmup(spec, limit, args.warmup)
     arms = default_arms(args.heads, args.mix, args.noise_floor or bool(args.arms and "off_repeat" in args.arms))
     if args.arms:
         keep = {"off", *args.arms.split(",")}

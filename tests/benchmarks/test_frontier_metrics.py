@@ -248,3 +248,20 @@ def test_summarize_arm_fields_from_synthetic_runs():
     assert s["accuracy_vs_off_paired"]["mean"] == pytest.approx(-1 / 3)
     assert s["teacher_forced_top1"] == 1.0 and s["teacher_forced_kl"] == pytest.approx(0.0)
     assert s["ttft_agents_2_4_s"]["median"] == pytest.approx(0.3)
+
+
+def test_warmup_samples_exist_and_are_never_scored_ones():
+    # HumanEval has 164 problems: the old fixed offset (limit + 500) gave no warm-up at all.
+    he = fr.task_spec("humaneval", 0)
+    scored = {s.id for s in he.load(50, 0)}
+    warm = fr.load_warmup(he, 50, 8)
+    assert len(warm) == 8 and not scored & {s.id for s in warm}
+    assert [s.id for s in warm] == [f"HumanEval/{i}" for i in range(156, 164)]
+    with pytest.raises(ValueError, match="only 4 samples after the 160 scored"):
+        fr.load_warmup(he, 160, 8)
+    assert fr.load_warmup(he, 50, 0) == []
+    # GSM8K keeps the warm-up its committed runs used (questions 550-557 for 50 scored).
+    gsm = fr.task_spec("gsm8k", 0)
+    assert [s.id for s in fr.load_warmup(gsm, 50, 8)] == [f"gsm8k/{i}" for i in range(550, 558)]
+    ret = fr.task_spec("retrieval", 0)
+    assert [s.id for s in fr.load_warmup(ret, 100, 2)] == [s.id for s in rt.load(2, 100_000, 0)]
