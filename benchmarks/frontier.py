@@ -517,6 +517,10 @@ def merge_runs(runs: Sequence[dict]) -> dict:
 
 
 # ------------------------------------------------------------------ plot
+TARGET_REUSE = 0.7
+TARGET_TOP1 = 0.99
+
+
 def plot(out: dict, path: Path) -> None:
     import matplotlib
 
@@ -543,6 +547,12 @@ def plot(out: dict, path: Path) -> None:
         ax.set_xlabel("reuse ratio (consumer shared tokens not prefilled)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
+    # Issue 14's distribution target (its KL half, <= 0.3x fullshared K=0's, is in the table).
+    top1_ymin = axes[1].get_ylim()[0]
+    axes[1].fill_between([TARGET_REUSE, 1.0], TARGET_TOP1, 1.0, color="tab:green", alpha=0.12, zorder=0,
+                         label=f"target: reuse >= {TARGET_REUSE}, top-1 >= {TARGET_TOP1}")
+    axes[1].set_ylim(bottom=min(top1_ymin, TARGET_TOP1 - 0.001))
+    axes[1].legend(fontsize=7, loc="lower left")
     axes[0].legend(fontsize=7, loc="lower left")
     names = list(arms)
     med = [arms[n]["ttft_agents_2_4_s"]["median"] for n in names]
