@@ -478,6 +478,20 @@ def add_line_gaps(arms: dict) -> None:
         a["above_random_mix_ci95"] = ci[name]
 
 
+def planned_arms(command: str) -> set[str]:
+    """The arms a run's recorded command asked for (``--arms``), with ``off``.
+
+    Why from the command: a stopped run records only the arms it finished, and the
+    results files carry their command line, not a plan. Without ``--arms`` the plan
+    depended on defaults this cannot see: nothing can make such a part whole, so it
+    returns a name no run has.
+    """
+    words = shlex.split(command)
+    if "--arms" not in words or words.index("--arms") + 1 >= len(words):
+        return {"<every default arm>"}
+    return {"off", *words[words.index("--arms") + 1].split(",")}
+
+
 def merge_runs(runs: Sequence[dict]) -> dict:
     """One results dict holding the arms of several finished runs of the same samples.
 
@@ -507,11 +521,13 @@ def merge_runs(runs: Sequence[dict]) -> dict:
             raise ValueError("off's continuations differ between runs (teacher-forced positions)")
     merged = {k: v for k, v in first.items() if k not in ("command", "arms")}
     merged["commands"] = [run["command"] for run in runs]
-    merged["complete"] = all(run.get("complete") for run in runs)
     merged["arms"] = {}
     for run in runs:
         for name, arm in run["arms"].items():
             merged["arms"].setdefault(name, arm)
+    # A part stopped before its last arm is made whole by a later part that ran the missing arms.
+    merged["complete"] = all(run.get("complete") or planned_arms(run["command"]) <= set(merged["arms"])
+                             for run in runs)
     add_line_gaps(merged["arms"])
     return merged
 

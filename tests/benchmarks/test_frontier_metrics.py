@@ -201,6 +201,12 @@ def test_runs_of_the_same_samples_merge_and_runs_with_another_reference_do_not()
         fr.merge_runs([one, other_ref])
     with pytest.raises(ValueError, match="samples"):
         fr.merge_runs([one, {**two, "samples": 5}])
+    # A part stopped before its last arm is whole once another part ran that arm, and not before.
+    assert merged["complete"] is True
+    stopped = {**one, "complete": False, "command": "python -m benchmarks.frontier --arms off,fullshared_k0,mix_p0.5,kvcmas_k32"}
+    assert fr.merge_runs([stopped, two])["complete"] is True
+    assert fr.merge_runs([{**stopped, "command": stopped["command"] + ",fullshared_k32"}, two])["complete"] is False
+    assert fr.merge_runs([{**stopped, "command": "python -m benchmarks.frontier"}, two])["complete"] is False
 
 
 # ------------------------------------------------------------------ summaries
