@@ -487,9 +487,12 @@ def planned_arms(command: str) -> set[str]:
     returns a name no run has.
     """
     words = shlex.split(command)
-    if "--arms" not in words or words.index("--arms") + 1 >= len(words):
-        return {"<every default arm>"}
-    return {"off", *words[words.index("--arms") + 1].split(",")}
+    for i, word in enumerate(words):
+        if word.startswith("--arms="):
+            return {"off", *word[len("--arms="):].split(",")}
+        if word == "--arms" and i + 1 < len(words):
+            return {"off", *words[i + 1].split(",")}
+    return {"<every default arm>"}
 
 
 def merge_runs(runs: Sequence[dict]) -> dict:

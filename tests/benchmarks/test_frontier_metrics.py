@@ -207,6 +207,7 @@ def test_runs_of_the_same_samples_merge_and_runs_with_another_reference_do_not()
     assert fr.merge_runs([stopped, two])["complete"] is True
     assert fr.merge_runs([{**stopped, "command": stopped["command"] + ",fullshared_k32"}, two])["complete"] is False
     assert fr.merge_runs([{**stopped, "command": "python -m benchmarks.frontier"}, two])["complete"] is False
+    assert fr.planned_arms("python -m benchmarks.frontier --arms=off,kvcmas_k8") == {"off", "kvcmas_k8"}
 
 
 # ------------------------------------------------------------------ summaries
