@@ -479,20 +479,15 @@ def add_line_gaps(arms: dict) -> None:
 
 
 def planned_arms(command: str) -> set[str]:
-    """The arms a run's recorded command asked for (``--arms``), with ``off``.
+    """The names of the arms a run's recorded command runs, ``off`` included.
 
     Why from the command: a stopped run records only the arms it finished, and the
-    results files carry their command line, not a plan. Without ``--arms`` the plan
-    depended on defaults this cannot see: nothing can make such a part whole, so it
-    returns a name no run has.
+    results files carry their command line, not a plan. The command goes through
+    this module's own parser and arm selection, so the plan is the one the run had.
     """
     words = shlex.split(command)
-    for i, word in enumerate(words):
-        if word.startswith("--arms="):
-            return {"off", *word[len("--arms="):].split(",")}
-        if word == "--arms" and i + 1 < len(words):
-            return {"off", *words[i + 1].split(",")}
-    return {"<every default arm>"}
+    args = parse_args(words[words.index("benchmarks.frontier") + 1:])
+    return {arm.name for arm in selected_arms(args)}
 
 
 def merge_runs(runs: Sequence[dict]) -> dict:
@@ -621,16 +616,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def selected_arms(args: argparse.Namespace) -> list[Arm]:
+    """The arms a run goes through: the defaults of ``--heads``/``--mix``, cut to ``--arms`` (off always)."""
+    arms = default_arms(args.heads, args.mix, args.noise_floor or bool(args.arms and "off_repeat" in args.arms))
+    if args.arms:
+        keep = {"off", *args.arms.split(",")}
+        arms = [a for a in arms if a.name in keep]
+    return arms
+
+
 def run_task(name: str, args, tok, argv_used: Sequence[str]) -> dict:
     spec = task_spec(name, args.seed)
     limit = args.limit or (100 if name == "retrieval" else 50)
     max_tokens = args.max_tokens or (8 if name == "retrieval" else 128)
     samples = spec.load(limit, 0)
     warm = load_warmup(spec, limit, args.warmup)
-    arms = default_arms(args.heads, args.mix, args.noise_floor or bool(args.arms and "off_repeat" in args.arms))
-    if args.arms:
-        keep = {"off", *args.arms.split(",")}
-        arms = [a for a in arms if a.name in keep]
+    arms = selected_arms(args)
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
     out = {"command": "python -m benchmarks.frontier " + " ".join(shlex.quote(a) for a in argv_used),
            "machine": machine(), "model": args.model, "model_path": args.model_path, "task": name,
