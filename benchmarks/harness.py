@@ -143,13 +143,33 @@ def write_op_timings(path: Path, module: str, argv: Optional[Sequence[str]], sha
     print(f"wrote {path}")
 
 
+def _process_tree(pid: int) -> list:
+    """A server's process and its children (scheduler, detokenizer), as ``psutil`` processes."""
+    import psutil
+
+    root = psutil.Process(pid)
+    return [root] + root.children(recursive=True)
+
+
 def process_tree_rss_mb(pid: int) -> float:
     """Resident memory of a server and its children (scheduler, detokenizer)."""
     import psutil
 
     try:
-        root = psutil.Process(pid)
-        procs = [root] + root.children(recursive=True)
-        return sum(p.memory_info().rss for p in procs if p.is_running()) / 2**20
+        return sum(p.memory_info().rss for p in _process_tree(pid) if p.is_running()) / 2**20
     except psutil.Error:
         return float("nan")
+
+
+def process_tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a server and its children have used so far; exited children count 0."""
+    import psutil
+
+    total = 0.0
+    for proc in _process_tree(pid):
+        try:
+            t = proc.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total

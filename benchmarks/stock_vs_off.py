@@ -34,12 +34,12 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 from tqdm import tqdm
 
 from benchmarks.chain_ttft import AGENTS, request
-from benchmarks.harness import RESULTS, machine, mode_args, stream_generate, write_json
+from benchmarks.harness import RESULTS, machine, mode_args, process_tree_cpu_s, stream_generate, write_json
 from benchmarks.texts import context_tokens
 from sglang_kvshare.server_process import ServerProcess
 
@@ -102,23 +102,9 @@ def start_both(model_path: str) -> dict[str, ServerProcess]:
 
 def idle_cpu_share(servers: dict[str, ServerProcess], seconds: float = 5.0) -> dict[str, float]:
     """CPU seconds per wall second each idle server's process tree burns (0: asleep; 1: a spinning core)."""
-    import psutil
-
-    def tree_cpu(pid: int) -> float:
-        procs = [psutil.Process(pid)]
-        procs += procs[0].children(recursive=True)
-        total = 0.0
-        for proc in procs:
-            try:
-                t = proc.cpu_times()
-                total += t.user + t.system
-            except psutil.NoSuchProcess:
-                pass
-        return total
-
-    before = {arm: tree_cpu(s.proc.pid) for arm, s in servers.items()}
+    before = {arm: process_tree_cpu_s(s.proc.pid) for arm, s in servers.items()}
     time.sleep(seconds)
-    return {arm: (tree_cpu(s.proc.pid) - before[arm]) / seconds for arm, s in servers.items()}
+    return {arm: (process_tree_cpu_s(s.proc.pid) - before[arm]) / seconds for arm, s in servers.items()}
 
 
 def ttft_pair(urls: dict[str, str], tok, length: int, i: int) -> dict:
@@ -163,12 +149,11 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    panels: list[tuple[str, str, Callable[[dict], float]]] = [
-        ("ttft", "TTFT, off / stock (above 1: off slower)", lambda row: row["ratio"]),
-        ("throughput", "throughput, off / stock (below 1: off slower)", lambda row: row["ratio"])]
-    for ax, (key, title, value) in zip(axes, panels):
+    titles = {"ttft": "TTFT, off / stock (above 1: off slower)",
+              "throughput": "throughput, off / stock (below 1: off slower)"}
+    for ax, (key, title) in zip(axes, titles.items()):
         rows = results[key]["pairs"]
-        ax.plot(range(len(rows)), [value(r) for r in rows], "o", ms=4)
+        ax.plot(range(len(rows)), [r["ratio"] for r in rows], "o", ms=4)
         v = results[key]["verdict"]
         ax.axhspan(1 - TOLERANCE, 1 + TOLERANCE, color="tab:green", alpha=0.15, label="within 2 %")
         ax.axhline(v["median"], color="tab:blue", lw=1, label=f"median {v['median']:.3f}")
