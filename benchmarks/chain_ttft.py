@@ -43,8 +43,8 @@ from tqdm import tqdm
 
 from benchmarks.harness import RESULTS, machine, mode_args, stream_generate, wait_learning, write_json
 from benchmarks.texts import context_tokens
-from sglang_kvshare.segments import build_request, private_part, shared_part
-from sglang_kvshare.server_process import ServerProcess
+from sglang_kvshare.frontend.builder import build_request, private_part, shared_part
+from devtools.server_process import ServerProcess
 
 AGENTS = {
     "planner": "You are the planner. Break the task into steps.",
@@ -144,7 +144,7 @@ def main(argv=None) -> int:
 
     from transformers import AutoTokenizer
 
-    from sglang_kvshare.models import prepare
+    from devtools.models import prepare
 
     model_path = str(prepare("smollm2-135m"))
     tok = AutoTokenizer.from_pretrained(model_path)

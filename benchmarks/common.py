@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from sglang_kvshare.correction import merge_rows, select_tokens, token_deviation
+from .baselines import merge_rows, select_tokens, token_deviation
 
 
 def set_threads(n: int = 1) -> None:
@@ -29,7 +29,7 @@ def load_model(name: str = "smollm2-135m"):
     """(model, tokenizer, path) of a prepared model, fp32, eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from sglang_kvshare.models import prepare
+    from devtools.models import prepare
 
     path = prepare(name)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

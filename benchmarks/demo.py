@@ -16,9 +16,9 @@ import json
 import time
 from pathlib import Path
 
-from sglang_kvshare.data import gsm8k_path
-from sglang_kvshare.segments import build_request, private_part, shared_part
-from sglang_kvshare.server_process import ServerProcess
+from devtools.data import gsm8k_path
+from sglang_kvshare.frontend.builder import build_request, private_part, shared_part
+from devtools.server_process import ServerProcess
 
 ROLES = {
     "solver": "You are a math solver. Solve the problem step by step.",
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     if args.model_path is None:
-        from sglang_kvshare.models import prepare
+        from devtools.models import prepare
 
         args.model_path = str(prepare("smollm2-135m"))
     tok = AutoTokenizer.from_pretrained(args.model_path)

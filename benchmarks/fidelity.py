@@ -39,10 +39,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from devtools.data import gsm8k_path
 from sglang_kvshare.correction import (CorrectionPlan, FullShared, RopeSpec, SegmentCache, factor_nbytes, factorize,
-                                       make_estimator, materialize, to_canonical)
-from sglang_kvshare.data import gsm8k_path
+                                       materialize, to_canonical)
 
+from .baselines import make_estimator
 from .common import KV, load_model, partial_recompute, prefill, set_threads, suffix_eval
 from .fidelity_head import (HEAD_KS, HEAD_MODES, PlanVariant, coarse_errors, coarse_summary, head_frontier,
                             head_label, plot_heads, splice_head)

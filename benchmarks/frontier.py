@@ -60,7 +60,7 @@ from tqdm import tqdm
 from benchmarks import frontier_metrics as fm
 from benchmarks.harness import RESULTS, machine, stream_generate, write_json
 from sglang_kvshare.protocol import Segment
-from sglang_kvshare.segments import Piece, assemble
+from sglang_kvshare.frontend.builder import Piece, assemble
 
 TASKS = ("retrieval", "gsm8k", "humaneval")
 TOP_K = 20
@@ -91,7 +91,7 @@ def default_arms(heads: Sequence[int], mix: Sequence[float], noise_floor: bool =
     if noise_floor:
         # A second off server, same samples and the same request history: bit-identical on this
         # CPU server. It does not show the float32 floor of another history (a kvshare server
-        # evicts other rows), see benchmarks/diagnose_dense_consumers.py.
+        # evicts other rows), see benchmarks/research/diagnose_dense_consumers.py.
         arms.append(Arm("off_repeat", "off"))
     return arms
 
@@ -323,7 +323,7 @@ def _on_sigterm(*_) -> None:
 @contextmanager
 def fresh_server(arm: Arm, model_path: str) -> Iterator[str]:
     """The benchmark's servers: a new one per arm, launched with the arm's flags; yields its URL."""
-    from sglang_kvshare.server_process import ServerProcess
+    from devtools.server_process import ServerProcess
 
     with ServerProcess(model_path=model_path, kvshare_args=arm.server_args()) as server:
         _ACTIVE.append(server)
@@ -690,7 +690,7 @@ def main(argv=None, *, arm_server: Optional[ArmServer] = None) -> int:
     signal.signal(signal.SIGTERM, _on_sigterm)
     from transformers import AutoTokenizer
 
-    from sglang_kvshare.models import prepare
+    from devtools.models import prepare
 
     args.model_path = str(prepare(args.model))
     tok = AutoTokenizer.from_pretrained(args.model_path)

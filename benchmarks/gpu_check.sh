@@ -41,7 +41,7 @@ echo "tests exit: ${PIPESTATUS[0]}" | tee -a "$OUT/kernels_tests.log"
 # 2. Benchmark. Use the prepared model if it is here, else its architecture with random weights
 #    (prefill time depends on shapes only); never reach for the network.
 EXTRA=()
-MODEL_DIR=$("$PY" -m sglang_kvshare.models path smollm2-135m 2>/dev/null | tail -1)
+MODEL_DIR=$("$PY" -m devtools.models path smollm2-135m 2>/dev/null | tail -1)
 [ -n "$MODEL_DIR" ] && [ -f "$MODEL_DIR/config.json" ] || EXTRA+=(--random-weights)
 timeout 150 "$PY" -m benchmarks.kernels --lengths 1024 4096 --repeats 20 --prefill-repeats 5 \
   --out "$OUT/kernels_gpu.json" "${EXTRA[@]}" 2>&1 | tee "$OUT/kernels_bench.log"

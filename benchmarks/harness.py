@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 import requests
 
-from sglang_kvshare.server_process import ServerProcess
+from devtools.server_process import ServerProcess
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

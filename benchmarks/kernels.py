@@ -84,7 +84,7 @@ def load_model_config(name: str, random_weights: bool):
 
     if not random_weights:
         try:
-            from sglang_kvshare.models import prepare
+            from devtools.models import prepare
 
             path = str(prepare(name))
             return AutoConfig.from_pretrained(path), path, f"{name} (prepared weights, {path})"

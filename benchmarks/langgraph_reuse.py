@@ -32,7 +32,7 @@ from typing import Optional
 
 import requests
 
-from sglang_kvshare.server_process import ServerProcess
+from devtools.server_process import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = {
@@ -101,7 +101,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parser.parse_args(argv)
     from transformers import AutoTokenizer
 
-    from sglang_kvshare.models import prepare
+    from devtools.models import prepare
 
     model_path = str(prepare("smollm2-135m"))
     team = load_example()

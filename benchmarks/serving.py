@@ -31,7 +31,7 @@ from tqdm import tqdm
 from benchmarks.harness import (RESULTS, machine, process_tree_rss_mb, start_server, stream_generate, summary,
                                 wait_learning, write_json)
 from benchmarks.texts import context_tokens
-from sglang_kvshare.segments import build_request, private_part, shared_part
+from sglang_kvshare.frontend.builder import build_request, private_part, shared_part
 
 AGENTS = ("planner", "researcher", "coder", "reviewer")
 ROLE = {
@@ -133,7 +133,7 @@ def main(argv=None) -> int:
 
     from transformers import AutoTokenizer
 
-    from sglang_kvshare.models import prepare
+    from devtools.models import prepare
 
     model_path = str(prepare("smollm2-135m"))
     tok = AutoTokenizer.from_pretrained(model_path)

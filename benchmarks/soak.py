@@ -52,8 +52,8 @@ from tqdm import tqdm
 from benchmarks.harness import RESULTS, machine, write_json
 from benchmarks.soak_faults import Case, adversarial_name, catalogue, expected_status, fuzzed, many_slots
 from sglang_kvshare.protocol import DEFAULT_MAX_SEGMENTS, MAX_NAME_CHARS
-from sglang_kvshare.segments import build_request, private_part, shared_part
-from sglang_kvshare.server_process import ServerProcess
+from sglang_kvshare.frontend.builder import build_request, private_part, shared_part
+from devtools.server_process import ServerProcess
 
 AGENTS = {
     "solver": "You are a math solver. Solve the problem step by step and give the final number.",
@@ -979,7 +979,7 @@ def main(argv=None, *, launched: Optional[ServerProcess] = None, admin_key: Opti
     from transformers import AutoTokenizer
 
     from benchmarks.texts import gsm8k_questions
-    from sglang_kvshare.models import prepare
+    from devtools.models import prepare
 
     model_path = str(prepare("smollm2-135m"))
     tokenizer = AutoTokenizer.from_pretrained(model_path)

@@ -41,7 +41,7 @@ from tqdm import tqdm
 from benchmarks.chain_ttft import AGENTS, request
 from benchmarks.harness import RESULTS, machine, mode_args, process_tree_cpu_s, stream_generate, write_json
 from benchmarks.texts import context_tokens
-from sglang_kvshare.server_process import ServerProcess
+from devtools.server_process import ServerProcess
 
 ARMS = ("stock", "off")
 TOLERANCE = 0.02
@@ -182,7 +182,7 @@ def main(argv=None) -> int:
 
     from transformers import AutoTokenizer
 
-    from sglang_kvshare.models import prepare
+    from devtools.models import prepare
 
     model_path = str(prepare("smollm2-135m"))
     tok = AutoTokenizer.from_pretrained(model_path)

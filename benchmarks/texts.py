@@ -9,7 +9,7 @@ import json
 import random
 from functools import lru_cache
 
-from sglang_kvshare.data import gsm8k_path
+from devtools.data import gsm8k_path
 
 STDLIB_MODULES = ("json", "collections", "itertools", "functools", "pathlib", "argparse", "re", "heapq",
                   "bisect", "textwrap", "string", "statistics", "fractions", "decimal", "csv", "shutil")

@@ -42,7 +42,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Optional
 
-MODES = ("off", "fullshared", "kvcomm", "kvcmas", "stock")
+MODES = ("off", "fullshared", "kvcmas", "stock")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -64,7 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="samples in flight at once (the server batches their decode; TTFT then includes queueing)")
     p.add_argument("--server-arg", action="append", default=[],
                    help="extra launcher argument for started servers (repeat), e.g. --server-arg=--kvshare-tau=0.3")
-    p.add_argument("--model", default="smollm2-135m", help="model name for sglang_kvshare.models.prepare")
+    p.add_argument("--model", default="smollm2-135m", help="model name for devtools.models.prepare")
     p.add_argument("--model-path", default=None, help="local model folder (overrides --model)")
     p.add_argument("--out", default=None, help="write the JSON here")
     p.add_argument("--no-progress", action="store_true")
@@ -166,7 +166,7 @@ def _on_sigterm(*_) -> None:
 def run_mode(mode: str, args, samples, task, model_path: str, url: Optional[str] = None) -> dict:
     from benchmarks.workloads.workflows import run_workflow
     from sglang_kvshare.frontend.backend import KVShareEndpoint
-    from sglang_kvshare.server_process import ServerProcess
+    from devtools.server_process import ServerProcess
 
     def go(base_url: str) -> list[dict]:
         backend = KVShareEndpoint(base_url)
@@ -235,7 +235,7 @@ def main(argv=None) -> dict:
     elif args.url:
         model_path = None
     else:
-        from sglang_kvshare.models import prepare
+        from devtools.models import prepare
 
         model_path = str(prepare(args.model))
     argv_used = sys.argv[1:] if argv is None else argv

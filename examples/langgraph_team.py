@@ -6,7 +6,7 @@ Nothing here knows about kvshare: it is an ordinary LangGraph program using
 of the text they share (the task, the plan, the solution, the critique), even
 though each agent puts its own system prompt in front of it::
 
-    python -m sglang_kvshare.launch_server --model-path "$(python -m sglang_kvshare.models path smollm2-135m)" \\
+    python -m sglang_kvshare.launch_server --model-path "$(python -m devtools.models path smollm2-135m)" \\
         --port 30000 --kvshare-mode fullshared --kvshare-auto true
     python examples/langgraph_team.py --base-url http://127.0.0.1:30000/v1
     curl -s http://127.0.0.1:30000/kvshare/stats     # slot auto:message: reuse_ratio

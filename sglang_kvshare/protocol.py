@@ -34,7 +34,7 @@ frontend uses it to build annotations and the server to check them.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -128,3 +128,25 @@ def parse_annotation(custom_params: Any, num_tokens: int,
             f"kvshare segments cover [0, {expected}) but the request has {num_tokens} input tokens; "
             "segments must cover the whole prompt")
     return ann
+
+
+def generated_ids_for_text(tokenizer: Any, text: str, output_ids: Optional[Sequence[int]]) -> Optional[tuple[int, ...]]:
+    """The generated ids that spell exactly ``text`` (trailing EOS / stop tokens dropped), or None.
+
+    The server returns ``text`` without special tokens and without a matched
+    stop string, while ``output_ids`` may still end with them.
+    """
+    if not text or not output_ids:
+        return None
+    ids = [int(t) for t in output_ids]
+    special = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    while ids and ids[-1] in special:
+        ids.pop()
+    for _ in range(4):  # a stop string may trail the returned text
+        if not ids:
+            return None
+        # NOTE: decode with special tokens kept, so the ids never carry a token the text lacks.
+        if tokenizer.decode(ids, skip_special_tokens=False) == text:
+            return tuple(ids)
+        ids.pop()
+    return None

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 
-from sglang_kvshare.data import gsm8k_path
-from sglang_kvshare.segments import build_request, private_part, shared_part
+from devtools.data import gsm8k_path
+from sglang_kvshare.frontend.builder import build_request, private_part, shared_part
 
 AGENTS = {
     "solver": "You are a math solver. Solve the problem step by step and give the final number.",

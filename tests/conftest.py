@@ -19,12 +19,12 @@ if not os.path.exists("/dev/nvidiactl"):
 
 import pytest
 
-from sglang_kvshare.server_process import ServerProcess
+from devtools.server_process import ServerProcess
 
 
 @pytest.fixture(scope="session")
 def model_path() -> str:
-    from sglang_kvshare.models import prepare
+    from devtools.models import prepare
 
     return str(prepare("smollm2-135m"))
 

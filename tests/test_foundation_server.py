@@ -51,3 +51,27 @@ def test_mode_off_greedy_outputs_equal_stock_sglang(off_outputs, server_pool):
     assert info["radix_cache_backend"] in (None, "")
     stock_outputs = [stock.generate(p, max_new_tokens=24)["text"] for p in PROMPTS]
     assert stock_outputs == off_outputs["outputs"]
+
+
+def test_a_plain_sglang_server_beside_the_plugin_behaves_as_stock(off_outputs, server_pool, model_path):
+    """The package is installed here, so SGLang loads its plugin in the stock server too: it must change nothing."""
+    import json
+
+    import requests
+    from transformers import AutoTokenizer
+
+    stock = server_pool("stock", stock=True)
+    assert "sglang-kvshare: installed" not in stock.log_text()
+    assert "sglang-kvshare: installed" in off_outputs["log"]  # the kvshare server did install its hooks
+    for path in ("/kvshare/stats", "/kvshare/chat", "/kvshare/pools"):
+        assert requests.get(stock.url + path, timeout=60).status_code == 404, path
+    # A malformed annotation means nothing to stock SGLang (a kvshare server answers 400).
+    ids = AutoTokenizer.from_pretrained(model_path)("Hello there", add_special_tokens=False).input_ids
+    bad = {"kvshare": json.dumps({"agent": "a", "segments": [{"kind": "shared", "start": 0, "end": 99}]})}
+    assert "kvshare" not in stock.generate(input_ids=ids, custom_params=bad, max_new_tokens=2)["meta_info"]
+    # A chat request with the kvshare field is served as stock serves it: no report added.
+    chat = requests.post(stock.url + "/v1/chat/completions", timeout=300, json={
+        "model": "default", "max_tokens": 2, "temperature": 0,
+        "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+        "kvshare": {"agent": "a", "shared": [{"message": 1, "slot": "q"}]}})
+    assert chat.status_code == 200 and "kvshare" not in chat.json()

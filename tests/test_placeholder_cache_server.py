@@ -184,7 +184,7 @@ def test_cache_salts_do_not_share_segments(server_pool, tokenizer):
 def test_staged_prefill_cold_agent_and_a_miss_in_front(server_pool, tokenizer):
     """Issue 14: a cold agent reuses its first request's shared segment; an unseen segment in
     front no longer makes the later ones dense."""
-    from sglang_kvshare.segments import build_request, private_part, shared_part
+    from sglang_kvshare.frontend.builder import build_request, private_part, shared_part
 
     server = shared_server(server_pool)
     text = context(15, 3)

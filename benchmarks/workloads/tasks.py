@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from benchmarks.workloads.roles import GSM8K_FINAL, GSM8K_ROLES, HUMANEVAL_FINAL, HUMANEVAL_ROLES, Role
-from sglang_kvshare.data import gsm8k_path
+from devtools.data import gsm8k_path
 
 
 

@@ -74,7 +74,7 @@ class KVShareMetrics:
 
     # ------------------------------------------------------------ public
     def update(self, stats: dict, config: Optional[KVShareConfig] = None) -> None:
-        """Bring every metric up to ``stats`` (``KVShareRadixCache.kvshare_stats()``)."""
+        """Bring every metric up to ``stats`` (``KVShareRadixCache.kvshare_admin.stats()``)."""
         self._seen: set[tuple] = set()
         slots: dict[str, dict] = stats.get("slots", {})
         anchors: dict[str, float] = {}

@@ -3,8 +3,9 @@
 Why a module without SGLang imports: the wire format between the HTTP
 process (``channel.py``) and the scheduler (``scheduler_hooks.py``) and what
 each operation does to the cache are one contract, testable on its own. The
-cache is duck-typed: anything with ``kvshare_stats``, ``kvshare_pools``,
-``kvshare_configure`` and ``kvshare_reset`` (``KVShareRadixCache``).
+operations run on the cache's admin view (``KVShareRadixCache.kvshare_admin``,
+``cache/admin_view.py``), duck-typed: anything with ``config``, ``stats``,
+``pools``, ``configure`` and ``reset``.
 
 Wire format: a write travels as SGLang's ``RpcReqInput(method=RPC_METHOD,
 parameters={"op": ..., ...})`` and comes back as ``RpcReqOutput`` whose
@@ -27,10 +28,15 @@ STATE_KEY = "kvshare"
 OPS = ("configure", "reset", "pools")
 
 
-def has_admin_api(cache: Any) -> bool:
-    """True when ``cache`` is a kvshare cache (the admin routes work on nothing else)."""
-    return all(hasattr(cache, name) for name in ("kvshare_stats", "kvshare_pools", "kvshare_configure",
-                                                  "kvshare_reset", "kvshare_config"))
+ADMIN_ATTR = "kvshare_admin"
+
+
+def admin_view(cache: Any) -> Any:
+    """The admin view of ``cache`` when it is a kvshare cache, else None (the routes work on nothing else)."""
+    view = getattr(cache, ADMIN_ATTR, None)
+    if view is None or not all(hasattr(view, name) for name in ("config", "stats", "pools", "configure", "reset")):
+        return None
+    return view
 
 
 def _plain(value: Any) -> Any:
@@ -38,17 +44,17 @@ def _plain(value: Any) -> Any:
     return json.loads(json.dumps(value, default=float))
 
 
-def config_dict(cache: Any) -> dict:
-    return dataclasses.asdict(cache.kvshare_config)
+def config_dict(view: Any) -> dict:
+    return dataclasses.asdict(view.config)
 
 
-def snapshot(cache: Any) -> dict:
+def snapshot(view: Any) -> dict:
     """What ``GET /kvshare/stats`` serves: ``{"config", "stats"}`` as builtin types.
 
     NOTE: no pools here; this dict also appears in ``/get_server_info`` (see the
     module docstring). Takes the cache's estimator lock through its methods.
     """
-    return _plain({"config": config_dict(cache), "stats": cache.kvshare_stats()})
+    return _plain({"config": config_dict(view), "stats": view.stats()})
 
 
 @dataclass
@@ -74,12 +80,13 @@ class Reply:
                    result=dict(data.get("result") or {}), rid=data.get("rid"))
 
 
-def execute(cache: Any, op: str, *, slot: Optional[str] = None, tau: Optional[float] = None,
+def execute(view: Any, op: str, *, slot: Optional[str] = None, tau: Optional[float] = None,
             capacity: Optional[int] = None, rank: Optional[int] = None, mode: Optional[str] = None,
             recompute_head: Optional[int] = None, staged: Optional[bool] = None) -> Reply:
-    """Run one write on the cache; never raises for bad input (it becomes a 4xx ``Reply``).
+    """Run one write on the cache's admin view (None: not a kvshare cache); never raises for bad input
+    (it becomes a 4xx ``Reply``).
 
-    * ``configure``: ``cache.kvshare_configure`` (all or nothing; ``ValueError`` -> 422);
+    * ``configure``: ``view.configure`` (all or nothing; ``ValueError`` -> 422);
       the result is the new config.
     * ``reset``: empties the anchor pools and materialization records of ``slot``
       (404 when the cache does not know it) or of every slot; the result is the
@@ -87,29 +94,29 @@ def execute(cache: Any, op: str, *, slot: Optional[str] = None, tau: Optional[fl
     * ``pools`` (a read): the anchors of ``slot`` (404 when unknown) or of every
       slot, as ``{"pools": {slot: [anchor, ...]}}``; changes nothing.
     """
-    if not has_admin_api(cache):
+    if view is None:
         return Reply(503, "the kvshare cache is not active in this scheduler "
                           "(start the server with --radix-cache-backend kvshare)")
     if op == "configure":
         try:
-            new = cache.kvshare_configure(tau=tau, capacity=capacity, rank=rank, mode=mode,
+            new = view.configure(tau=tau, capacity=capacity, rank=rank, mode=mode,
                                           recompute_head=recompute_head, staged=staged)
         except (TypeError, ValueError) as exc:
             return Reply(422, str(exc))
         return Reply(200, "config applied", {"config": _plain(dataclasses.asdict(new))})
     if op == "pools":
         try:
-            pools = cache.kvshare_pools(slot) if slot is not None else cache.kvshare_pools()
+            pools = view.pools(slot) if slot is not None else view.pools()
         except KeyError:
             return Reply(404, f"unknown slot {slot!r}; GET /kvshare/pools lists the known slots")
         return Reply(200, "pools", {"pools": _plain(pools)})
     if op == "reset":
         if slot is not None:
             try:
-                cache.kvshare_pools(slot)
+                view.pools(slot)
             except KeyError:
                 return Reply(404, f"unknown slot {slot!r}; GET /kvshare/pools lists the known slots")
-        cache.kvshare_reset(slot)
+        view.reset(slot)
         return Reply(200, f"reset {'slot ' + repr(slot) if slot is not None else 'all slots'}",
-                     {"pools": _plain(cache.kvshare_pools())})
+                     {"pools": _plain(view.pools())})
     return Reply(400, f"unknown kvshare admin op {op!r}; expected one of {OPS}")

@@ -1,12 +1,12 @@
 """The ``/kvshare/`` admin routes, mounted on SGLang's own FastAPI app.
 
-Why mounted through a BEFORE hook on ``http_server._setup_and_run_http_server``:
-that function runs only in the process that serves HTTP, receives the
-tokenizer manager and the IPC names the channel needs, and runs before SGLang
-adds its API-key middleware and starts uvicorn, so the routes appear in
-``/openapi.json`` and the middleware sees them (see ``mount`` for why they
-are added one by one). They are mounted only when the server runs
-``--radix-cache-backend kvshare``.
+``server/http_routes.py`` calls ``mount`` from a BEFORE hook on
+``http_server._setup_and_run_http_server``: that function runs only in the
+process that serves HTTP, receives the tokenizer manager and the IPC names
+the channel needs, and runs before SGLang adds its API-key middleware and
+starts uvicorn, so the routes appear in ``/openapi.json`` and the middleware
+sees them (see ``mount`` for why they are added one by one). They are
+mounted only when the server runs ``--radix-cache-backend kvshare``.
 
 Auth reuses SGLang's own levels (``sglang.srt.utils.auth``): the write routes
 and the pool reads are ``ADMIN_OPTIONAL`` like ``/flush_cache`` (the admin key
@@ -38,12 +38,11 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from sglang_kvshare.admin.channel import AdminChannel, ChannelError
-from sglang_kvshare.config import BACKEND_NAME, KVShareConfig
+from sglang_kvshare.config import KVShareConfig
 
 logger = logging.getLogger(__name__)
 
 PREFIX = "/kvshare"
-SETUP_TARGET = "sglang.srt.entrypoints.http_server._setup_and_run_http_server"
 MAX_CAPACITY = 4096  # bounds that keep values inside SGLang's msgpack IPC (int64)
 MAX_RANK = 65536
 MAX_HEAD = 65536
@@ -63,7 +62,7 @@ class ConfigUpdate(BaseModel):
     capacity: Optional[int] = Field(None, ge=2, le=MAX_CAPACITY, strict=True, description=_HELP["capacity"])
     rank: Optional[int] = Field(None, ge=0, le=MAX_RANK, strict=True, description=_HELP["rank"])
     mode: Optional[Literal["off", "fullshared", "kvcmas"]] = Field(
-        None, description="off | fullshared | kvcmas (kvcomm is offline only); switching between "
+        None, description="off | fullshared | kvcmas; switching between "
                           "fullshared and kvcmas starts with empty pools.")
     recompute_head: Optional[int] = Field(None, ge=0, le=MAX_HEAD, strict=True,
                                           description=_HELP["recompute_head"])
@@ -209,9 +208,6 @@ async def reset_all():
 
 
 # ------------------------------------------------------------ mounting
-_SETUP_PARAMS = ("server_args", "tokenizer_manager", "template_manager", "port_args")
-
-
 def mount(app: Any, tokenizer_manager: Any, rpc_endpoint: str, *, dp_size: int = 1) -> None:
     """Add the routes to ``app`` and open the channel (idempotent).
 
@@ -233,35 +229,3 @@ def mount(app: Any, tokenizer_manager: Any, rpc_endpoint: str, *, dp_size: int =
         app.add_api_route(route.path, route.endpoint, methods=sorted(route.methods), name=route.name,
                           summary=route.summary, description=route.description, responses=route.responses,
                           tags=route.tags, openapi_extra=route.openapi_extra)
-
-
-def before_setup_http_server(*args, **kwargs):
-    """BEFORE hook on ``_setup_and_run_http_server``: mount when the kvshare backend is on."""
-    bound = dict(zip(_SETUP_PARAMS, args))
-    bound.update({k: v for k, v in kwargs.items() if k in _SETUP_PARAMS})
-    server_args, port_args = bound.get("server_args"), bound.get("port_args")
-    if getattr(server_args, "radix_cache_backend", None) != BACKEND_NAME:
-        return None
-    if bound.get("tokenizer_manager") is None or port_args is None:
-        logger.warning("sglang-kvshare: admin routes not mounted (no tokenizer manager in this process)")
-        return None
-    dp_size = int(getattr(server_args, "dp_size", 1) or 1)
-    mount(_http_app(), bound["tokenizer_manager"], port_args.rpc_ipc_name, dp_size=dp_size)
-    if dp_size > 1:
-        logger.warning("sglang-kvshare: --dp-size %d: the kvshare write and pool routes answer 501 "
-                       "(SGLang's RPC channel reaches one rank only); /kvshare/stats shows rank 0", dp_size)
-    logger.info("sglang-kvshare: admin routes mounted under %s/", PREFIX)
-    return None
-
-
-def _http_app() -> Any:
-    """SGLang's FastAPI app (imported late: the import loads the whole HTTP server)."""
-    from sglang.srt.entrypoints.http_server import app
-
-    return app
-
-
-def register() -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    HookRegistry.register(SETUP_TARGET, before_setup_http_server, HookType.BEFORE)

@@ -1,4 +1,7 @@
-"""Scheduler-side ends of the admin channel, as ``HookRegistry`` hooks.
+"""Scheduler-side ends of the admin channel: the hook functions.
+
+``server/sglang_targets.py`` names their targets; ``server/plugin.py``
+installs them when SGLang builds the kvshare cache.
 
 Why these hooks: SGLang already carries two request/response channels
 between the HTTP process and the scheduler, and the admin routes ride on them
@@ -7,7 +10,7 @@ rather than opening a third:
 * reads of config and stats: ``GetInternalStateReq`` (``TokenizerManager.get_internal_state``,
   fanned out to every DP rank by SGLang). An AFTER hook on the scheduler's
   ``SchedulerInternalStateController.get_internal_state`` adds
-  ``internal_state["kvshare"] = ops.snapshot(tree_cache)`` (no pools: SGLang
+  ``internal_state["kvshare"] = ops.snapshot(view)`` (no pools: SGLang
   serves that state publicly in ``/get_server_info``).
 * writes and pool reads: ``RpcReqInput`` on the scheduler's RPC socket. An AROUND hook on
   ``Scheduler.handle_rpc_request`` answers ``method == "kvshare_admin"``
@@ -19,8 +22,6 @@ rather than opening a third:
 Metrics (``--enable-metrics``): AFTER hooks on the prefill report and on
 ``Scheduler.on_idle`` refresh ``KVShareMetrics`` at most once a second; reads
 and writes refresh it at once.
-
-Everything that names an SGLang scheduler symbol is in this module.
 """
 
 from __future__ import annotations
@@ -33,12 +34,6 @@ from sglang_kvshare.admin import ops
 
 logger = logging.getLogger(__name__)
 
-INTERNAL_STATE_TARGET = ("sglang.srt.managers.scheduler_components.internal_state."
-                         "SchedulerInternalStateController.get_internal_state")
-RPC_TARGET = "sglang.srt.managers.scheduler.Scheduler.handle_rpc_request"
-IDLE_TARGET = "sglang.srt.managers.scheduler.Scheduler.on_idle"
-PREFILL_REPORT_TARGET = ("sglang.srt.managers.scheduler_components.metrics_reporter."
-                         "SchedulerMetricsReporter.report_prefill_stats")
 METRICS_INTERVAL_S = 1.0
 
 _metrics: Any = None  # KVShareMetrics of this process, or False where metrics are off
@@ -53,7 +48,7 @@ def _metrics_for(scheduler: Any) -> Any:
         reporter = getattr(scheduler, "metrics_reporter", None)
         enabled = bool(getattr(reporter, "enable_metrics", False)) and bool(
             getattr(reporter, "is_stats_logging_rank", True))
-        if enabled and ops.has_admin_api(getattr(scheduler, "tree_cache", None)):
+        if enabled and ops.admin_view(getattr(scheduler, "tree_cache", None)) is not None:
             from sglang_kvshare.admin.metrics import KVShareMetrics
 
             _metrics = KVShareMetrics()
@@ -73,8 +68,8 @@ def refresh_metrics(scheduler: Any, *, force: bool = False, stats: Optional[dict
         if not force and now - _last_refresh < METRICS_INTERVAL_S:
             return
         _last_refresh = now
-        cache = scheduler.tree_cache
-        metrics.update(stats if stats is not None else cache.kvshare_stats(), cache.kvshare_config)
+        view = ops.admin_view(scheduler.tree_cache)
+        metrics.update(stats if stats is not None else view.stats(), view.config)
     except Exception:  # noqa: BLE001 - metrics must never stop the scheduler
         logger.exception("sglang-kvshare: refreshing metrics failed")
 
@@ -93,12 +88,12 @@ def after_prefill_report(result, reporter, *args, **kwargs):
 def after_get_internal_state(result, controller, *args, **kwargs):
     """AFTER hook: ``internal_state["kvshare"]`` = config and stats of the cache."""
     scheduler = controller.scheduler
-    cache = getattr(scheduler, "tree_cache", None)
+    view = ops.admin_view(getattr(scheduler, "tree_cache", None))
     state = getattr(result, "internal_state", None)
-    if not isinstance(state, dict) or not ops.has_admin_api(cache):
+    if not isinstance(state, dict) or view is None:
         return result
     try:
-        snap = ops.snapshot(cache)
+        snap = ops.snapshot(view)
     except Exception as exc:  # noqa: BLE001 - a read must not break /get_server_info
         logger.exception("sglang-kvshare: reading the cache state failed")
         snap = {"error": f"{type(exc).__name__}: {exc}"}
@@ -120,7 +115,7 @@ def around_handle_rpc_request(original, scheduler, recv_req, *args, **kwargs):
     params = dict(recv_req.parameters or {})
     op = str(params.pop("op", ""))
     try:
-        reply = ops.execute(scheduler.tree_cache, op, **params)
+        reply = ops.execute(ops.admin_view(scheduler.tree_cache), op, **params)
     except TypeError as exc:  # unexpected parameter names
         reply = ops.Reply(400, f"bad kvshare admin parameters: {exc}")
     except Exception as exc:  # noqa: BLE001 - answer instead of leaving the caller waiting
@@ -133,12 +128,3 @@ def around_handle_rpc_request(original, scheduler, recv_req, *args, **kwargs):
     # Same collective as SGLang's own handler: every TP rank runs the RPC.
     barrier(group=scheduler.tp_group.cpu_group)
     return RpcReqOutput(success=reply.ok, message=reply.to_json(), rid=recv_req.rid)
-
-
-def register() -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    HookRegistry.register(INTERNAL_STATE_TARGET, after_get_internal_state, HookType.AFTER)
-    HookRegistry.register(RPC_TARGET, around_handle_rpc_request, HookType.AROUND)
-    HookRegistry.register(IDLE_TARGET, after_on_idle, HookType.AFTER)
-    HookRegistry.register(PREFILL_REPORT_TARGET, after_prefill_report, HookType.AFTER)

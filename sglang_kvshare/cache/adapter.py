@@ -1,14 +1,16 @@
 """The kvshare tree cache: SGLang's Python ``RadixCache`` plus placeholder reuse.
 
-This class is the thin SGLang adapter: it overrides the tree hooks
-(``match_prefix``, ``checkpoint``, ``reset``, ``_delete_leaf``) and hands the
-work to single-purpose parts:
+This class is the SGLang adapter: it overrides the tree hooks
+(``match_prefix``, ``checkpoint``, ``on_release``, ``reset``, ``_delete_leaf``)
+and runs one request's path as a pipeline, each step a module of its own
+that never calls back into this class::
 
-* ``resolver`` / ``assembly``: segments -> sources -> resolutions -> KV in the
-  pool and estimate nodes in the tree;
-* ``learner``: anchors from dense prefills, on a worker thread, bounded;
-* ``registry``: where each content's copies live, per namespace;
-* ``cache_admin``: stats, pools, configure and reset for the admin API.
+    plan (plan.py) -> resolve (resolve.py) -> assemble (assemble.py: write + insert)
+                   -> record (record.py) -> report (report.py)
+
+It owns the parts the steps share, and hands each what it needs: the config
+and estimator in force (``CorrectionState``), the copy registry, the learner
+(``learning/``), the counters, and the admin view (``kvshare_admin``).
 
 Guarantees (docs/ARCHITECTURE.md): a request without an annotation, and
 every request in mode ``off``, takes exactly ``RadixCache``'s code path and
@@ -21,7 +23,6 @@ fail a request (logged, counted, prefilled densely).
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import Any, Optional
 
@@ -29,66 +30,70 @@ from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResul
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixCache
 
-from sglang_kvshare.cache import assembly, tree_paths
-from sglang_kvshare.cache.cache_admin import CacheAdmin
-from sglang_kvshare.cache.counters import Counters
-from sglang_kvshare.cache.kv_pool_io import learning_copy_dtype, pool_dtype, read_pair
-from sglang_kvshare.cache.learner import Learner, Observation
-from sglang_kvshare.cache.registry import ContentHasher, Materialization, PlaceholderRegistry, RegistryLimits
-from sglang_kvshare.cache.request_state import (RequestPlan, SegmentOutcome, attach, plan_of,
-                                                 publish_report)
-from sglang_kvshare.cache.resolver import Resolver
-from sglang_kvshare.cache.serving_activity import ServingActivity
+from sglang_kvshare.cache import report, tree_paths
+from sglang_kvshare.cache.admin_view import AdminView
+from sglang_kvshare.cache.assemble import write_and_insert
+from sglang_kvshare.cache.correction_state import CorrectionState
+from sglang_kvshare.cache.plan import RequestPlan, plan_of, plan_request
+from sglang_kvshare.cache.record import Recorder
+from sglang_kvshare.cache.registry import ContentHasher, PlaceholderRegistry, RegistryLimits
+from sglang_kvshare.cache.resolve import (Resolver, candidates, mark_matched, mark_unreached, next_stage,
+                                          resolve_segments)
 from sglang_kvshare.config import KVShareConfig
-from sglang_kvshare.protocol import AnnotationError, parse_annotation
+from sglang_kvshare.counters import Counters
+from sglang_kvshare.learning.learner import Learner
+from sglang_kvshare.learning.serving_activity import ServingActivity
 
 logger = logging.getLogger(__name__)
 
 
-class KVShareRadixCache(CacheAdmin, RadixCache):
+class KVShareRadixCache(RadixCache):
     """A ``RadixCache`` that reuses shared segments across agents; see the module docstring.
 
-    ``page_size``/``tp_size`` are the launch facts the mode checks need again
-    when the mode is switched at runtime.
+    ``tp_size`` is the launch fact a runtime mode switch is checked against again.
     """
 
     def __init__(self, params: CacheInitParams, *, config: KVShareConfig, model_config: Optional[Any] = None,
                  tp_size: int = 1) -> None:
-        self.kvshare_config = config
-        self.model_config = model_config
-        self.tp_size = tp_size
-        self.kvshare_generation = 0
+        # NOTE: set before RadixCache.__init__, which calls reset().
+        self.state = CorrectionState(config, model_config, page_size=params.page_size, tp_size=tp_size)
         self.hasher = ContentHasher()
         self.registry = PlaceholderRegistry(RegistryLimits(max_namespaces=config.max_namespaces,
                                                            max_slots=config.max_slots))
         self.counters = Counters()
         self.counters.add("plain_tokens_from_estimates", 0)  # reported even while it stays 0 (the soak checks it)
-        self.unsupported_reason: Optional[str] = None
-        self.spec = None
-        self.estimator = None
-        self._estimator_lock = threading.RLock()
         self.activity = ServingActivity()
-        self.learner = Learner(lambda: self.estimator, self._estimator_lock, self.counters,
+        self.learner = Learner(lambda: self.state.estimator, self.state.lock, self.counters,
                                max_jobs=config.learn_queue_max, max_bytes=int(config.learn_queue_mb * 2**20),
                                asynchronous=config.learn_async, cpu_share=config.learn_cpu_share,
                                slot_interval_s=config.learn_slot_interval_s, activity=self.activity,
                                yield_s=config.learn_yield_s, single_thread=config.learn_single_thread)
-        self.resolver = Resolver(self, lambda: self.estimator, self._estimator_lock)
+        self.resolver = Resolver(self, self.state, self.counters)
+        self.recorder = Recorder(self, self.state, self.registry, self.learner, self.hasher, self.counters)
+        self.kvshare_admin = AdminView(self, self.state, self.registry, self.learner, self.counters, self.hasher)
         super().__init__(params)
-        if config.mode != "off":
-            self._init_correction()
+
+    @property
+    def kvshare_config(self) -> KVShareConfig:
+        """The config in force (``POST /kvshare/config`` may change it at runtime)."""
+        return self.state.config
+
+    @property
+    def estimator(self) -> Any:
+        return self.state.estimator
+
+    @property
+    def unsupported_reason(self) -> Optional[str]:
+        return self.state.unsupported_reason
 
     @property
     def active(self) -> bool:
-        return self.kvshare_config.mode != "off" and self.estimator is not None and not self.disable
+        return self.state.ready and not self.disable
 
     # ------------------------------------------------------------ tree hooks
     def reset(self) -> None:
         super().reset()
-        # RadixCache.__init__ calls reset() before our attributes exist.
-        if hasattr(self, "registry"):
-            self.registry.reset()
-            self.kvshare_generation += 1
+        self.registry.reset()
 
     def on_release(self, req, *, checkpointed: bool) -> None:
         self.activity.closed(req)  # also for a request the tree never checkpointed
@@ -96,15 +101,16 @@ class KVShareRadixCache(CacheAdmin, RadixCache):
 
     def _delete_leaf(self, node) -> None:
         super()._delete_leaf(node)
-        setattr(node, tree_paths.DEAD_ATTR, True)  # materializations ending here are gone
+        setattr(node, tree_paths.DEAD_ATTR, True)  # copies ending here are gone
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         req = params.req
-        if req is not None and self.kvshare_config.mode != "off":
-            self.activity.opened(req)  # its prefill is coming: the learner waits for it (learner.py)
+        mode_on = req is not None and self.state.config.mode != "off"
+        if mode_on:
+            self.activity.opened(req)  # its prefill is coming: the learner waits for it
         plan = None
-        if req is not None and self.kvshare_config.mode != "off" and not self.disable and not self.is_eagle:
-            plan = self._plan_for(req)
+        if mode_on and not self.disable and not self.is_eagle:
+            plan = plan_request(req, self.hasher, self.state.config.max_segments, self.counters)
         if plan is None:
             result = super().match_prefix(params)
             if req is not None and not self.disable:
@@ -133,49 +139,18 @@ class KVShareRadixCache(CacheAdmin, RadixCache):
             return
         try:
             if not plan.counted and (up_to >= len(plan.tokens) or req.finished()):
-                assembly.mark_unreached(plan)
-                self._count(plan)  # once the whole prompt is in: staged segments are decided by then
+                mark_unreached(plan)
+                self.recorder.count(plan)  # once the whole prompt is in: staged segments are decided by then
                 plan.counted = True
-                publish_report(req, plan)
-            self._learn(req, plan, up_to)
+                report.publish(req, plan)
+            self.recorder.checkpointed(req, plan, up_to)
             if plan.annotation.output_slot and req.finished():
-                self._record_output(req, plan, up_to)
+                self.recorder.output(req, plan, up_to)
         except Exception:  # noqa: BLE001
             logger.exception("sglang-kvshare: learning from a dense prefill failed")
             self.counters.add("internal_errors")
 
-    # ------------------------------------------------------------ planning
-    def _plan_for(self, req) -> Optional[RequestPlan]:
-        plan = plan_of(req)
-        if plan is not None:
-            return plan
-        custom = getattr(req.sampling_params, "custom_params", None)
-        tokens = tuple(int(t) for t in req.origin_input_ids)
-        try:
-            ann = parse_annotation(custom, len(tokens), self.kvshare_config.max_segments)
-        except AnnotationError as exc:
-            # The HTTP process rejects these with a 400; reaching here means the
-            # request bypassed it (e.g. the Engine API): serve it unannotated.
-            logger.warning("sglang-kvshare: ignoring a malformed annotation: %s", exc)
-            self.counters.add("malformed_annotations")
-            return None
-        if ann is None:
-            return None
-        namespace = (req.extra_key, getattr(req, "cache_salt", None))
-        first = ann.segments[0]
-        own_prefix = tokens[first.start:first.end] if first.kind == "private" else ()
-        plan = RequestPlan(
-            annotation=ann, tokens=tokens, namespace=namespace,
-            # NOTE: an agent is its name *and* its private prefix, so a client that
-            # borrows a name cannot feed corrections into another agent's edges.
-            agent_id=self.hasher(own_prefix, "agent", namespace, ann.agent),
-            hashes=[self.hasher(tokens[s.start:s.end]) for s in ann.segments],
-            outcomes=[SegmentOutcome(i, s.kind, s.slot, s.length) for i, s in enumerate(ann.segments)],
-        )
-        attach(req, plan)
-        return plan
-
-    # ------------------------------------------------------------ matching and assembly
+    # ------------------------------------------------------------ the request's path
     def _match_annotated(self, req, plan: RequestPlan, params: MatchPrefixParams) -> MatchResult:
         result = super().match_prefix(params)
         limit = len(params.key)  # the scheduler never matches the last prompt token
@@ -191,25 +166,30 @@ class KVShareRadixCache(CacheAdmin, RadixCache):
         if not plan.attempted:
             plan.exact_len = m  # first call: everything matched so far is a hit
         if not plan.attempted or advanced:
-            assembly.mark_matched(plan, m)
+            mark_matched(plan, m)
         if not self.active:
-            self._mark_unsupported(plan)
+            for o in plan.outcomes:
+                if o.resolved_by == "dense" and o.reason is None:
+                    o.reason = "model_unsupported"
         elif not plan.attempted or m < plan.assembled_end or advanced:
             t0 = time.perf_counter()
-            m, node = self._assemble(plan, m, limit, node)
+            m, node = self._reuse(plan, m, limit, node)
             plan.assembly_seconds += time.perf_counter() - t0
         plan.attempted = True
-        publish_report(req, plan)
+        report.publish(req, plan)
         return MatchResult(device_prefix_len=m, last_device_node=node, last_host_node=node, best_match_node=node)
 
-    def _assemble(self, plan: RequestPlan, m: int, limit: int, node) -> tuple[int, Any]:
+    def _reuse(self, plan: RequestPlan, m: int, limit: int, node) -> tuple[int, Any]:
+        """Resolve, assemble and record the segments from ``m`` on; the new prefix length and last node."""
+        config = self.state.config
         records = self.registry.namespace(plan.namespace)
+        generation = self.registry.generation
+        head = config.recompute_head
         locks = [node]
         self.inc_lock_ref(node)
-        head = self.kvshare_config.recompute_head
         try:
-            pieces = assembly.plan_pieces(self.resolver, records, plan, m, limit, locks, head)
-            last = assembly.write_and_insert(self, plan, node, m, pieces) if pieces else node
+            pieces = resolve_segments(self.resolver, records, plan, m, limit, locks, generation, head)
+            last = write_and_insert(self, self.state.spec, self.counters, plan, node, m, pieces) if pieces else node
         finally:
             for held in locks:
                 self.dec_lock_ref(held)
@@ -223,23 +203,20 @@ class KVShareRadixCache(CacheAdmin, RadixCache):
         elif pieces:
             if plan.est_start is None:
                 plan.est_start = m
-            for p in pieces:
-                seg = plan.annotation.segments[p.index]
-                if seg.start + p.hi == seg.end:
-                    self._record(plan, p.index, exact=False)
+            self.recorder.assembled(plan, pieces)
         plan.assembled_end = max(plan.assembled_end, end)
         plan.next_stage = None
-        if self.kvshare_config.staged:
-            plan.next_stage = assembly.next_stage(
-                plan, end, limit, head, lambda o: bool(self.resolver.candidates(records, plan, o)),
-                self.kvshare_config.min_stage_tokens)
+        if config.staged:
+            plan.next_stage = next_stage(plan, end, limit, head,
+                                         lambda o: bool(candidates(records, plan, o, generation)),
+                                         config.min_stage_tokens)
         return end, last
 
     # ------------------------------------------------------------ staged prefill
     def kvshare_stage_end(self, req, prefix_len: int) -> Optional[int]:
         """Where the request's current dense stretch should end (a chunk boundary), or None.
 
-        Read by the scheduler hooks (``sglang_kvshare.staged_prefill``) when SGLang
+        Read by the scheduler hooks (``sglang_kvshare.server.staged_prefill``) when SGLang
         decides how much of a request to prefill in this round.
         """
         plan = plan_of(req)
@@ -266,7 +243,7 @@ class KVShareRadixCache(CacheAdmin, RadixCache):
         try:
             limit = req._compute_max_prefix_len(len(req.full_untruncated_fill_ids))
             t0 = time.perf_counter()
-            end, last = self._assemble(plan, p, limit, req.last_node)
+            end, last = self._reuse(plan, p, limit, req.last_node)
             plan.assembly_seconds += time.perf_counter() - t0
         except Exception:  # noqa: BLE001 - never fail a request because of kvshare
             logger.exception("sglang-kvshare: resuming reuse failed; prefilling densely")
@@ -286,13 +263,8 @@ class KVShareRadixCache(CacheAdmin, RadixCache):
             req.last_node = last
             req.prefix_len = end
             self.counters.add("stages_resumed")
-        publish_report(req, plan)
+        report.publish(req, plan)
         return end - p
-
-    def _mark_unsupported(self, plan: RequestPlan) -> None:
-        for o in plan.outcomes:
-            if o.resolved_by == "dense" and o.reason is None:
-                o.reason = "model_unsupported"
 
     # ------------------------------------------------------------ checkpoints
     def _checkpoint_with_estimates(self, req, plan: RequestPlan, up_to: int) -> None:
@@ -313,88 +285,3 @@ class KVShareRadixCache(CacheAdmin, RadixCache):
         self.unlock(req.lock)
         req.lock = self.lock(last)
         req.last_node = last
-
-    # ------------------------------------------------------------ records and learning
-    def _node_at(self, plan: RequestPlan, tokens) -> Optional[Any]:
-        return tree_paths.node_at(self, tokens, plan.est_start, plan.namespace[0], plan.namespace[1])
-
-    def _record(self, plan: RequestPlan, index: int, *, exact: bool) -> None:
-        seg = plan.annotation.segments[index]
-        node = self._node_at(plan, plan.tokens[:seg.end])
-        if node is None:
-            return
-        mat = Materialization(agent=plan.agent_id, agent_name=plan.agent, node=node, start=seg.start, end=seg.end,
-                              exact=exact, generation=self.kvshare_generation)
-        records = self.registry.namespace(plan.namespace)
-        if seg.kind == "shared":
-            records.slot(seg.slot).record(plan.hashes[index], mat)
-        else:
-            records.record_private(plan.agent_id, plan.hashes[index], mat)
-
-    def _learn(self, req, plan: RequestPlan, up_to: int) -> None:
-        """Record what this request holds (segments fully inside ``up_to``) and queue observations."""
-        records = self.registry.namespace(plan.namespace)
-        for o, seg in zip(plan.outcomes, plan.annotation.segments):
-            if o.index in plan.learned or seg.end > up_to:
-                continue
-            plan.learned.add(o.index)
-            if o.resolved_by in ("alignment", "correction"):
-                continue  # recorded as an estimate when it was assembled
-            exact = plan.exact_before(seg.end)
-            source = None
-            if o.resolved_by == "dense" and seg.kind == "shared" and exact:
-                source = next(iter(self.resolver.candidates(records, plan, o)), None)
-            self._record(plan, o.index, exact=exact)
-            if source is None or self.kvshare_config.mode != "kvcmas":
-                continue
-            if source.agent == plan.agent_id and source.start == seg.start:
-                continue  # same agent, same offset (a client's commit of its own output): nothing to learn
-            self._observe(req, plan, o.index, source)
-
-    def _observe(self, req, plan: RequestPlan, index: int, source: Materialization) -> None:
-        from sglang_kvshare.correction import SegmentCache
-
-        src_idx = tree_paths.rows(source.node, source.start, source.end)
-        if src_idx is None:
-            self.counters.add("observations_source_lost")
-            return
-        seg = plan.annotation.segments[index]
-        if not self.learner.admit((plan.namespace, seg.slot), plan.hashes[index], source.agent, plan.agent_id):
-            return
-        t0 = time.perf_counter()
-        kvcache = self.token_to_kv_pool_allocator.get_kvcache()
-        k_src, v_src, k_tgt, v_tgt = read_pair(kvcache, src_idx,
-                                               self.req_to_token_pool.req_to_token[req.kv.req_pool_idx][seg.start:],
-                                               learning_copy_dtype(kvcache))
-        self.counters.add("learn_copy_seconds", time.perf_counter() - t0)
-        self.learner.submit(Observation(
-            slot=(plan.namespace, seg.slot),
-            source=SegmentCache(k_src, v_src, source.start, source.agent, exact=source.exact),
-            target=SegmentCache(k_tgt, v_tgt, seg.start, plan.agent_id, exact=True),
-            content_key=plan.hashes[index], compute_dtype=pool_dtype(kvcache)))
-
-    def _record_output(self, req, plan: RequestPlan, up_to: int) -> None:
-        """A finished producer's generated tokens become a source for its output slot."""
-        out_ids = tuple(int(t) for t in req.output_ids)
-        in_tree = min(max(up_to - len(plan.tokens), 0), len(out_ids))
-        if not out_ids or in_tree == 0:
-            return
-        node = self._node_at(plan, plan.tokens + out_ids[:in_tree])
-        if node is None:
-            return
-        mat = Materialization(agent=plan.agent_id, agent_name=plan.agent, node=node, start=len(plan.tokens),
-                              end=len(plan.tokens) + in_tree, exact=plan.est_start is None,
-                              generation=self.kvshare_generation)
-        slot = self.registry.namespace(plan.namespace).slot(plan.annotation.output_slot)
-        # Consumers may pass the whole output or only what has KV; both find it.
-        for content in {self.hasher(out_ids), self.hasher(out_ids[:in_tree])}:
-            slot.record(content, mat)
-
-    def _count(self, plan: RequestPlan) -> None:
-        records = self.registry.namespace(plan.namespace)
-        for o in plan.outcomes:
-            if o.kind != "shared":
-                continue
-            records.slot(o.slot).stats.add(o)
-        self.counters.add("annotated_requests")
-        self.counters.add("assembly_seconds", plan.assembly_seconds)

@@ -39,10 +39,9 @@ import itertools
 import os
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Hashable, Iterator, Optional, Sequence
+from typing import Any, Hashable, Iterator, Optional, Sequence
 
-if TYPE_CHECKING:
-    from sglang_kvshare.cache.request_state import SegmentOutcome
+from sglang_kvshare.cache.outcome import SegmentOutcome
 
 Namespace = tuple[Optional[str], Optional[str]]  # (extra_key, cache_salt)
 
@@ -99,7 +98,7 @@ class SlotStats:
     gate_entropy_sum: float = 0.0
     gate_decisions: int = 0
 
-    def add(self, o: "SegmentOutcome") -> None:
+    def add(self, o: SegmentOutcome) -> None:
         """Count one request's outcome of this slot."""
         self.requests += 1
         self.shared_tokens_seen += o.tokens
@@ -205,6 +204,9 @@ class PlaceholderRegistry:
     def __init__(self, limits: Optional[RegistryLimits] = None) -> None:
         self.limits = limits or RegistryLimits()
         self.namespaces: OrderedDict[Namespace, NamespaceRecords] = OrderedDict()
+        # NOTE: a record made before a reset by a request still in flight carries an older
+        # generation; only copies of the current one are offered as sources.
+        self.generation = 0
 
     def namespace(self, ns: Namespace) -> NamespaceRecords:
         rec = self.namespaces.get(ns)
@@ -231,5 +233,6 @@ class PlaceholderRegistry:
         }
 
     def reset(self) -> None:
-        """Forget every record."""
+        """Forget every record and start a new generation."""
         self.namespaces.clear()
+        self.generation += 1

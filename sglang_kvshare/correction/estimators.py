@@ -1,25 +1,23 @@
-"""The estimation modes behind one interface (ALGORITHM.md section 3, 4).
+"""The served estimation modes behind one interface (ALGORITHM.md section 3, 4).
 
 Every mode answers the same question: given a source cache of a shared slot
 and the target agent with its start position, what K/V should the target use,
 or should it prefill densely. They differ in which source they want
 (``source_policy``) and how they key and store anchors:
 
-=====================  ==============  ============  ====================
-name                   source_policy   edge key      stored anchors
-=====================  ==============  ============  ====================
-``fullshared``         first           -             none (alignment only)
-``kvcomm``             reference       ("ref", dst)  full dim, V=20
-``kvcmas``             previous        (src, dst)    rank 32, V=10
-``kvcmas_fullrank``    previous        (src, dst)    full dim, V=10
-``kvcmas_nonchained``  first           (src, dst)    rank 32, V=10
-``cacheblend``         first           -             none; recompute 15 %
-=====================  ==============  ============  ====================
+==============  ==============  ============  =====================
+name            source_policy   edge key      stored anchors
+==============  ==============  ============  =====================
+``fullshared``  first           -             none (alignment only)
+``kvcmas``      previous        (src, dst)    rank 32, V=10
+==============  ==============  ============  =====================
 
 ``source_policy``: ``previous`` = the cache already materialized for the
 previous agent on the edge (estimate or dense; chaining), ``first`` = the
 first agent's dense cache of the content, ``reference`` = a context-free
-prefill of the content alone (KVCOMM's extra prefill).
+prefill of the content alone (KVCOMM's extra prefill). The offline baselines
+(KVCOMM, the KVCMAS ablations, CacheBlend) build on ``AnchorEstimator`` and
+``FullShared`` in ``benchmarks/baselines.py``; the server never runs them.
 
 Usage::
 
@@ -51,14 +49,13 @@ from .anchor_pool import AnchorPool, PoolConfig, PreparedObservation, observatio
 from .plan import EstimateResult
 from .rope import RopeSpec
 
-__all__ = ["SegmentCache", "Estimator", "AnchorEstimator", "FullShared", "CacheBlend",
-           "make_estimator", "ESTIMATORS", "REFERENCE_AGENT", "DEFAULT_MAX_SLOTS", "DEFAULT_BUDGET_BYTES"]
+__all__ = ["SegmentCache", "Estimator", "AnchorEstimator", "FullShared", "make_estimator", "anchor_factory",
+           "ESTIMATORS", "DEFAULT_MAX_SLOTS", "DEFAULT_BUDGET_BYTES"]
 
 DEFAULT_MAX_SLOTS = 4096
 DEFAULT_BUDGET_BYTES = 512 * 2**20
 
 SourcePolicy = Literal["previous", "first", "reference"]
-REFERENCE_AGENT = "ref"
 
 
 @dataclass
@@ -69,7 +66,7 @@ class SegmentCache:
         k, v: ``[num_layers, L, kv_heads, head_dim]``; keys post-RoPE at
             positions ``start_pos .. start_pos + L - 1``.
         start_pos: the segment's first position in that agent's context.
-        agent: the agent whose context produced it (``"ref"``: no context).
+        agent: the agent whose context produced it.
         exact: True for a dense prefill, False for an estimate.
     """
 
@@ -179,32 +176,6 @@ class FullShared(Estimator):
 
     def estimate(self, slot, source, dst_agent, dst_pos):
         return EstimateResult(True, "aligned", covered=source.length)
-
-
-@dataclass(frozen=True)
-class CacheBlendConfig:
-    ratio: float = 0.15
-    """Fraction of the segment's tokens recomputed through the later layers."""
-    check_layer: int = 1
-    """Layers ``0 .. check_layer`` are recomputed for every token; the
-    deviation at ``check_layer`` picks the tokens recomputed after it."""
-    criterion: Literal["k", "v"] = "k"
-
-
-class CacheBlend(FullShared):
-    """Aligned source plus selective recompute; the model forward is the caller's
-    (see ``cacheblend.py`` for the token selection and the merge)."""
-
-    name = "cacheblend"
-
-    def __init__(self, spec: RopeSpec, config: CacheBlendConfig | None = None) -> None:
-        super().__init__(spec)
-        self.config = config or CacheBlendConfig()
-
-    def estimate(self, slot, source, dst_agent, dst_pos):
-        res = super().estimate(slot, source, dst_agent, dst_pos)
-        res.reason = "needs_recompute"
-        return res
 
 
 _POOL_FIELDS = {f.name for f in fields(PoolConfig)}
@@ -343,14 +314,12 @@ def _pair(src, dst):
     return (src, dst)
 
 
-def _by_target(src, dst):
-    return (REFERENCE_AGENT, dst)
-
-
 _BOUNDS = ("max_slots", "budget_bytes")
 
 
-def _anchor_factory(name, policy, edge_fn, capacity, rank):
+def anchor_factory(name: str, policy: SourcePolicy, edge_fn: Callable[[Hashable, Hashable], Hashable],
+                   capacity: int, rank: int | None) -> Callable[..., AnchorEstimator]:
+    """A builder of ``AnchorEstimator`` modes: ``make(spec, **cfg)`` with these defaults."""
     def make(spec: RopeSpec, **cfg) -> AnchorEstimator:
         cfg.setdefault("capacity", capacity)
         cfg.setdefault("rank", rank)
@@ -359,27 +328,18 @@ def _anchor_factory(name, policy, edge_fn, capacity, rank):
     return make
 
 
-def _cacheblend(spec: RopeSpec, **cfg) -> CacheBlend:
-    return CacheBlend(spec, CacheBlendConfig(**cfg))
-
-
 def _fullshared(spec: RopeSpec, **_cfg) -> FullShared:
     return FullShared(spec)
 
 
 ESTIMATORS: dict[str, Callable[..., Estimator]] = {
     "fullshared": _fullshared,
-    "kvcomm": _anchor_factory("kvcomm", "reference", _by_target, 20, None),
-    "kvcmas": _anchor_factory("kvcmas", "previous", _pair, 10, 32),
-    "kvcmas_fullrank": _anchor_factory("kvcmas_fullrank", "previous", _pair, 10, None),
-    "kvcmas_nonchained": _anchor_factory("kvcmas_nonchained", "first", _pair, 10, 32),
-    "cacheblend": _cacheblend,
+    "kvcmas": anchor_factory("kvcmas", "previous", _pair, 10, 32),
 }
 
 
 def make_estimator(name: str, spec: RopeSpec, **cfg) -> Estimator:
-    """Build a mode by name; ``cfg`` are ``PoolConfig`` fields plus ``max_slots``/``budget_bytes``
-    (anchor modes) or ``CacheBlendConfig`` fields (cacheblend)."""
+    """Build a served mode by name; ``cfg`` are ``PoolConfig`` fields plus ``max_slots``/``budget_bytes``."""
     try:
         factory = ESTIMATORS[name]
     except KeyError:

@@ -107,7 +107,7 @@ def factorize(x: torch.Tensor, rank: int | None, method: Literal["svd", "randomi
             subspace iteration on the small Gram matrix replace the SVD of
             the tall matrix; residual within 1e-4 of the exact truncation and
             no global RNG draw (the learner's default in the server;
-            ``python -m benchmarks.learn_cost`` times the three).
+            ``python -m benchmarks.research.learn_cost`` times the three).
         dtype: storage dtype; defaults to ``x.dtype``.
     Returns: new ``Factors``; ``x`` is not modified.
     """

@@ -15,7 +15,7 @@ import pytest
 import requests
 
 from sglang_kvshare.protocol import Annotation, Segment
-from sglang_kvshare.server_process import ServerProcess
+from devtools.server_process import ServerProcess
 from tests.servers import ADMIN_KEY, restore, shared_server
 
 

@@ -71,13 +71,17 @@ def test_with_several_dp_ranks_rpc_routes_answer_501(method, path):
 
 def test_the_mount_hook_reads_dp_size_from_the_server_args(monkeypatch):
     app = FastAPI()
-    monkeypatch.setattr(routes, "_http_app", lambda: app)
+    from sglang_kvshare.server import http_routes
+
+    monkeypatch.setattr(http_routes, "_http_app", lambda: app)
     server_args = SimpleNamespace(radix_cache_backend="kvshare", dp_size=3)
     port_args = SimpleNamespace(rpc_ipc_name="ipc:///nonexistent")
     try:
-        routes.before_setup_http_server(server_args, object(), None, port_args)
+        http_routes.before_setup_http_server(server_args, object(), None, port_args)
         r = TestClient(app).post("/kvshare/reset")
         assert r.status_code == 501 and "--dp-size 3" in r.json()["message"]
+        assert TestClient(app).get("/kvshare/chat").status_code == 200  # the chat layer's stats route too
+        http_routes.before_setup_http_server(SimpleNamespace(radix_cache_backend=None), object(), None, port_args)
     finally:
         routes.mount(FastAPI(), tokenizer_manager=None, rpc_endpoint="ipc:///nonexistent")
 

@@ -1,4 +1,4 @@
-"""The admin contract without a server: ops.execute on a stand-in cache, the metrics' counter logic."""
+"""The admin contract without a server: ops.execute on a stand-in admin view, the metrics' counter logic."""
 
 from __future__ import annotations
 
@@ -10,68 +10,74 @@ from sglang_kvshare.admin import ops
 from sglang_kvshare.config import KVShareConfig
 
 
-class FakeCache:
-    """The four admin methods of ``KVShareRadixCache`` with the same contracts."""
+class FakeView:
+    """The admin view of ``KVShareRadixCache`` (``cache/admin_view.py``) with the same contracts."""
 
     def __init__(self) -> None:
-        self.kvshare_config = KVShareConfig(mode="kvcmas")
-        self.pools = {"query": [{"id": 0, "bytes": 10}], "out:a": []}
+        self.config = KVShareConfig(mode="kvcmas")
+        self.anchors = {"query": [{"id": 0, "bytes": 10}], "out:a": []}
         self.resets: list = []
 
-    def kvshare_stats(self) -> dict:
-        return {"mode": self.kvshare_config.mode, "slots": {}}
+    def stats(self) -> dict:
+        return {"mode": self.config.mode, "slots": {}}
 
-    def kvshare_pools(self, slot=None) -> dict:
+    def pools(self, slot=None) -> dict:
         if slot is not None:
-            if slot not in self.pools:
+            if slot not in self.anchors:
                 raise KeyError(slot)
-            return {slot: self.pools[slot]}
-        return dict(self.pools)
+            return {slot: self.anchors[slot]}
+        return dict(self.anchors)
 
-    def kvshare_configure(self, **settings) -> KVShareConfig:
+    def configure(self, **settings) -> KVShareConfig:
         changes = {k: v for k, v in settings.items() if v is not None}
-        self.kvshare_config = self.kvshare_config.replace(**changes)
-        return self.kvshare_config
+        self.config = self.config.replace(**changes)
+        return self.config
 
-    def kvshare_reset(self, slot=None) -> None:
+    def reset(self, slot=None) -> None:
         self.resets.append(slot)
-        for name in ([slot] if slot else list(self.pools)):
-            self.pools[name] = []
+        for name in ([slot] if slot else list(self.anchors)):
+            self.anchors[name] = []
+
+
+class FakeCache:
+    def __init__(self) -> None:
+        self.kvshare_admin = FakeView()
 
 
 def test_configure_returns_the_new_config():
-    cache = FakeCache()
+    cache = FakeView()
     reply = ops.execute(cache, "configure", tau=0.1, capacity=4)
     assert reply.status == 200
-    assert reply.result["config"] == dataclasses.asdict(cache.kvshare_config)
+    assert reply.result["config"] == dataclasses.asdict(cache.config)
     assert reply.result["config"]["tau"] == 0.1 and reply.result["config"]["capacity"] == 4
 
 
 def test_an_invalid_configure_is_a_422_and_changes_nothing():
-    cache = FakeCache()
-    before = cache.kvshare_config
+    cache = FakeView()
+    before = cache.config
     reply = ops.execute(cache, "configure", tau=0.2, capacity=1)
     assert reply.status == 422 and "capacity" in reply.message
-    assert cache.kvshare_config == before
+    assert cache.config == before
 
 
 def test_reset_of_an_unknown_slot_is_a_404_and_resets_nothing():
-    cache = FakeCache()
+    cache = FakeView()
     reply = ops.execute(cache, "reset", slot="nope")
     assert reply.status == 404 and "nope" in reply.message
     assert cache.resets == []
 
 
 def test_reset_one_slot_and_all():
-    cache = FakeCache()
+    cache = FakeView()
     assert ops.execute(cache, "reset", slot="query").result["pools"]["query"] == []
     assert ops.execute(cache, "reset").ok
     assert cache.resets == ["query", None]
 
 
 def test_unknown_op_and_missing_cache():
-    assert ops.execute(FakeCache(), "explode").status == 400
-    assert ops.execute(object(), "reset").status == 503
+    assert ops.execute(FakeView(), "explode").status == 400
+    assert ops.execute(None, "reset").status == 503
+    assert ops.admin_view(FakeCache()) is not None and ops.admin_view(object()) is None
 
 
 def test_reply_round_trips_through_json():
@@ -81,12 +87,12 @@ def test_reply_round_trips_through_json():
 
 def test_snapshot_is_plain_json_types_and_holds_no_pools():
     # The snapshot also reaches /get_server_info (public with only --admin-api-key): no pools in it.
-    snap = ops.snapshot(FakeCache())
+    snap = ops.snapshot(FakeView())
     assert set(snap) == {"config", "stats"}
 
 
 def test_pools_op_reads_one_slot_or_all_and_changes_nothing():
-    cache = FakeCache()
+    cache = FakeView()
     assert ops.execute(cache, "pools").result["pools"] == {"query": [{"id": 0, "bytes": 10}], "out:a": []}
     assert ops.execute(cache, "pools", slot="query").result["pools"] == {"query": [{"id": 0, "bytes": 10}]}
     missing = ops.execute(cache, "pools", slot="nope")
@@ -132,10 +138,10 @@ def test_metrics_count_increases_and_survive_a_reset():
 
 
 def test_configure_sets_head_recompute_and_staging():
-    cache = FakeCache()
+    cache = FakeView()
     reply = ops.execute(cache, "configure", recompute_head=8, staged=False)
     assert reply.status == 200
-    assert cache.kvshare_config.recompute_head == 8 and cache.kvshare_config.staged is False
+    assert cache.config.recompute_head == 8 and cache.config.staged is False
     assert ops.execute(cache, "configure", recompute_head=-1).status == 422
 
 

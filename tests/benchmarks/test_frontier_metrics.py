@@ -9,7 +9,7 @@ import pytest
 from benchmarks import frontier as fr
 from benchmarks import frontier_metrics as fm
 from benchmarks.workloads import retrieval as rt
-from sglang_kvshare.segments import Piece, assemble
+from sglang_kvshare.frontend.builder import Piece, assemble
 
 
 # ------------------------------------------------------------------ retrieval workload

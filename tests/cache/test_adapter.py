@@ -97,7 +97,7 @@ def test_mode_off_after_assembly_serves_exact_only(sched):
     sched.run(annotated("A"))
     warm(sched, "B")
     sched.run(annotated("B"))
-    sched.cache.kvshare_configure(mode="off")
+    sched.cache.kvshare_admin.configure(mode="off")
     req = annotated("B")  # annotated, but the server is off now
     assert sched.run(req) == len(SYS["B"])
     assert req.report() is None
@@ -191,7 +191,7 @@ def test_many_requests_under_eviction_pressure_keep_the_pool_accounted():
 
 
 def test_write_failure_frees_the_fresh_slots(monkeypatch, sched):
-    from sglang_kvshare.cache import assembly
+    from sglang_kvshare.cache import assemble
 
     sched.run(annotated("A"))
     warm(sched, "B")
@@ -200,7 +200,7 @@ def test_write_failure_frees_the_fresh_slots(monkeypatch, sched):
     def boom(*a, **k):
         raise RuntimeError("write failed")
 
-    monkeypatch.setattr(assembly, "write_resolved", boom)
+    monkeypatch.setattr(assemble, "write_resolved", boom)
     b = annotated("B")
     m = sched.match(b)
     assert m == len(SYS["B"])  # fell back to the exact prefix
@@ -276,9 +276,9 @@ def test_kvcmas_corrected_rows_differ_from_plain_alignment():
 
 def test_reset_drops_queued_observations_and_pools():
     sched = learned_kvcmas()
-    sched.cache.kvshare_reset()
+    sched.cache.kvshare_admin.reset()
     assert sched.cache.estimator.pool_size(((None, None), "query")) == 0
-    assert sched.cache.kvshare_stats()["slots"] == {}
+    assert sched.cache.kvshare_admin.stats()["slots"] == {}
     assert sched.cache.learner.generation == 1
 
 
@@ -305,7 +305,7 @@ def test_limits_and_usage_are_reported_and_bounded():
                                           {"kind": "shared", "start": len(SYS["A"]), "end": len(tokens),
                                            "slot": f"junk{i}"}]}
         sched.run(FakeReq(tokens, custom_params={"kvshare": json.dumps(ann)}))
-    stats = sched.cache.kvshare_stats()
+    stats = sched.cache.kvshare_admin.stats()
     assert stats["usage"]["max_slots"] <= stats["limits"]["max_slots"] == 4
     for key, used in stats["usage"].items():
         if key in stats["limits"]:
@@ -314,14 +314,14 @@ def test_limits_and_usage_are_reported_and_bounded():
 
 def test_runtime_switch_to_a_mode_keeps_the_launch_checks():
     cache = make_cache("off")
-    cache.page_size = 16
+    cache.state.page_size = 16  # the launch fact a mode switch is checked against
     with pytest.raises(ValueError, match="page-size 1"):
-        cache.kvshare_configure(mode="fullshared")
+        cache.kvshare_admin.configure(mode="fullshared")
     assert cache.kvshare_config.mode == "off"
 
 
 def test_the_plain_estimate_counter_is_reported_from_the_start():
-    assert make_cache("fullshared").kvshare_stats()["counters"]["plain_tokens_from_estimates"] == 0
+    assert make_cache("fullshared").kvshare_admin.stats()["counters"]["plain_tokens_from_estimates"] == 0
 
 
 def test_the_private_suffix_is_never_taken_from_another_context(sched):

@@ -12,9 +12,9 @@ import threading
 
 import torch
 
-from sglang_kvshare.cache.counters import Counters
+from sglang_kvshare.counters import Counters
 from sglang_kvshare.cache.kv_pool_io import ReadWorkspace, learning_copy_dtype, read_pair, read_segment
-from sglang_kvshare.cache.learner import Learner, Observation
+from sglang_kvshare.learning.learner import Learner, Observation
 from sglang_kvshare.correction import RopeSpec, SegmentCache, make_estimator
 from sglang_kvshare.correction.anchor_pool import PoolConfig, prepare_observation
 from tests.cache.fakes import HEAD_DIM, HEADS, LAYERS, FakeKVCache

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 from sglang.srt.managers.schedule_policy import AddReqResult, _PrefillAdmission
 
-from sglang_kvshare.staged_prefill import around_select_prefill_admission
+from sglang_kvshare.server.staged_prefill import around_select_prefill_admission
 
 
 class StageAt:

@@ -75,7 +75,7 @@ def test_head_recompute_prefills_the_first_k_tokens_in_the_request_context():
     assert seg["resolved_by"] == "alignment" and seg["head_recomputed"] == k
     assert rep["tokens_aligned"] == len(QUERY) - k  # reuse counts only rows not prefilled
     assert rep["tokens_head_recomputed"] == k
-    assert sched.cache.kvshare_stats()["slots"]["query"]["head_recomputed"] == k  # /kvshare/stats counts it too
+    assert sched.cache.kvshare_admin.stats()["slots"]["query"]["head_recomputed"] == k  # /kvshare/stats counts it too
     cache = sched.cache
     start = len(SYS["B"])
     rows = cache.path_device_indices(b.last_node)[start:start + len(QUERY)].tolist()

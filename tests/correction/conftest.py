@@ -61,7 +61,7 @@ def kv_of():
 def real_model():
     from transformers import AutoModelForCausalLM
 
-    from sglang_kvshare.models import prepare
+    from devtools.models import prepare
 
     path = prepare("smollm2-135m")
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

@@ -1,36 +1,20 @@
-"""The modes behind one interface, CacheBlend's selection, and the real model."""
+"""The served modes behind one interface, and the real model."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from sglang_kvshare.correction import (ESTIMATORS, RopeSpec, SegmentCache, make_estimator, materialize, merge_rows,
-                                       rotate_keys, select_tokens, token_deviation)
+from sglang_kvshare.correction import ESTIMATORS, RopeSpec, SegmentCache, make_estimator, materialize, rotate_keys
 
 
 def test_registry_and_source_policies():
     spec = RopeSpec.default(head_dim=8)
     policies = {name: make_estimator(name, spec).source_policy for name in ESTIMATORS}
-    assert policies == {"fullshared": "first", "kvcomm": "reference", "kvcmas": "previous",
-                        "kvcmas_fullrank": "previous", "kvcmas_nonchained": "first", "cacheblend": "first"}
-    assert make_estimator("kvcomm", spec).config.capacity == 20
+    assert policies == {"fullshared": "first", "kvcmas": "previous"}  # the served modes only
     assert make_estimator("kvcmas", spec).config.rank == 32
-    assert make_estimator("kvcmas_fullrank", spec).config.rank is None
     with pytest.raises(ValueError, match="unknown estimator"):
         make_estimator("nope", spec)
-
-
-def test_kvcomm_keys_deltas_by_target_only(gen):
-    spec = RopeSpec.default(head_dim=8)
-    est = make_estimator("kvcomm", spec, tau=1.0)
-    for key in range(2):
-        k, v = torch.randn(2, 6, 1, 8, generator=gen), torch.randn(2, 6, 1, 8, generator=gen)
-        est.observe("q", SegmentCache(k, v, 0, "ref"), SegmentCache(k, v + 1, 4, "b"), content_key=key)
-    assert est.estimate("q", SegmentCache(k, v, 0, "whoever"), "b", 4).accepted
-    assert est.estimate("q", SegmentCache(k, v, 0, "ref"), "c", 4).reason == "no_edge"
-    est.configure(tau=0.0, capacity=1)
-    assert est.pool_size("q") == 1 and est.config.tau == 0.0
 
 
 def test_fullshared_is_alignment_only(gen):
@@ -43,17 +27,6 @@ def test_fullshared_is_alignment_only(gen):
     k_hat, v_hat = materialize(k, v, 10, 3, res.plan, spec)
     torch.testing.assert_close(k_hat, rotate_keys(k, -7, spec))
     torch.testing.assert_close(v_hat, v)
-
-
-def test_cacheblend_selects_most_deviating_tokens(gen):
-    reused = torch.randn(20, 2, 8, generator=gen)
-    fresh = reused.clone()
-    fresh[[3, 11, 17]] += torch.tensor([5.0, 9.0, 7.0])[:, None, None]
-    dev = token_deviation(fresh, reused)
-    idx = select_tokens(dev, 0.15)
-    assert idx.tolist() == [3, 11, 17]
-    torch.testing.assert_close(merge_rows(reused, fresh[idx], idx), fresh)
-    assert select_tokens(dev, 0.01).tolist() == [11]
 
 
 @pytest.mark.model

@@ -54,7 +54,7 @@ def test_generated_ids_and_pinned_ids_are_kept(tokenizer):
 
 
 def test_generated_ids_drop_the_stop_token(tokenizer):
-    from sglang_kvshare.frontend.backend import generated_ids_for_text
+    from sglang_kvshare.protocol import generated_ids_for_text
 
     ids = tokenizer("The answer is 18.", add_special_tokens=False)["input_ids"]
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")

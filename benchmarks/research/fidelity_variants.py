@@ -1,0 +1,407 @@
+"""Correction variants on top of head recompute, chosen on the warm set only (issue 14 item 4).
+
+Question: once the first K tokens of each reused segment are prefilled densely
+(head recompute), does any form of the anchor correction still lower the KL
+of FullShared + the same head? Candidates, all plan transforms served through
+``materialize`` (``benchmarks.fidelity_head``): the full kvcmas plan, keys
+only, the first N rows only (N = 4, 16, 64), keys on the first 16 rows, and a
+per-layer choice (correct K / V only in the layers where the correction lowers
+the cache error on the warm set).
+
+Protocol (no held-out content is looked at before the choice):
+
+1. **Warm study, leave-one-content-out.** For every warm content x of a slot,
+   the pools hold dense observations of the *other* warm contents of that slot
+   (the same observations ``benchmarks.fidelity`` warms with), and x is served
+   online through the chain for every variant and head K. The per-layer set of
+   a content is chosen from the other half of the warm contents (cross-fitted).
+2. **The choice**, by a rule fixed in this file: per K the variant with the
+   lowest mean warm KL; it *beats head recompute alone* only if its mean KL is
+   below 0.95 x FullShared + head K's and it is lower on more than half of the
+   warm instances.
+3. **One held-out check**: the pools warmed with all warm contents, the
+   held-out contents of ``benchmarks.fidelity`` served online (reject -> dense
+   prefill + new anchor) for FullShared + head K, kvcmas + head K and the
+   chosen variant + head K.
+
+Also measured: how often ``long_enough`` (an anchor must be at least as long as
+the segment's comparison length) leaves a pool with fewer than two eligible
+anchors, on these contents and on single GSM8K questions.
+
+    python -m benchmarks.research.fidelity_variants            # writes benchmarks/results/fidelity_variants.json
+    python -m benchmarks.research.fidelity_variants --quick --out v.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from benchmarks.baselines import make_estimator
+from sglang_kvshare.correction import FullShared, RopeSpec, SegmentCache, materialize
+
+from benchmarks import fidelity as F
+from benchmarks.common import load_model, prefill, set_threads
+from benchmarks.fidelity_head import compose, first_rows, keys_only, layers_only
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+ROW_EDGES = [0, 8, 32, 100000]
+"""Row buckets of the per-layer error sums (head K in {0, 8, 32} sums the buckets from K on)."""
+VARIANTS = {
+    "fullshared": None,
+    "kvcmas": lambda nl: None,
+    "keys_only": lambda nl: keys_only,
+    "first4": lambda nl: first_rows(4),
+    "first16": lambda nl: first_rows(16),
+    "first64": lambda nl: first_rows(64),
+    "keys_first16": lambda nl: compose(keys_only, first_rows(16)),
+}
+WIN_FACTOR = 0.95
+"""A variant beats head recompute alone when its KL is below WIN_FACTOR x the random-mix line through
+FullShared + the same head (at the variant's reuse) and it is lower on more than half of the instances it served."""
+
+
+def _kvcmas(spec, args, **extra):
+    return make_estimator("kvcmas", spec, **F._anchor_cfg("kvcmas", args.tau, args.rank, args.gate_len), **extra)
+
+
+def _exact(model, ids, prefix_kv) -> dict:
+    out = {}
+    for name in F.CHAIN:
+        kv, _ = prefill(model, ids, prefix_kv[name])
+        out[name] = SegmentCache(kv.k, kv.v, prefix_kv[name].length, name)
+    return out
+
+
+def _prepare(est, slot, key, exact) -> list:
+    """Dense observations of every chain edge (source = previous agent's exact cache), as the warm phase makes."""
+    preps, prev = [], exact[F.CHAIN[0]]
+    for i, name in enumerate(F.CHAIN[1:]):
+        preps.append(est.prepare_observation(slot, prev, exact[name], content_key=key, with_base=i == 0))
+        prev = exact[name]
+    return preps
+
+
+def _pool(spec, args, preps_by_key: dict, keys, **extra) -> object:
+    est = _kvcmas(spec, args, **extra)
+    for k in keys:
+        for p in preps_by_key[k]:
+            est.commit_observation(p)
+    return est
+
+
+def _layer_stats(est, slot, exact, nl) -> dict:
+    """Per layer and row bucket, squared error of corrected and aligned K / V (same source, full plan)."""
+    z = lambda: torch.zeros(nl, len(ROW_EDGES) - 1, dtype=torch.float64)  # noqa: E731
+    st = {n: z() for n in ("ck", "ak", "cv", "av")}
+    prev = exact[F.CHAIN[0]]
+    for name in F.CHAIN[1:]:
+        target = exact[name]
+        res = est.estimate(slot, prev, name, target.start_pos)
+        if not (res.accepted and res.plan is not None):
+            prev = target
+            continue
+        ck, cv = materialize(prev.k, prev.v, prev.start_pos, target.start_pos, res.plan, est.spec)
+        ak, av = materialize(prev.k, prev.v, prev.start_pos, target.start_pos, None, est.spec)
+        for b in range(len(ROW_EDGES) - 1):
+            lo, hi = ROW_EDGES[b], ROW_EDGES[b + 1]
+            for tag, x, ex in (("ck", ck, target.k), ("ak", ak, target.k), ("cv", cv, target.v), ("av", av, target.v)):
+                st[tag][:, b] += (x[:, lo:hi] - ex[:, lo:hi]).double().pow(2).flatten(1).sum(1)
+        prev = SegmentCache(ck, cv, target.start_pos, name, exact=False)
+    return st
+
+
+def choose_layers(stats: list[dict], head: int) -> tuple[list[int], list[int]]:
+    """Layers where the correction lowers the summed squared error on rows >= head (K and V separately)."""
+    if not stats:
+        return [], []
+    b0 = ROW_EDGES.index(head)
+    tot = {t: sum(s[t][:, b0:].sum(1) for s in stats) for t in ("ck", "ak", "cv", "av")}
+    return ((tot["ck"] < tot["ak"]).nonzero().flatten().tolist(), (tot["cv"] < tot["av"]).nonzero().flatten().tolist())
+
+
+def _arms(spec, args, names, heads, nl, greedy) -> list:
+    arms = []
+    for name in names:
+        for k in heads:
+            mode = "fullshared" if name == "fullshared" else "kvcmas"
+            est = FullShared(spec) if mode == "fullshared" else _kvcmas(spec, args)
+            variant = None if VARIANTS.get(name) is None else VARIANTS[name](nl)
+            arms.append(F.Arm(f"{name}@K{k}", mode, args.tau if mode == "kvcmas" else None,
+                              args.rank if mode == "kvcmas" else None, greedy, est, head=k, variant=variant))
+    return arms
+
+
+def _row(arm) -> dict:
+    return {"mode": arm.mode, "head": arm.head, "kl_mean": F._mean(arm.kl), "kl_p90": F._p90(arm.kl),
+            "top1": F._mean(arm.top1), "greedy_match": F._mean(arm.greedy_same) if arm.greedy else None,
+            "reuse_ratio": arm.accepted_tokens / max(arm.consumer_tokens, 1),
+            "fallback_rate": arm.fallbacks / max(arm.decisions, 1), "reasons": arm.reasons,
+            "instance_kl": arm.inst_kl, "instance_accepted": arm.inst_accepted}
+
+
+def _wins(row: dict, base: dict) -> float:
+    """Share of the instances ``row`` served from the cache (accepted) where its KL is below ``base``'s."""
+    pairs = [(x, y) for x, y, acc in zip(row["instance_kl"], base["instance_kl"], row["instance_accepted"]) if acc]
+    return sum(x < y for x, y in pairs) / len(pairs) if pairs else 0.0
+
+
+def line_ratio(row: dict, base: dict) -> float:
+    """KL of ``row`` over the random-mix line through ``base`` at ``row``'s reuse (ALGORITHM.md 7):
+    a dense prefill of a random share of segments scales ``base``'s KL with the reuse kept. < 1: above the line."""
+    if row["reuse_ratio"] <= 0 or not base["kl_mean"]:
+        return float("inf")
+    return row["kl_mean"] / (base["kl_mean"] * row["reuse_ratio"] / base["reuse_ratio"])
+
+
+def blocking_stats(tok, contents, gate_len: int, capacity: int, seed: int) -> dict:
+    """How often ``long_enough`` leaves < 2 eligible anchors (pool = the slot's last ``capacity`` contents)."""
+    def rate(lengths_seq, warmup):
+        blocked = prefix_ok = n = 0
+        for seq in lengths_seq:
+            for i in range(warmup, len(seq)):
+                pool = seq[max(0, i - capacity):i]
+                k_len = min(seq[i], gate_len)
+                n += 1
+                blocked += sum(a >= k_len for a in pool) < 2
+                prefix_ok += sum(a >= 16 for a in pool) < 2
+        return {"decisions": n, "blocked_rate": blocked / max(n, 1), "blocked_rate_common_prefix": prefix_ok / max(n, 1)}
+
+    by_slot: dict = {}
+    for slot, _, ids in contents:
+        by_slot.setdefault(slot, []).append(len(ids))
+    harness = rate(list(by_slot.values()), 2)
+    rows = [json.loads(line) for line in F.GSM8K.read_text().splitlines() if line.strip()]
+    lens = [len(tok(r["question"], add_special_tokens=False)["input_ids"]) for r in rows]
+    rng = random.Random(seed)
+    seqs = [[lens[rng.randrange(len(lens))] for _ in range(24)] for _ in range(200)]
+    gsm = rate(seqs, 8)
+    return {"harness_contents": harness, "gsm8k_single_questions_8_warm_then_16": gsm,
+            "gsm8k_question_tokens_p10_p50_p90": [sorted(lens)[int(q * (len(lens) - 1))] for q in (0.1, 0.5, 0.9)],
+            "gate_len": gate_len, "capacity": capacity,
+            "common_prefix_rule": "eligible = anchors of >= 16 tokens holding the edge; compare on the common prefix"}
+
+
+def _questions(tok, seed: int, split: str, n: int) -> list:
+    """Single GSM8K questions of one split of ``fidelity.build_contents`` (the same document split)."""
+    docs = F._source_texts("gsm8k")
+    order = list(range(len(docs)))
+    random.Random(seed).shuffle(order)
+    half = len(order) // 2
+    idx = order[:half] if split == "warm" else order[half:]
+    return [("gsm8k_q", f"gsm8k_q:{split}:{i}", tok(docs[j], add_special_tokens=False)["input_ids"])
+            for i, j in enumerate(idx[:n])]
+
+
+SHORT_ARMS = ("fullshared", "kvcmas", "kvcmas_prefix")
+
+
+def _short_arms(spec, args, heads, greedy):
+    arms = []
+    for name in SHORT_ARMS:
+        for k in heads:
+            mode = "fullshared" if name == "fullshared" else "kvcmas"
+            arms.append(F.Arm(f"{name}@K{k}", mode, None, None, greedy,
+                              FullShared(spec) if mode == "fullshared" else None, head=k))
+    return arms
+
+
+def _short_pool(spec, args, arm, preps, keys):
+    extra = {"min_anchor_len": args.min_anchor_len} if arm.label.startswith("kvcmas_prefix") else {}
+    return _pool(spec, args, preps, keys, **extra)
+
+
+def short_study(model, tok, spec, parts, prefix_kv, args) -> dict:
+    """Single GSM8K questions (shorter than the gate length, of varying length) as one slot: today's
+    ``long_enough`` rule against the common-prefix rule (``min_anchor_len``), with and without head recompute.
+    Warm: leave one question out (pool = the other warm questions). Held-out: pool = every warm question."""
+    proto = _kvcmas(spec, args)
+    warm = _questions(tok, args.seed, "warm", args.short_n)
+    held = _questions(tok, args.seed, "eval", args.short_n)
+    exact_w, preps = {}, {}
+    for slot, key, ids in tqdm(warm, desc="short warm prefill", file=sys.stderr):
+        exact_w[key] = _exact(model, ids, prefix_kv)
+        preps[key] = _prepare(proto, slot, key, exact_w[key])
+    arms = _short_arms(spec, args, args.heads, greedy=False)
+    for slot, key, ids in tqdm(warm, desc="short warm study", file=sys.stderr):
+        others = [k for _, k, _ in warm if k != key]
+        for arm in arms:
+            if arm.mode == "kvcmas":
+                arm.est = _short_pool(spec, args, arm, preps, others)
+        served = {a.label: F.serve_chain(model, a, slot, key, ids, exact_w[key], None, prefix_kv, "eval") for a in arms}
+        F.evaluate(model, arms, served, exact_w[key], prefix_kv, parts, slot, len(ids), 0)
+    rows = {a.label: _row(a) for a in arms}
+    choice = {}
+    for k in args.heads:
+        fs, pre, strict = rows[f"fullshared@K{k}"], rows[f"kvcmas_prefix@K{k}"], rows[f"kvcmas@K{k}"]
+        win = _wins(pre, fs)
+        choice[f"K{k}"] = {"kvcmas_prefix_kl": pre["kl_mean"], "fullshared_kl": fs["kl_mean"],
+                           "kvcmas_strict_kl": strict["kl_mean"], "win_rate_vs_fullshared": win,
+                           "reuse_prefix": pre["reuse_ratio"], "reuse_strict": strict["reuse_ratio"],
+                           "reuse_fullshared": fs["reuse_ratio"],
+                           "line_ratio_prefix": line_ratio(pre, fs), "line_ratio_strict": line_ratio(strict, fs),
+                           "beats_head_recompute_alone": line_ratio(pre, fs) < WIN_FACTOR and win > 0.5}
+    out = {"n_warm": len(warm), "n_heldout": len(held), "min_anchor_len": args.min_anchor_len,
+           "question_tokens": [len(i) for _, _, i in warm], "warm": rows, "choice": choice}
+    del exact_w
+    if args.no_heldout:
+        return out
+    check = _short_arms(spec, args, args.heads, greedy=True)
+    for arm in check:
+        if arm.mode == "kvcmas":
+            arm.est = _short_pool(spec, args, arm, preps, [k for _, k, _ in warm])
+    for slot, key, ids in tqdm(held, desc="short held-out check", file=sys.stderr):
+        exact = _exact(model, ids, prefix_kv)
+        served = {a.label: F.serve_chain(model, a, slot, key, ids, exact, None, prefix_kv, "eval") for a in check}
+        F.evaluate(model, check, served, exact, prefix_kv, parts, slot, len(ids), args.greedy_tokens)
+    out["heldout"] = {a.label: _row(a) for a in check}
+    return out
+
+
+def run(args) -> dict:
+    set_threads(args.threads)
+    torch.manual_seed(args.seed)
+    t0 = time.perf_counter()
+    model, tok, _ = load_model(args.model)
+    spec = RopeSpec.from_hf_config(model.config)
+    nl = model.config.num_hidden_layers
+    parts = {a.name: F.agent_token_parts(tok, a) for a in F.AGENTS}
+    prefix_kv = {name: prefill(model, pre)[0] for name, (pre, _) in parts.items()}
+    warm, held = [], []
+    for i, source in enumerate(args.sources):
+        w, e = F.build_contents(tok, source, args.lengths, args.warm, args.eval, args.seed + i)
+        warm += [(source, k, ids) for k, ids in w]
+        held += [(source, k, ids) for k, ids in e]
+    rng = random.Random(args.seed)
+    rng.shuffle(warm)
+    rng.shuffle(held)
+    out = {"command": "python -m benchmarks.research.fidelity_variants " + " ".join(sys.argv[1:]), "quick": args.quick,
+           "heads": args.heads, "tau": args.tau, "rank": args.rank, "gate_len": args.gate_len,
+           "n_warm": len(warm), "n_heldout": len(held), "win_rule": f"mean KL < {WIN_FACTOR} x the random-mix line through "
+           "fullshared@K at the variant's reuse, and lower KL on > 50 % of the warm instances it served",
+           "long_enough_blocking": blocking_stats(tok, warm + held, args.gate_len, 10, args.seed)}
+    out["short_contents"] = short_study(model, tok, spec, parts, prefix_kv, args)
+
+    # ---- 1. warm study: leave one content out, every variant and head K
+    proto = _kvcmas(spec, args)
+    exact_w, preps = {}, {}
+    for slot, key, ids in tqdm(warm, desc="warm prefill", file=sys.stderr):
+        exact_w[key] = _exact(model, ids, prefix_kv)
+        preps[key] = _prepare(proto, slot, key, exact_w[key])
+    names = [n for n in VARIANTS]
+    arms = _arms(spec, args, names, args.heads, nl, greedy=False)
+    layer_arms = _arms(spec, args, ["per_layer"], args.heads, nl, greedy=False)
+    stats = {}
+    for slot, key, ids in tqdm(warm, desc="warm study", file=sys.stderr):
+        others = [k for s, k, _ in warm if s == slot and k != key]
+        stats[key] = _layer_stats(_pool(spec, args, preps, others), slot, exact_w[key], nl)
+        for arm in arms:
+            if arm.mode == "kvcmas":
+                arm.est = _pool(spec, args, preps, others)
+        served = {a.label: F.serve_chain(model, a, slot, key, ids, exact_w[key], None, prefix_kv, "eval") for a in arms}
+        F.evaluate(model, arms, served, exact_w[key], prefix_kv, parts, slot, len(ids), 0)
+    half = {key: int(key.rsplit(":", 1)[1]) % 2 for _, key, _ in warm}
+    layer_sets = {}
+    for slot, key, ids in tqdm(warm, desc="warm per-layer", file=sys.stderr):
+        others = [k for s, k, _ in warm if s == slot and k != key]
+        fit = [stats[k] for k in stats if half[k] != half[key]]  # cross-fitted: chosen on the other half
+        for arm in layer_arms:
+            lk, lv = choose_layers(fit, arm.head)
+            layer_sets.setdefault(arm.label, {})[f"half{1 - half[key]}"] = {"k": lk, "v": lv}
+            arm.variant = layers_only(lk, lv, nl)
+            arm.est = _pool(spec, args, preps, others)
+        served = {a.label: F.serve_chain(model, a, slot, key, ids, exact_w[key], None, prefix_kv, "eval")
+                  for a in layer_arms}
+        F.evaluate(model, layer_arms, served, exact_w[key], prefix_kv, parts, slot, len(ids), 0)
+    warm_rows = {a.label: _row(a) for a in arms + layer_arms}
+    out["warm"] = {"rows": warm_rows, "per_layer_sets_by_fit_half": layer_sets}
+
+    # ---- 2. the choice (warm only)
+    choice = {}
+    for k in args.heads:
+        fs = warm_rows[f"fullshared@K{k}"]
+        cands = {n: warm_rows[f"{n}@K{k}"] for n in names + ["per_layer"] if n != "fullshared"}
+        best = min(cands, key=lambda n: line_ratio(cands[n], fs))
+        b = cands[best]
+        win_rate = _wins(b, fs)
+        beats = line_ratio(b, fs) < WIN_FACTOR and win_rate > 0.5
+        choice[f"K{k}"] = {"best_variant": best, "kl_mean": b["kl_mean"], "reuse_ratio": b["reuse_ratio"],
+                           "fullshared_kl_mean": fs["kl_mean"], "fullshared_reuse_ratio": fs["reuse_ratio"],
+                           "ratio_to_random_mix_line": line_ratio(b, fs),
+                           "line_ratio_by_variant": {n: line_ratio(c, fs) for n, c in cands.items()},
+                           "win_rate_vs_fullshared": win_rate,
+                           "beats_head_recompute_alone": beats,
+                           "all_layers": choose_layers(list(stats.values()), k)}
+    out["choice"] = choice
+    del exact_w
+    if args.no_heldout:
+        out["wall_seconds"] = time.perf_counter() - t0
+        return out
+
+    # ---- 3. one held-out check: pools warmed with every warm content, held-out contents served online
+    check = []
+    for k in args.heads:
+        c = choice[f"K{k}"]
+        check += _arms(spec, args, ["fullshared", "kvcmas"], [k], nl, greedy=True)
+        if c["best_variant"] != "kvcmas":
+            arm = _arms(spec, args, [c["best_variant"] if c["best_variant"] in VARIANTS else "kvcmas"], [k], nl,
+                        greedy=True)[0]
+            if c["best_variant"] == "per_layer":
+                arm.label, arm.variant = f"per_layer@K{k}", layers_only(*c["all_layers"], nl)
+            check.append(arm)
+    for arm in check:
+        if arm.mode == "kvcmas":
+            arm.est = _pool(spec, args, preps, [k for _, k, _ in warm])
+    for slot, key, ids in tqdm(held, desc="held-out check", file=sys.stderr):
+        exact = _exact(model, ids, prefix_kv)
+        served = {a.label: F.serve_chain(model, a, slot, key, ids, exact, None, prefix_kv, "eval") for a in check}
+        F.evaluate(model, check, served, exact, prefix_kv, parts, slot, len(ids), args.greedy_tokens)
+    out["heldout"] = {a.label: _row(a) for a in check}
+    out["wall_seconds"] = time.perf_counter() - t0
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="2 warm + 1 held-out content per source, 256 tokens")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tau", type=float, default=0.3)
+    ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--gate-len", type=int, default=256)
+    ap.add_argument("--heads", type=int, nargs="+", default=[0, 8, 32], choices=ROW_EDGES[:-1])
+    ap.add_argument("--sources", nargs="+", default=["gsm8k", "humaneval", "pydoc"])
+    ap.add_argument("--greedy-tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--no-heldout", action="store_true", help="warm study and choice only")
+    ap.add_argument("--short-n", type=int, default=None, help="GSM8K questions per split in the short study")
+    ap.add_argument("--min-anchor-len", type=int, default=16, help="common-prefix rule of the short study")
+    args = ap.parse_args(argv)
+    # NOTE: the same contents as benchmarks.fidelity (same seeds, counts and lengths)
+    args.warm, args.eval, args.lengths = (2, 1, [256]) if args.quick else (4, 3, [256, 512, 768, 384])
+    if args.short_n is None:
+        args.short_n = 4 if args.quick else 16
+    out = args.out or RESULTS / ("fidelity_variants_quick.json" if args.quick else "fidelity_variants.json")
+    result = run(args)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}", file=sys.stderr)
+    print(json.dumps({"choice": result["choice"], "blocking": result["long_enough_blocking"],
+                      "short": {"choice": result["short_contents"]["choice"],
+                                "heldout": {k: {m: v[m] for m in ("kl_mean", "reuse_ratio", "fallback_rate")}
+                                            for k, v in result["short_contents"].get("heldout", {}).items()}},
+                      "warm": {k: round(v["kl_mean"], 5) for k, v in result["warm"]["rows"].items()},
+                      "heldout": {k: {m: v[m] for m in ("kl_mean", "reuse_ratio", "top1", "greedy_match")}
+                                  for k, v in result.get("heldout", {}).items()}}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""What the admin API sees of the cache: stats, pools, configure, reset.
+
+An object the cache owns (``KVShareRadixCache.kvshare_admin``), given what it
+reads: the tree's pool sizes, the config and estimator in force, the copy
+registry, the learner and the counters. Every method runs on the scheduler
+thread between batches (the admin channel calls them there) and takes the
+estimator lock only around estimator calls.
+
+Slots of the default namespace show under their own names; slots of other
+namespaces (a LoRA id or a cache salt) show as ``slot@<keyed hash>``, so an
+operator can tell them apart without the admin API revealing the salt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Hashable, Optional
+
+from sglang_kvshare.cache.correction_state import CorrectionState
+from sglang_kvshare.cache.registry import ContentHasher, PlaceholderRegistry
+from sglang_kvshare.config import KVShareConfig
+from sglang_kvshare.counters import Counters
+from sglang_kvshare.learning.learner import Learner
+
+DEFAULT_NAMESPACE = (None, None)
+
+
+class AdminView:
+    """The admin-facing side of one cache (see the module docstring); ``tree`` is SGLang's ``RadixCache``."""
+
+    def __init__(self, tree: Any, state: CorrectionState, registry: PlaceholderRegistry, learner: Learner,
+                 counters: Counters, hasher: ContentHasher) -> None:
+        self.tree = tree
+        self.state = state
+        self.registry = registry
+        self.learner = learner
+        self.counters = counters
+        self.hasher = hasher
+
+    @property
+    def config(self) -> KVShareConfig:
+        return self.state.config
+
+    # ------------------------------------------------------------ naming
+    def _display(self, namespace, slot: str) -> str:
+        if tuple(namespace) == DEFAULT_NAMESPACE:
+            return slot
+        return f"{slot}@{self.hasher((), 'namespace', tuple(namespace))[:8]}"
+
+    def _describe_pools(self) -> dict[str, list[dict]]:
+        with self.state.lock:
+            described = self.state.estimator.describe() if self.state.estimator is not None else {}
+        return {self._display(*key) if isinstance(key, tuple) and len(key) == 2 else str(key): anchors
+                for key, anchors in described.items()}
+
+    # ------------------------------------------------------------ reads
+    def stats(self) -> dict:
+        """Totals, per-slot counters, limits and usage (plain Python types)."""
+        pools = self._describe_pools()
+        slots = {}
+        for ns, node in self.registry.all_slots():
+            name = self._display(ns, node.slot)
+            info = node.stats.as_dict()
+            anchors = pools.get(name, [])
+            info["anchors"] = len(anchors)
+            info["anchor_bytes"] = int(sum(a.get("bytes", 0) for a in anchors))
+            slots[name] = info
+        seen = sum(s["shared_tokens_seen"] for s in slots.values())
+        reused = sum(s["resolved_alignment"] + s["resolved_correction"] for s in slots.values())
+        with self.state.lock:
+            memory = self.state.estimator.memory_bytes() if self.state.estimator is not None else 0
+        tree = self.tree
+        allocator = tree.token_to_kv_pool_allocator
+        cfg = self.state.config
+        limits = {**dataclasses.asdict(self.registry.limits),
+                  "learn_queue_jobs": cfg.learn_queue_max, "learn_queue_bytes": int(cfg.learn_queue_mb * 2**20),
+                  "anchor_bytes": int(cfg.pool_budget_mb * 2**20), "pools": cfg.max_pools}
+        usage = {**self.registry.usage(), "learn_queue_jobs": self.learner.pending(),
+                 "learn_queue_bytes": self.learner.queued_bytes(), "anchor_bytes": int(memory),
+                 "pools": len(pools)}
+        return {
+            "mode": cfg.mode,
+            "config": dataclasses.asdict(cfg),
+            "kv_pool_tokens": {"available": int(allocator.available_size()), "evictable": int(tree.evictable_size()),
+                               "protected": int(tree.protected_size()), "total": int(allocator.size)},
+            "unsupported_reason": self.state.unsupported_reason,
+            "shared_tokens_seen": seen,
+            "reuse_ratio": reused / seen if seen else 0.0,
+            "anchor_bytes": int(memory),
+            "pending_observations": self.learner.pending(),
+            "limits": limits,
+            "usage": usage,
+            "counters": self.counters.snapshot(),
+            "slots": slots,
+        }
+
+    def pools(self, slot: Optional[str] = None) -> dict:
+        """Per slot, each anchor: id, length, age, activations, edges, rank, bytes.
+
+        Raises ``KeyError`` for a slot the cache does not know.
+        """
+        pools = self._describe_pools()
+        known = set(pools) | {self._display(ns, node.slot) for ns, node in self.registry.all_slots()}
+        if slot is not None:
+            if slot not in known:
+                raise KeyError(slot)
+            return {slot: pools.get(slot, [])}
+        return {name: pools.get(name, []) for name in sorted(known)}
+
+    # ------------------------------------------------------------ writes
+    def configure(self, *, tau: Optional[float] = None, capacity: Optional[int] = None,
+                  rank: Optional[int] = None, mode: Optional[str] = None,
+                  recompute_head: Optional[int] = None, staged: Optional[bool] = None) -> KVShareConfig:
+        """Apply a validated change atomically (all or nothing); returns the new config.
+
+        ``recompute_head`` and ``staged`` apply to requests admitted from now on.
+        ``mode`` may switch among ``off``, ``fullshared`` and ``kvcmas`` at runtime,
+        under the same checks as the launch (page size 1; kvcmas needs TP 1);
+        switching between fullshared and kvcmas starts with empty pools.
+        Raises ``ValueError`` with what to change.
+        """
+        changes = {k: v for k, v in dict(tau=tau, capacity=capacity, rank=rank, mode=mode,
+                                         recompute_head=recompute_head, staged=staged).items() if v is not None}
+        new = self.state.config.replace(**changes)  # validates; raises ValueError
+        with self.state.lock:
+            if self.state.apply(new):
+                self.learner.reset()  # observations of the old estimator must not fill the new one
+        return new
+
+    def reset(self, slot: Optional[str] = None) -> None:
+        """Empty the anchor pools and copy records of one slot (every namespace) or all.
+
+        Observations still queued are dropped too (for one slot: all of them), so
+        nothing learned before the reset refills the pools after it.
+        """
+        with self.state.lock:
+            self.learner.reset()
+            estimator = self.state.estimator
+            if estimator is not None:
+                if slot is None:
+                    estimator.reset()
+                else:
+                    for key in self._pool_keys(slot):
+                        estimator.reset(key)
+            if slot is None:
+                self.registry.reset()
+            else:
+                for ns, node in list(self.registry.all_slots()):
+                    if self._display(ns, node.slot) == slot:
+                        self.registry.namespace(ns).slots.pop(node.slot, None)
+
+    def _pool_keys(self, display: str) -> list[Hashable]:
+        with self.state.lock:
+            keys = list(self.state.estimator.describe()) if self.state.estimator is not None else []
+        return [k for k in keys if isinstance(k, tuple) and len(k) == 2 and self._display(*k) == display]

@@ -1,0 +1,96 @@
+"""The first step of a request's path: its plan, built once from the annotation and kept on the request.
+
+Why on the request (``req.kvshare_plan``) and not in a table keyed by ``rid``:
+a request aborted while it waits never reaches ``on_release``, and clients
+choose their own ``rid``s, so a table outlives its requests and hands one
+request's plan to the next that reuses the name. On the request, the state
+dies with it and a new request always starts clean.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from sglang_kvshare.cache.outcome import SegmentOutcome
+from sglang_kvshare.cache.registry import ContentHasher, Namespace
+from sglang_kvshare.counters import Counters
+from sglang_kvshare.protocol import Annotation, AnnotationError, parse_annotation
+
+logger = logging.getLogger(__name__)
+
+PLAN_ATTR = "kvshare_plan"
+
+
+@dataclass
+class RequestPlan:
+    """Everything kvshare knows about one annotated request, from first match to release.
+
+    ``est_start`` is the first prompt position whose KV is an estimate (assembled),
+    or None while the request holds exact KV only. Everything from there on,
+    including what the model computes on top of it, is kept in the tree's
+    estimate namespace and never counts as exact.
+    """
+
+    annotation: Annotation
+    tokens: tuple[int, ...]
+    hashes: list[str]
+    namespace: Namespace
+    agent_id: str
+    outcomes: list[SegmentOutcome]
+    exact_len: int = 0  # radix hit before any assembly (first match)
+    assembled_end: int = 0  # prefix length after assembly
+    est_start: Optional[int] = None
+    next_stage: Optional[int] = None  # where staged prefill resumes reuse (None: prefill the rest)
+    learned: set[int] = field(default_factory=set)
+    counted: bool = False
+    attempted: bool = False  # assembly ran once; a repeat only re-runs if its nodes were evicted
+    assembly_seconds: float = 0.0
+
+    @property
+    def agent(self) -> str:
+        return self.annotation.agent
+
+    def exact_before(self, end: int) -> bool:
+        """True when rows ``[0, end)`` of this request hold exact KV only."""
+        return self.est_start is None or end <= self.est_start
+
+
+def plan_of(req: Any) -> Optional[RequestPlan]:
+    return getattr(req, PLAN_ATTR, None)
+
+
+def plan_request(req: Any, hasher: ContentHasher, max_segments: int, counters: Counters) -> Optional[RequestPlan]:
+    """The request's plan (made once, then kept on the request), or None for a request without annotation.
+
+    A malformed annotation reaching the scheduler (the HTTP process answers it
+    with a 400; the Engine API does not check) is logged, counted and served as
+    no annotation at all.
+    """
+    plan = plan_of(req)
+    if plan is not None:
+        return plan
+    custom = getattr(req.sampling_params, "custom_params", None)
+    tokens = tuple(int(t) for t in req.origin_input_ids)
+    try:
+        ann = parse_annotation(custom, len(tokens), max_segments)
+    except AnnotationError as exc:
+        logger.warning("sglang-kvshare: ignoring a malformed annotation: %s", exc)
+        counters.add("malformed_annotations")
+        return None
+    if ann is None:
+        return None
+    namespace = (req.extra_key, getattr(req, "cache_salt", None))
+    first = ann.segments[0]
+    own_prefix = tokens[first.start:first.end] if first.kind == "private" else ()
+    plan = RequestPlan(
+        annotation=ann, tokens=tokens, namespace=namespace,
+        # NOTE: an agent is its name *and* its private prefix, so a client that
+        # borrows a name cannot feed corrections into another agent's edges.
+        agent_id=hasher(own_prefix, "agent", namespace, ann.agent),
+        hashes=[hasher(tokens[s.start:s.end]) for s in ann.segments],
+        outcomes=[SegmentOutcome(i, s.kind, s.slot, s.length) for i, s in enumerate(ann.segments)],
+    )
+    setattr(req, PLAN_ATTR, plan)
+    return plan

@@ -1,0 +1,42 @@
+"""The last step of a request's path: what the response says about its reuse (``meta_info["kvshare"][0]``)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from sglang_kvshare.cache.plan import RequestPlan
+
+REPORT_KEY = "kvshare"
+
+
+def build(plan: RequestPlan) -> dict:
+    """The report of ``plan`` as plain types: token counts by how they were served, per segment, fallbacks."""
+    by: dict[str, int] = defaultdict(int)
+    for o in plan.outcomes:
+        if o.resolved_by != "dense":
+            by[o.resolved_by] += o.resolved_tokens
+    total = sum(o.tokens for o in plan.outcomes)
+    return {
+        "agent": plan.agent,
+        "tokens_exact_hit": by["hit"],
+        "tokens_aligned": by["alignment"],
+        "tokens_corrected": by["correction"],
+        "tokens_estimate_hit": by["estimate_hit"],
+        "tokens_prefilled": total - by["hit"] - by["estimate_hit"] - by["alignment"] - by["correction"],
+        "shared_tokens": sum(o.tokens for o in plan.outcomes if o.kind == "shared"),
+        "shared_tokens_reused": sum(o.resolved_tokens for o in plan.outcomes if o.kind == "shared"
+                                    and o.resolved_by in ("estimate_hit", "alignment", "correction")),
+        "tokens_head_recomputed": sum(o.head_recomputed or 0 for o in plan.outcomes),
+        "assembly_seconds": round(plan.assembly_seconds, 6),
+        "segments": [o.as_dict() for o in plan.outcomes],
+        "fallbacks": [{"segment": o.index, "slot": o.slot, "reason": o.reason}
+                      for o in plan.outcomes if o.reason is not None],
+    }
+
+
+def publish(req: Any, plan: RequestPlan) -> None:
+    """Attach the report to the response's meta_info (``meta_info["kvshare"][0]``); mutates ``req.customized_info``."""
+    info = req.customized_info if isinstance(getattr(req, "customized_info", None), dict) else {}
+    info[REPORT_KEY] = [build(plan)]
+    req.customized_info = info

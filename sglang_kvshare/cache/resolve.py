@@ -1,0 +1,252 @@
+"""The second step of a request's path: which segments can be served without prefill, and how.
+
+For one segment the ``Resolver`` finds a live copy of the same content in the
+request's own namespace (a shared slot's latest materialization, or the
+agent's own earlier copy of a private segment), locks it, and decides:
+
+* ``alignment``: private segments, and every shared segment in ``fullshared``;
+* ``correction``: ``kvcmas`` asks the estimator (gate on the slot's anchor
+  pool) and gets a correction plan, or a reason to prefill densely.
+
+``resolve_segments`` walks a request's segments in order from the matched
+prefix on and stops at the first it cannot serve; the reason goes into the
+segment's outcome (``Unresolved``). It never writes the KV pool; it reads only
+the source rows the gate needs. ``next_stage`` says where staged prefill can
+resume reuse after a dense stretch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from sglang_kvshare.cache import tree_paths
+from sglang_kvshare.cache.correction_state import CorrectionState
+from sglang_kvshare.cache.kv_pool_io import ReadWorkspace, read_segment, sync_device
+from sglang_kvshare.cache.outcome import SegmentOutcome
+from sglang_kvshare.cache.plan import RequestPlan
+from sglang_kvshare.cache.registry import Materialization, NamespaceRecords
+from sglang_kvshare.counters import Counters
+
+
+@dataclass
+class Resolution:
+    """A resolved segment before it is written: where its source rows are, and the correction."""
+
+    how: str  # alignment | correction
+    source: Materialization
+    src_idx: torch.Tensor  # pool slots of the source's rows
+    correction: Optional[Any] = None  # correction.CorrectionPlan
+
+    @property
+    def rows(self) -> int:
+        return int(self.src_idx.shape[0])
+
+
+@dataclass
+class Piece:
+    """Rows ``[lo, hi)`` (segment-relative) of one segment, served by ``res``."""
+
+    index: int
+    lo: int
+    hi: int
+    res: Resolution
+
+
+class Unresolved(Exception):
+    """A segment could not be resolved; ``reason`` goes into the report."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def is_private_suffix(plan: RequestPlan, o: SegmentOutcome) -> bool:
+    """The request's last segment, when private: always prefilled, never taken from another context.
+
+    Why: generation starts right after it, so its KV conditions the answer more
+    than any other, and the client marked it private (it asked for no reuse of
+    it). An agent's own copy from an earlier request sits behind other shared
+    text there; aligning it here served, e.g., a retrieval question's KV computed
+    after another document, an approximation nobody asked for. Private segments
+    in between (short connectors before a shared segment) are still aligned.
+    """
+    return o.index == len(plan.outcomes) - 1 and plan.annotation.segments[o.index].kind == "private"
+
+
+def head_len(seg: Any, recompute_head: int) -> int:
+    """Rows of ``seg`` prefilled densely before reuse starts (its recomputed head)."""
+    return min(recompute_head, seg.length)
+
+
+def candidates(records: NamespaceRecords, plan: RequestPlan, o: SegmentOutcome,
+               generation: int) -> list[Materialization]:
+    """Copies of the segment's content, latest first, of the registry's current ``generation``."""
+    seg = plan.annotation.segments[o.index]
+    if is_private_suffix(plan, o):
+        return []
+    if seg.kind == "shared":
+        mats = records.slot(seg.slot).copies(plan.hashes[o.index])
+    else:
+        mats = records.private_copies(plan.agent_id, plan.hashes[o.index])
+    return [m for m in mats if m.generation == generation]
+
+
+class Resolver:
+    """Resolves segments against the copy records, the tree and the estimator of one cache.
+
+    ``tree`` is SGLang's ``RadixCache`` (its lock and KV pool); ``state`` the
+    config and estimator in force. Keeps one read workspace, so it serves one
+    thread (the scheduler's).
+    """
+
+    def __init__(self, tree: Any, state: CorrectionState, counters: Counters) -> None:
+        self.tree = tree
+        self.state = state
+        self.counters = counters
+        # The gate's copy of a source: read into reused buffers (the estimate keeps no reference).
+        self._reads = ReadWorkspace()
+
+    def resolve(self, records: NamespaceRecords, plan: RequestPlan, o: SegmentOutcome, locks: list,
+                generation: int) -> Resolution:
+        """Find a live source and decide how to reuse it, or raise ``Unresolved``.
+
+        Mutates: ``locks`` gets the source node (the caller unlocks it after
+        writing); ``o`` gets the source agent, gate entropy and pool size.
+        """
+        seg = plan.annotation.segments[o.index]
+        mats = candidates(records, plan, o, generation)
+        if not mats:
+            raise Unresolved("no_source")
+        with self.counters.timed("locate"):
+            for source in mats:  # latest first; skip copies the tree has evicted
+                src_idx = tree_paths.rows(source.node, source.start, source.end)
+                if src_idx is not None:
+                    break
+            else:
+                raise Unresolved("source_evicted")
+        self.tree.inc_lock_ref(source.node)
+        locks.append(source.node)
+        o.source_agent = source.agent_name
+        if seg.kind == "private" or self.state.config.mode == "fullshared":
+            return Resolution("alignment", source, src_idx)
+        return self._correct(plan, o, seg, source, src_idx)
+
+    def _correct(self, plan: RequestPlan, o: SegmentOutcome, seg: Any, source: Materialization,
+                 src_idx: torch.Tensor) -> Resolution:
+        from sglang_kvshare.correction import SegmentCache
+
+        with self.counters.timed("read_source"):
+            sync_device(src_idx)  # the source rows may still be in flight (overlap scheduling)
+            k_src, v_src = read_segment(self.tree.token_to_kv_pool_allocator.get_kvcache(), src_idx,
+                                        workspace=self._reads)
+        src_cache = SegmentCache(k_src, v_src, source.start, source.agent, exact=source.exact)
+        with self.counters.timed("gate_estimate"), self.state.lock:
+            est = self.state.estimator.estimate((plan.namespace, seg.slot), src_cache, plan.agent_id, seg.start)
+        o.pool_anchors = est.pool_anchors
+        o.entropy = None if est.entropy is None else float(est.entropy)
+        if not est.accepted:
+            raise Unresolved(est.reason)
+        return Resolution("correction", source, src_idx, est.plan)
+
+
+def resolve_segments(resolver: Resolver, records: NamespaceRecords, plan: RequestPlan, m: int, limit: int,
+                     locks: list, generation: int, recompute_head: int = 0) -> list[Piece]:
+    """Resolve segments from position ``m`` on, contiguously; the pieces to write, in order.
+
+    Stops at the first segment it cannot resolve (its reason goes into the
+    report), at a segment whose recomputed head (``recompute_head`` rows) has
+    not been prefilled yet, or at ``limit``. Mutates the outcomes of the
+    segments it reaches.
+    """
+    pieces: list[Piece] = []
+    pos = m
+    for o, seg in zip(plan.outcomes, plan.annotation.segments):
+        if seg.end <= pos:
+            continue
+        if pos >= limit:
+            break
+        if is_private_suffix(plan, o):
+            break  # prefilled densely by design (see is_private_suffix): no fallback
+        head = head_len(seg, recompute_head)
+        if pos < seg.start + head:
+            break  # the head is prefilled densely first (staged prefill resumes after it)
+        try:
+            res = resolver.resolve(records, plan, o, locks, generation)
+        except Unresolved as exc:
+            o.reason, o.resolved_by = exc.reason, "dense"
+            break
+        # A source may cover only a prefix of the segment (a producer's output
+        # lacks the KV of its last token): resolve what it covers, then stop.
+        row_end = min(seg.end, limit, seg.start + res.rows)
+        if row_end <= pos:
+            o.reason = "source_too_short"
+            break
+        lo, hi = pos - seg.start, row_end - seg.start
+        pieces.append(Piece(o.index, lo, hi, res))
+        o.resolved_by, o.reason, o.resolved_tokens = res.how, None, hi - lo
+        o.head_recomputed = head or None
+        pos = row_end
+        if row_end < seg.end:
+            o.reason = "partial" if row_end < limit else None
+            break  # the last prompt token is always computed
+    return pieces
+
+
+def next_stage(plan: RequestPlan, a: int, limit: int, recompute_head: int,
+               has_source: Callable[[SegmentOutcome], bool], min_rows: int = 1) -> Optional[int]:
+    """Where reuse can resume after a dense stretch starting at ``a``, or None.
+
+    The first segment behind ``a`` whose head ends after ``a``, that leaves at
+    least ``min_rows`` rows to reuse after its head (a stage costs a forward)
+    and that has a copy to reuse (``has_source(outcome)``): reuse resumes right
+    after its head. A segment whose head ends at or before ``a`` was just tried
+    at ``a`` and failed, so it is prefilled whole. Mutates: segments passed
+    over for want of a copy get the reason ``no_source``.
+    """
+    for o, seg in zip(plan.outcomes, plan.annotation.segments):
+        if seg.end <= a:
+            continue
+        resume = seg.start + head_len(seg, recompute_head)
+        if resume <= a or min(seg.end, limit) - resume < min_rows:
+            continue
+        if has_source(o):
+            return resume
+        if o.reason is None:
+            o.reason = "no_source"  # passed over: prefilled in this dense stretch
+    return None
+
+
+def mark_matched(plan: RequestPlan, m: int) -> None:
+    """Mark the segments inside the matched prefix ``[0, m)`` as served by the tree.
+
+    On the first match every such segment; on a later one (the request waited,
+    and another request of the same agent prefilled its system prompt
+    meanwhile) only those the stale plan had left dense. Why plan again then:
+    the old plan's dense stretch may end exactly where the new match ends, so no
+    stage would resume reuse and the shared segments behind it would be
+    prefilled densely, without a reason.
+    """
+    for o, seg in zip(plan.outcomes, plan.annotation.segments):
+        if seg.end <= m and (not plan.attempted or o.resolved_by == "dense"):
+            # A segment inside estimates an earlier identical request left is served
+            # approximate KV: reported apart from exact hits, and counted as reuse.
+            on_estimate = plan.est_start is not None and seg.end > plan.est_start
+            o.resolved_by, o.resolved_tokens = ("estimate_hit" if on_estimate else "hit"), o.tokens
+            o.reason = None
+
+
+def mark_unreached(plan: RequestPlan) -> None:
+    """Give every shared segment prefilled densely without a recorded reason the reason ``not_reached``.
+
+    Why: such a segment sat inside a dense stretch no stage resumed from (behind
+    a miss, with staging off, or too short to be worth a stage). Without a
+    reason it would be a silent miss: the report's ``fallbacks`` and the
+    per-reason metric would not show why reuse was lower than the annotation
+    allowed.
+    """
+    for o in plan.outcomes:
+        if o.kind == "shared" and o.resolved_by == "dense" and o.reason is None:
+            o.reason = "not_reached"

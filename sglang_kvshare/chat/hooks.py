@@ -1,0 +1,423 @@
+"""kvshare on ``/v1/chat/completions`` (HTTP process): the hook functions.
+
+``server/sglang_targets.py`` names their targets and ``server/plugin.py``
+installs them. Why these hooks (all on ``OpenAIServingChat`` unless named):
+
+* AROUND ``handle_request`` (async): reads the ``kvshare`` field from the raw
+  JSON body (SGLang's pydantic request drops unknown fields), validates it and
+  answers a malformed one with a 400 *before* anything is converted or
+  queued, so nothing else changes. In automatic mode it marks every request.
+* AROUND ``_render_and_encode_chat_template``: records exactly the messages,
+  tools and template options SGLang renders, and the ids it encodes, so our
+  piece-wise rendering starts from the same input and can be compared with it.
+* AROUND ``_convert_to_internal_request`` (runs on an executor thread): after
+  SGLang built its ``GenerateReqInput``, replaces its ids with the piece-wise
+  rendering and adds the annotation to ``sampling_params.custom_params``, the
+  same thing an annotated ``/generate`` carries. A ``ValueError`` there is
+  SGLang's own path to a 400.
+* AROUND ``_handle_non_streaming_request`` / ``_handle_streaming_request``:
+  warm the agent's private prefix once (a ``max_new_tokens=0`` request, as the
+  frontend does: the cache places shared segments only behind a prefix it
+  holds), then add the report to the response (top-level ``kvshare``; for a
+  stream one extra chunk with no choices before ``[DONE]``, explicit mode only)
+  and remember the answer's generated ids (``chat.outputs``).
+* AROUND ``TokenizerManager.generate_request``: for our requests only, taps the
+  outputs (meta_info report, output ids, text) as they pass; every other
+  request gets SGLang's generator untouched.
+
+What is never changed: requests without the field when ``--kvshare-auto`` is
+off; ``lora_path``, ``extra_key`` and ``cache_salt`` (passed through, also to the
+warm-up request, so the cache keeps its namespaces); requests whose template or
+options this module cannot reproduce (automatic mode serves them as stock;
+explicit mode answers 400 saying why).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from sglang_kvshare.chat.annotation import (
+    AUTO_SLOT, REQUEST_KEY, ChatKVShare, ChatPlan, MessageOutcome, auto_agent, auto_candidates,
+    auto_slot, build_annotation, parse_chat_kvshare)
+from sglang_kvshare.chat.outputs import OutputMemory
+from sglang_kvshare.chat.render import TemplateSplitError, align_to_stock, render_pieces, safe_messages
+from sglang_kvshare.config import KVShareConfig
+from sglang_kvshare.protocol import CUSTOM_PARAMS_KEY, AnnotationError, generated_ids_for_text
+
+logger = logging.getLogger(__name__)
+
+STATS_ROUTE = "/kvshare/chat"
+MAX_WARMED = 4096
+
+_config: Optional[KVShareConfig] = None
+_local = threading.local()
+_pending: dict[int, "_Pending"] = {}  # id(ChatCompletionRequest) -> pending, during handle_request
+_tracks: dict[int, "_Track"] = {}  # id(GenerateReqInput) -> track, from conversion to response
+_warmed: "OrderedDict[tuple, None]" = OrderedDict()
+outputs = OutputMemory()
+counters: dict[str, int] = {"explicit": 0, "auto": 0, "auto_stock": 0, "same_as_stock": 0, "warmups": 0}
+
+
+def config() -> KVShareConfig:
+    global _config
+    if _config is None:
+        _config = KVShareConfig.from_env()
+    return _config
+
+
+@dataclass
+class _Pending:
+    spec: Optional[ChatKVShare]  # None: automatic mode
+    adapted_id: Optional[int] = None
+
+
+@dataclass
+class _Capture:
+    """What SGLang rendered (set by the render hook on the converting thread)."""
+
+    messages: Optional[list] = None
+    kwargs: dict = field(default_factory=dict)
+    stock_ids: Optional[list[int]] = None
+
+
+@dataclass
+class _Track:
+    plan: ChatPlan
+    namespace: tuple
+    explicit: bool
+    report: Optional[dict] = None
+    output_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finished: bool = False
+    warmed: bool = False
+
+    def observe(self, out: dict, incremental: bool) -> None:
+        meta = out.get("meta_info") or {}
+        reports = meta.get("kvshare")
+        if reports:
+            self.report = reports[0]
+        ids = out.get("output_ids")
+        if ids is not None:
+            if incremental:
+                self.output_ids.extend(int(t) for t in ids)
+            else:
+                self.output_ids = [int(t) for t in ids]
+        text = out.get("text")
+        if text is not None:
+            self.text = self.text + text if incremental else text
+        if meta.get("finish_reason") is not None:
+            self.finished = True
+
+    def kvshare_report(self) -> dict:
+        return {**(self.report or {}), "chat": {**self.plan.report(), "warmed": self.warmed}}
+
+
+# ---------------------------------------------------------------- request side
+
+def _raw_field(body: Any) -> Any:
+    return body.get(REQUEST_KEY) if isinstance(body, dict) else None
+
+
+async def around_handle_request(original, self, request, raw_request=None):
+    """Validate the ``kvshare`` field (400 on error) and mark the request for conversion."""
+    from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
+
+    if not isinstance(request, ChatCompletionRequest):
+        return await original(self, request, raw_request)
+    raw = None
+    if raw_request is not None:
+        try:
+            raw = _raw_field(await raw_request.json())
+        except Exception:  # noqa: BLE001 - SGLang already parsed this body; nothing to add
+            raw = None
+    if raw is None and not config().auto:
+        return await original(self, request, raw_request)
+    spec = None
+    if raw is not None:
+        try:
+            spec = parse_chat_kvshare(raw, len(request.messages), config().max_segments)
+        except AnnotationError as exc:
+            return self.create_error_response(str(exc), err_type="BadRequest", status_code=400)
+    pending = _Pending(spec)
+    _pending[id(request)] = pending
+    try:
+        return await original(self, request, raw_request)
+    finally:
+        _pending.pop(id(request), None)
+        if pending.adapted_id is not None:
+            _tracks.pop(pending.adapted_id, None)
+
+
+def around_render(original, self, messages, *args, **kwargs):
+    """Record what SGLang renders for a marked request (same thread as the conversion)."""
+    result = original(self, messages, *args, **kwargs)
+    capture = getattr(_local, "capture", None)
+    if capture is not None:
+        capture.messages = copy.deepcopy(messages)
+        capture.kwargs = dict(kwargs)
+        capture.stock_ids = [int(t) for t in result[0]]
+    return result
+
+
+def around_convert(original, self, request, raw_request=None):
+    """Replace a marked request's ids by the piece-wise rendering and annotate it."""
+    pending = _pending.get(id(request))
+    if pending is None:
+        return original(self, request, raw_request)
+    capture = _Capture()
+    _local.capture = capture
+    try:
+        adapted, processed = original(self, request, raw_request)
+    finally:
+        _local.capture = None
+    plan = _plan(self, request, adapted, capture, pending.spec)
+    if plan is not None:
+        adapted.input_ids = plan.input_ids
+        adapted.text = None
+        sampling = adapted.sampling_params if isinstance(adapted.sampling_params, dict) else {}
+        sampling["custom_params"] = {**(sampling.get("custom_params") or {}),
+                                     **plan.annotation.to_custom_params()}
+        adapted.sampling_params = sampling
+        pending.adapted_id = id(adapted)
+        _tracks[id(adapted)] = _Track(plan, _namespace(adapted), explicit=pending.spec is not None)
+        counters[plan.mode] += 1
+        counters["same_as_stock"] += int(plan.same_as_stock)
+    return adapted, processed
+
+
+def _namespace(adapted) -> tuple:
+    return tuple(json.dumps(getattr(adapted, name, None), sort_keys=True, default=str)
+                 for name in ("cache_salt", "extra_key", "lora_path"))
+
+
+def _refuse(spec: Optional[ChatKVShare], why: str) -> None:
+    """Explicit mode: a 400 that says why; automatic mode: serve the request as stock SGLang does."""
+    if spec is not None:
+        raise ValueError(f"kvshare cannot annotate this request: {why}")
+    counters["auto_stock"] += 1
+    return None
+
+
+def _plan(serving, request, adapted, capture: _Capture, spec: Optional[ChatKVShare]) -> Optional[ChatPlan]:
+    custom = (adapted.sampling_params or {}).get("custom_params") if isinstance(adapted.sampling_params, dict) else None
+    if isinstance(custom, dict) and CUSTOM_PARAMS_KEY in custom:
+        if spec is not None:
+            raise ValueError("pass either the chat-level kvshare field or custom_params.kvshare (token spans), "
+                             "not both")
+        return None  # the client annotated token spans itself
+    if (request.n or 1) != 1:
+        return _refuse(spec, "it asks for n > 1 choices; send one request per choice")
+    if capture.messages is None or capture.stock_ids is None:
+        return _refuse(spec, "the prompt is not rendered by the model's Jinja chat template here (input_ids, "
+                             "a conversation template or a custom encoder are in use)")
+    if list(adapted.input_ids or ()) != capture.stock_ids or len(capture.messages) != len(request.messages):
+        return _refuse(spec, "the rendered messages are changed after the template (continue_final_message "
+                             "or reordered tool results)")
+    tokenizer = serving.tokenizer_manager.tokenizer
+    kw = capture.kwargs
+    template_kwargs = dict(kw.get("template_kwargs") or {})
+
+    def render(messages):
+        return tokenizer.apply_chat_template(messages, tokenize=False, tools=kw.get("tools"), return_dict=False,
+                                             add_generation_prompt=kw.get("add_generation_prompt", True),
+                                             **template_kwargs)
+
+    def tokenize(text):
+        return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+
+    messages = capture.messages
+    namespace = _namespace(adapted)
+    try:
+        if spec is not None:
+            return _explicit_plan(spec, messages, render, tokenize, capture.stock_ids, namespace)
+        return _auto_plan(request, messages, render, tokenize, capture.stock_ids, namespace)
+    except TemplateSplitError as exc:
+        return _refuse(spec, str(exc))
+
+
+def _explicit_plan(spec, messages, render, tokenize, stock_ids, namespace) -> ChatPlan:
+    marked = {m.message: m.slot for m in spec.shared}
+    prompt = render_pieces(render, tokenize, messages, cut=set(marked))
+    missing = sorted(set(marked) - prompt.content_messages())
+    if missing:
+        raise ValueError(f"kvshare cannot share message {missing[0]}: its content must be non-empty text that "
+                         "the chat template renders verbatim, once")
+    prompt, same = align_to_stock(prompt, stock_ids)
+    ids_for, outcomes = {}, []
+    for piece, ids in zip(prompt.pieces, prompt.piece_ids):
+        if piece.message is None or piece.message not in marked:
+            continue
+        slot = marked[piece.message]
+        outcome = MessageOutcome(piece.message, messages[piece.message].get("role"), slot, len(ids))
+        hit = outputs.lookup(namespace, piece.text, ids, slot=slot)
+        if hit is not None:
+            rec, equal = hit
+            outcome.source, outcome.retokenized_equal = "output", equal
+            if not equal:  # the answer's own ids: the KV computed while generating it matches them
+                ids_for[piece.message] = rec.ids
+                outcome.tokens = len(rec.ids)
+                same = False
+        outcomes.append(outcome)
+    built = build_annotation(prompt, marked, spec.agent, spec.output_slot, ids_for)
+    if built is None:
+        raise ValueError("kvshare marks no message and sets no output_slot; mark a message in 'shared' or "
+                         "drop the field")
+    input_ids, annotation = built
+    return ChatPlan(input_ids, annotation, same, "explicit", outcomes)
+
+
+def _auto_plan(request, messages, render, tokenize, stock_ids, namespace) -> Optional[ChatPlan]:
+    candidates = auto_candidates(messages)
+    prompt = render_pieces(render, tokenize, messages, cut=candidates)
+    safe = safe_messages(tokenize, prompt.pieces)
+    if safe != prompt.content_messages():
+        prompt = render_pieces(render, tokenize, messages, cut=safe)
+    prompt, same = align_to_stock(prompt, stock_ids)
+    if not same:  # never change what the model reads without being asked to
+        return _refuse(None, "piece-wise ids differ from the stock encoding")
+    slots, outcomes = {}, []
+    for piece, ids in zip(prompt.pieces, prompt.piece_ids):
+        if piece.message is None:
+            continue
+        role = messages[piece.message].get("role") or "user"
+        slot = auto_slot(role)
+        outcome = MessageOutcome(piece.message, role, slot, len(ids))
+        hit = outputs.lookup(namespace, piece.text, ids)
+        if hit is not None:
+            rec, equal = hit
+            outcome.source, outcome.retokenized_equal = "output", equal
+            if equal:
+                slot = outcome.slot = rec.slot
+        slots[piece.message] = slot
+        outcomes.append(outcome)
+    agent = auto_agent(messages, getattr(request, "user", None))
+    built = build_annotation(prompt, slots, agent, AUTO_SLOT)
+    if built is None:
+        return None
+    input_ids, annotation = built
+    return ChatPlan(input_ids, annotation, same, "auto", outcomes)
+
+
+# ---------------------------------------------------------------- serving side
+
+async def _warm(serving, track: _Track, adapted) -> None:
+    """Prefill the agent's private prefix once, so its shared segments can be placed behind it."""
+    ids = track.plan.first_private_ids
+    if not ids or config().mode == "off":
+        return
+    key = (track.namespace, hashlib.blake2b(json.dumps(ids).encode(), digest_size=16).hexdigest())
+    if key in _warmed:
+        _warmed.move_to_end(key)
+        return
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    obj = GenerateReqInput(input_ids=list(ids), sampling_params={"max_new_tokens": 0},
+                           lora_path=adapted.lora_path, extra_key=adapted.extra_key, cache_salt=adapted.cache_salt)
+    try:
+        async for _ in serving.tokenizer_manager.generate_request(obj, None):
+            pass
+    except Exception as exc:  # noqa: BLE001 - a failed warm-up only costs reuse
+        logger.warning("sglang-kvshare: warming an agent prefix failed: %s", exc)
+        return
+    track.warmed = True
+    counters["warmups"] += 1
+    _warmed[key] = None
+    while len(_warmed) > MAX_WARMED:
+        _warmed.popitem(last=False)
+
+
+def _finish(serving, track: _Track) -> None:
+    """After the answer: forget a lost warm-up, remember the answer's ids for later consumers."""
+    segments = (track.report or {}).get("segments") or []
+    if segments and segments[0].get("resolved_by") == "dense":
+        ids = track.plan.first_private_ids
+        if ids:
+            key = (track.namespace, hashlib.blake2b(json.dumps(ids).encode(), digest_size=16).hexdigest())
+            _warmed.pop(key, None)  # the tree lost the prefix: warm again next time
+    slot = track.plan.annotation.output_slot
+    if slot and track.finished and track.text:
+        ids = generated_ids_for_text(serving.tokenizer_manager.tokenizer, track.text, track.output_ids)
+        if ids is not None:
+            outputs.remember(track.namespace, track.text, ids, slot)
+
+
+async def around_non_streaming(original, self, adapted, request, raw_request=None):
+    track = _tracks.get(id(adapted))
+    if track is None:
+        return await original(self, adapted, request, raw_request)
+    await _warm(self, track, adapted)
+    response = await original(self, adapted, request, raw_request)
+    _finish(self, track)
+    from fastapi.responses import Response
+    from pydantic import BaseModel
+
+    if not isinstance(response, BaseModel) or not hasattr(response, "choices"):
+        return response  # an error response: unchanged
+    body = response.model_dump(mode="json", by_alias=True)
+    body[REQUEST_KEY] = track.kvshare_report()
+    return Response(content=json.dumps(body), media_type="application/json")
+
+
+async def around_streaming(original, self, adapted, request, raw_request=None):
+    track = _tracks.get(id(adapted))
+    if track is None:
+        return await original(self, adapted, request, raw_request)
+    await _warm(self, track, adapted)
+    response = await original(self, adapted, request, raw_request)
+    body = getattr(response, "body_iterator", None)
+    if body is None:
+        return response  # an error response: unchanged
+
+    async def with_report():
+        async for chunk in body:
+            if track.explicit and isinstance(chunk, str) and chunk.startswith("data: [DONE]"):
+                extra = {"id": f"kvshare-{id(track):x}", "object": "chat.completion.chunk", "choices": [],
+                         "created": int(time.time()),
+                         "model": request.model, REQUEST_KEY: track.kvshare_report()}
+                yield f"data: {json.dumps(extra)}\n\n"
+            yield chunk
+        _finish(self, track)
+
+    response.body_iterator = with_report()
+    return response
+
+
+def around_generate(original, self, obj, request=None):
+    """Tap our requests' outputs; everything else gets SGLang's generator itself."""
+    track = _tracks.get(id(obj))
+    if track is None:
+        return original(self, obj, request)
+    # NOTE: SGLang sends deltas only for streams on a server with incremental streaming output.
+    incremental = bool(getattr(self, "incremental_streaming_output", False)) and bool(getattr(obj, "stream", False))
+    return _tap(original(self, obj, request), track, incremental)
+
+
+async def _tap(generator, track: _Track, incremental: bool):
+    try:
+        async for out in generator:
+            if isinstance(out, dict):
+                track.observe(out, incremental)
+            yield out
+    finally:
+        await generator.aclose()
+
+
+# ---------------------------------------------------------------- stats route
+
+async def chat_stats():
+    """``GET /kvshare/chat``: the chat layer's counters and the answers' re-tokenization agreement."""
+    return {"auto": config().auto, "requests": dict(counters), "outputs": outputs.stats()}
+
+
+def mount_stats_route(app: Any) -> None:
+    """Add ``GET /kvshare/chat`` to SGLang's app (idempotent; ``server.http_routes`` calls it)."""
+    if STATS_ROUTE not in {getattr(r, "path", None) for r in app.router.routes}:
+        app.add_api_route(STATS_ROUTE, chat_stats, methods=["GET"], name="kvshare_chat_stats")

@@ -1,0 +1,197 @@
+"""The launcher behind ``python -m sglang_kvshare.launch_server``: SGLang's launcher plus ``--kvshare-*``.
+
+Why a launcher of our own rather than documenting four flags: one command must
+turn kvshare on. It accepts every ``sglang.launch_server`` argument, adds the
+``--kvshare-*`` options, selects ``--radix-cache-backend kvshare``, hands our
+options to the scheduler process through ``SGLANG_KVSHARE_CONFIG`` (JSON of
+``KVShareConfig``; spawned processes inherit the environment), and on a
+machine without a GPU fills in CPU defaults that are known to work (torch
+native attention, float32, thread settings), each overridable by passing the
+flag yourself.
+"""
+
+from __future__ import annotations
+
+# Stand-ins must exist before SGLang's modules load (see cpu_standins).
+from sglang_kvshare.server import cpu_standins
+
+cpu_standins.install()
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+from typing import Sequence  # noqa: E402
+
+from sglang_kvshare.config import BACKEND_NAME, MODES, KVShareConfig  # noqa: E402
+
+KVSHARE_PREFIX = "--kvshare-"
+
+# (flag, value or None for a switch) applied on a CPU-only machine unless given.
+CPU_DEFAULTS: tuple[tuple[str, str | None], ...] = (
+    ("--device", "cpu"),
+    ("--attention-backend", "torch_native"),
+    ("--sampling-backend", "pytorch"),
+    ("--disable-cuda-graph", None),
+    ("--skip-server-warmup", None),
+    ("--dtype", "float32"),
+    ("--mem-fraction-static", "0.8"),  # of system RAM; --max-total-tokens bounds the KV pool
+    ("--max-total-tokens", "16384"),
+    # NOTE: an idle scheduler otherwise polls at 100 % of a core; on a 2-core machine one
+    # idle server halves the speed of another one (measured: both schedulers at 99 % CPU).
+    # SGLang's own zmq poll wakes on the next request, so a request waits for nothing.
+    ("--sleep-on-idle", None),
+)
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def add_kvshare_args(parser: argparse.ArgumentParser) -> None:
+    """Add one ``--kvshare-<field>`` option per ``KVShareConfig`` field."""
+    group = parser.add_argument_group("kvshare", "cross-agent KV reuse (sglang-kvshare)")
+    for f in dataclasses.fields(KVShareConfig):
+        flag = KVSHARE_PREFIX + f.name.replace("_", "-")
+        help_text = f.metadata.get("help", "").replace("%", "%%")  # argparse formats help with %
+        default = f.default
+        kind = str(f.type)
+        if f.name == "mode":
+            group.add_argument(flag, choices=MODES, default=default, help=f"{help_text} (default: {default})")
+        elif kind == "bool":
+            group.add_argument(flag, type=_parse_bool, default=default, help=f"{help_text} (default: {default})")
+        elif "int" in kind:
+            group.add_argument(flag, type=int, default=default, help=f"{help_text} (default: {default})")
+        else:
+            group.add_argument(flag, type=float, default=default, help=f"{help_text} (default: {default})")
+
+
+def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Separate ``--kvshare-*`` options (with their values) from SGLang's."""
+    ours, theirs = [], []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith(KVSHARE_PREFIX):
+            ours.append(arg)
+            if "=" not in arg and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                ours.append(argv[i + 1])
+                i += 1
+        else:
+            theirs.append(arg)
+        i += 1
+    return ours, theirs
+
+
+def _has_flag(argv: Sequence[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def _flag_value(argv: Sequence[str], flag: str) -> str | None:
+    """The value given to ``flag`` (``--flag v`` or ``--flag=v``; the last one wins), or None."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+def gpu_visible() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def with_defaults(sglang_argv: Sequence[str], *, cpu: bool, select_backend: bool = True) -> list[str]:
+    """SGLang's argv with our backend selected and CPU defaults filled in."""
+    argv = list(sglang_argv)
+    if select_backend and not _has_flag(argv, "--radix-cache-backend"):
+        argv += ["--radix-cache-backend", BACKEND_NAME]
+    if cpu:
+        for flag, value in CPU_DEFAULTS:
+            if not _has_flag(argv, flag):
+                argv += [flag] if value is None else [flag, value]
+    return argv
+
+
+def cpu_thread_env() -> dict[str, str]:
+    """Without explicit thread settings libgomp spins under load (see the CPU notes)."""
+    n = os.cpu_count() or 1
+    return {"OMP_NUM_THREADS": str(n), "SGLANG_CPU_OMP_THREADS_BIND": f"0-{n - 1}", "HF_HUB_OFFLINE": "1"}
+
+
+def apply_cpu_thread_env() -> None:
+    for key, value in cpu_thread_env().items():
+        os.environ.setdefault(key, value)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser(
+        prog="python -m sglang_kvshare.launch_server",
+        description="SGLang server with the kvshare cache. Every sglang.launch_server option works here.",
+    )
+    ServerArgs.add_cli_args(parser)
+    add_kvshare_args(parser)
+    return parser
+
+
+def parse_kvshare(argv: Sequence[str]) -> tuple[KVShareConfig, list[str]]:
+    ours, theirs = split_argv(argv)
+    parser = argparse.ArgumentParser(prog="python -m sglang_kvshare.launch_server", add_help=False)
+    add_kvshare_args(parser)
+    ns = parser.parse_args(ours)
+    values = {f.name: getattr(ns, "kvshare_" + f.name) for f in dataclasses.fields(KVShareConfig)}
+    try:
+        return KVShareConfig(**values), theirs
+    except ValueError as exc:
+        parser.error(str(exc))
+        raise
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    from sglang.srt.plugins import load_plugins
+
+    if "-h" in argv or "--help" in argv:
+        load_plugins()  # registers the kvshare backend, so SGLang's --help lists it
+        build_parser().print_help()
+        return
+    config, sglang_argv = parse_kvshare(argv)
+    backend = _flag_value(sglang_argv, "--radix-cache-backend")
+    if backend not in (None, BACKEND_NAME):
+        raise SystemExit(f"--radix-cache-backend {backend}: this launcher serves the kvshare backend only; "
+                         "run python -m sglang.launch_server for other backends.")
+    cpu = not gpu_visible()
+    if cpu:
+        apply_cpu_thread_env()
+    sglang_argv = with_defaults(sglang_argv, cpu=cpu)
+    # NOTE: exported before the plugins load: the plugin installs its HTTP hooks only in a
+    # process that starts a kvshare server, and the scheduler reads its config from here.
+    config.export_env()
+    load_plugins()
+
+    from sglang.launch_server import run_server
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.utils import kill_process_tree
+
+    server_args = prepare_server_args(sglang_argv)
+    try:
+        run_server(server_args)
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)
+
+
+if __name__ == "__main__":
+    main()

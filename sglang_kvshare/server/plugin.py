@@ -1,0 +1,110 @@
+"""SGLang plugin entry point (group ``sglang.srt.plugins``) and the one place hooks are installed.
+
+SGLang calls ``load_plugin`` in each of its processes (HTTP, scheduler,
+detokenizer, DP controller), on every server in the environment. So it does
+the least it can there: it registers the ``kvshare`` tree-cache backend (a
+name in SGLang's registry; a server selects it with
+``--radix-cache-backend kvshare``) and nothing else, unless this process
+serves HTTP for a kvshare server. A plain ``sglang.launch_server`` therefore
+runs exactly as stock SGLang: no hook, no route, no changed response.
+
+* HTTP process: ``sglang_targets.HTTP_HOOKS`` (request validation, the chat
+  layer, the route mount) go in when ``kvshare_requested``: our launcher set
+  the config, or the command line selects the backend.
+* Scheduler process: SGLang builds the cache through ``build_cache`` only when
+  the backend is selected; that is where ``sglang_targets.SCHEDULER_HOOKS``
+  (admin channel, metrics, staged prefill, idle learning) go in.
+
+Before installing anything, every target is resolved against the installed
+SGLang (``sglang_targets.check_targets``): a mismatch stops the server with
+the names that differ instead of silently turning a feature off.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import sys
+from typing import Any, Mapping, Sequence
+
+from sglang_kvshare.config import BACKEND_NAME, ENV_VAR, KVShareConfig
+from sglang_kvshare.server import sglang_targets
+from sglang_kvshare.server.sglang_targets import Hook
+
+logger = logging.getLogger(__name__)
+
+BACKEND_FLAG = "--radix-cache-backend"
+
+_installed: set[Hook] = set()  # hooks this process registered (install is idempotent per hook)
+
+
+def kvshare_requested(argv: Sequence[str], environ: Mapping[str, str]) -> bool:
+    """Whether this process starts a kvshare server: our launcher's config, or the backend flag."""
+    if environ.get(ENV_VAR):
+        return True
+    for i, arg in enumerate(argv):
+        if arg == f"{BACKEND_FLAG}={BACKEND_NAME}" or (arg == BACKEND_FLAG and i + 1 < len(argv)
+                                                        and argv[i + 1] == BACKEND_NAME):
+            return True
+    return False
+
+
+def install(hooks: Sequence[Hook]) -> None:
+    """Check every target, then register and apply ``hooks`` (idempotent per hook).
+
+    Raises ``IncompatibleSGLangError`` when a target does not match the
+    installed SGLang, and ``RuntimeError`` when another plugin already applied
+    hooks to a target (SGLang patches a target once, so ours would be lost).
+    """
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    todo = [h for h in hooks if h not in _installed]
+    if not todo:
+        return
+    sglang_targets.check_targets(h.target for h in todo)
+    taken = sorted({h.target.path for h in todo} & HookRegistry._patched)
+    if taken:
+        raise RuntimeError(f"sglang-kvshare: another plugin already patched {taken}; kvshare's hooks there "
+                           "would not run. Load kvshare first (SGLANG_PLUGINS) or drop the other plugin.")
+    for hook in todo:
+        HookRegistry.register(hook.target.path, sglang_targets.resolve_hook(hook), HookType(hook.kind))
+        _installed.add(hook)
+    HookRegistry.apply_hooks()
+    logger.info("sglang-kvshare: installed %d hooks (%s process)", len(todo), todo[0].process)
+
+
+def scheduler_hooks(config: KVShareConfig) -> tuple[Hook, ...]:
+    """The scheduler hooks ``config`` needs (idle learning only when it is on)."""
+    hooks = sglang_targets.SCHEDULER_HOOKS
+    if config.learn_on_idle and config.learn_async:
+        hooks += (sglang_targets.IDLE_LEARNING_HOOK,)
+        if config.learn_before_decode:
+            hooks += (sglang_targets.DECODE_LEARNING_HOOK,)
+    return hooks
+
+
+def build_cache(ctx: Any) -> Any:
+    """Factory SGLang's ``create_tree_cache`` calls in the scheduler process (backend selected)."""
+    from sglang_kvshare.cache.adapter import KVShareRadixCache
+    from sglang_kvshare.cache.checks import check_setup
+
+    config = KVShareConfig.from_env()
+    check_setup(ctx, config)
+    install(scheduler_hooks(config))
+    cache = KVShareRadixCache(ctx.params, config=config, model_config=ctx.model_config, tp_size=ctx.tp_size)
+    if config.learn_on_idle and config.learn_async:
+        cache.learner.use_idle_steps()  # the scheduler's idle hook runs the learner's steps
+    logger.info("sglang-kvshare: KVShareRadixCache live (mode=%s%s)", config.mode,
+                f", disabled: {cache.unsupported_reason}" if cache.unsupported_reason else "")
+    return cache
+
+
+def load_plugin() -> None:
+    """Register the backend; in a kvshare server's HTTP process also install the HTTP hooks."""
+    from sglang.srt.mem_cache.registry import register_radix_cache_backend, registered_radix_cache_backends
+
+    if BACKEND_NAME not in registered_radix_cache_backends():
+        register_radix_cache_backend(BACKEND_NAME, build_cache)
+    if multiprocessing.parent_process() is None and kvshare_requested(sys.argv, os.environ):
+        install(sglang_targets.HTTP_HOOKS)

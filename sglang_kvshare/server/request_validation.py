@@ -1,0 +1,29 @@
+"""Reject malformed kvshare annotations in the HTTP process, with a 400.
+
+Why a hook on ``TokenizerManager._validate_one_request``: it runs after
+tokenization (the spans are checked against the real ``input_ids``) and any
+``ValueError`` it raises is SGLang's own path to an HTTP 400 with the
+message, before the request reaches the scheduler. Nothing else changes.
+"""
+
+from __future__ import annotations
+
+from sglang_kvshare.config import KVShareConfig
+from sglang_kvshare.protocol import parse_annotation
+
+_max_segments: int | None = None
+
+
+def _limit() -> int:
+    global _max_segments
+    if _max_segments is None:
+        _max_segments = KVShareConfig.from_env().max_segments
+    return _max_segments
+
+
+def validate_annotation_after(result, _manager, obj, input_ids, *args, **kwargs):
+    """AFTER hook: raises ``AnnotationError`` (a ``ValueError``) for a bad annotation."""
+    sampling = getattr(obj, "sampling_params", None)
+    if isinstance(sampling, dict) and input_ids is not None:
+        parse_annotation(sampling.get("custom_params"), len(input_ids), _limit())
+    return result

@@ -1,0 +1,215 @@
+"""Piece-wise chat rendering and chat annotations, on the real model's tokenizer (no server)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_kvshare.chat.annotation import (
+    AUTO_SLOT, GLUE_SLOT, auto_agent, auto_candidates, auto_slot, build_annotation, parse_chat_kvshare)
+from sglang_kvshare.chat.outputs import OutputMemory
+from sglang_kvshare.protocol import generated_ids_for_text
+from sglang_kvshare.chat.render import (
+    TemplateSplitError, align_to_stock, render_pieces, safe_messages, split_rendered)
+from sglang_kvshare.protocol import AnnotationError, parse_annotation
+
+# Contents as agents write them, and the awkward starts that a BPE can merge with the role header.
+CONTENTS = [
+    "Plan: 1. read the task. 2. add the numbers.", "A train leaves at 3 pm and travels 120 km.",
+    "```python\ndef f(x):\n    return x + 1\n```", "émoji 🙂 and ünïcode", "(a parenthesis first)",
+    "42 is the answer", "\tA tab first", " One leading space", "Ends with a newline\n", "Ends with a space ",
+]
+AWKWARD = ["\n\nTwo newlines first", "  two spaces first", " ", "\n"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+def _fns(tokenizer):
+    def render(messages):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def tokenize(text):
+        return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+    return render, tokenize
+
+
+def _stock(tokenizer, messages):
+    """What SGLang encodes for a text-only chat: the rendered template, encoded as a whole."""
+    render, _ = _fns(tokenizer)
+    return list(tokenizer(render(messages), add_special_tokens=False).input_ids)
+
+
+def _chat(content, role="user"):
+    return [{"role": "system", "content": "You check plans."}, {"role": "user", "content": "Task: add 2 and 3."},
+            {"role": role, "content": content}]
+
+
+@pytest.mark.parametrize("role", ["user", "assistant"])
+def test_piecewise_ids_equal_stock_for_ordinary_contents(tokenizer, role):
+    render, tokenize = _fns(tokenizer)
+    for content in CONTENTS:
+        messages = _chat(content, role)
+        prompt, same = align_to_stock(render_pieces(render, tokenize, messages), _stock(tokenizer, messages))
+        assert same, content
+        assert prompt.content_messages() == {0, 1, 2}
+
+
+def test_awkward_starts_are_detected_and_left_to_the_template(tokenizer):
+    """Leading whitespace runs merge with the header's newline: those messages are not cut (auto mode)."""
+    render, tokenize = _fns(tokenizer)
+    for content in AWKWARD:
+        messages = _chat(content)
+        whole = render_pieces(render, tokenize, messages)
+        _, same_whole = align_to_stock(whole, _stock(tokenizer, messages))
+        assert not same_whole, content  # cutting everywhere changes the ids ...
+        safe = safe_messages(tokenize, whole.pieces)
+        assert 2 not in safe and {0, 1} <= safe
+        prompt, same = align_to_stock(render_pieces(render, tokenize, messages, cut=safe),
+                                      _stock(tokenizer, messages))
+        assert same, content  # ... cutting only at safe messages does not
+
+
+def test_a_message_content_gets_the_same_ids_behind_any_agent(tokenizer):
+    render, tokenize = _fns(tokenizer)
+    task = "Task: a farmer has 17 sheep and buys 5 more. How many?"
+    ids = []
+    for system in ("You plan.", "You are a meticulous solver who shows every step."):
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": task}]
+        prompt = render_pieces(render, tokenize, messages)
+        ids.append([p_ids for p, p_ids in zip(prompt.pieces, prompt.piece_ids) if p.message == 1][0])
+    assert ids[0] == ids[1] == tuple(tokenize(task))
+
+
+def test_a_template_that_rewrites_content_is_refused():
+    def trimming(messages):
+        return "".join(f"<{m['role']}>{m['content'].strip()}</{m['role']}>" for m in messages)
+
+    with pytest.raises(TemplateSplitError, match="verbatim"):
+        split_rendered(trimming, [{"role": "user", "content": "  padded  "}])
+    # Content the template does not render at all stays template text.
+    pieces = split_rendered(lambda ms: "<hdr>" + ms[-1]["content"], [{"role": "system", "content": "hidden"},
+                                                                    {"role": "user", "content": "shown"}])
+    assert [(p.text, p.message) for p in pieces] == [("<hdr>", None), ("shown", 1)]
+
+
+def test_explicit_annotation_shapes_and_covers_the_prompt(tokenizer):
+    render, tokenize = _fns(tokenizer)
+    messages = [{"role": "system", "content": "You solve."}, {"role": "user", "content": "Task: 2 + 3."},
+                {"role": "assistant", "content": "Plan: add them."}]
+    prompt = render_pieces(render, tokenize, messages, cut={1, 2})
+    ids, ann = build_annotation(prompt, {1: "query", 2: "out:planner"}, "solver", "out:solver")
+    assert ids == _stock(tokenizer, messages)
+    kinds = [(s.kind, s.slot) for s in ann.segments]
+    assert kinds == [("private", None), ("shared", "query"), ("shared", GLUE_SLOT), ("shared", "out:planner"),
+                     ("shared", GLUE_SLOT)]
+    assert parse_annotation(ann.to_custom_params(), len(ids)) == ann  # what the server's validation accepts
+    task = ann.segments[1]
+    assert ids[task.start:task.end] == tokenize("Task: 2 + 3.")
+    # Nothing shared and no output slot: no annotation at all.
+    assert build_annotation(prompt, {}, "solver", None) is None
+    _, only_output = build_annotation(prompt, {}, "solver", "out:solver")
+    assert [(s.kind, s.start, s.end) for s in only_output.segments] == [("private", 0, len(ids))]
+
+
+@pytest.mark.parametrize("raw, message", [
+    ("critic", "must be an object"),
+    ({"shared": []}, "kvshare.agent: Field required"),
+    ({"agent": "", "shared": []}, "kvshare.agent"),
+    ({"agent": "a", "shared": [{"message": 5, "slot": "q"}]}, "has 3 messages"),
+    ({"agent": "a", "shared": [{"message": 1, "slot": "q"}, {"message": 1, "slot": "r"}]}, "listed twice"),
+    ({"agent": "a", "shared": [{"message": -1, "slot": "q"}]}, "kvshare.shared.0.message"),
+    ({"agent": "a", "shared": [{"message": 1}]}, "kvshare.shared.0.slot"),
+    ({"agent": "a", "shared": [{"message": 1, "slot": "x" * 129}]}, "kvshare.shared.0.slot"),
+    ({"agent": "a", "shared": [], "colour": "red"}, "kvshare.colour"),
+])
+def test_malformed_fields_say_what_to_fix(raw, message):
+    with pytest.raises(AnnotationError, match=message):
+        parse_chat_kvshare(raw, num_messages=3, max_segments=64)
+
+
+def test_too_many_shared_messages_for_the_segment_limit():
+    raw = {"agent": "a", "shared": [{"message": i, "slot": f"s{i}"} for i in range(40)]}
+    with pytest.raises(AnnotationError, match="at most 31"):
+        parse_chat_kvshare(raw, num_messages=40, max_segments=64)
+
+
+def test_auto_policy():
+    messages = [{"role": "system", "content": "You plan."}, {"role": "user", "content": "Task"},
+                {"role": "assistant", "content": "Plan"}, {"role": "tool", "content": ""}]
+    assert auto_candidates(messages) == {1, 2}
+    assert auto_slot("assistant") == auto_slot("user") == AUTO_SLOT
+    a = auto_agent(messages, None)
+    assert a == auto_agent(messages[:2], None)  # the agent is its system prompt, not the conversation
+    assert a != auto_agent([{"role": "system", "content": "You critique."}], None)
+    assert a != auto_agent(messages, "tenant-user-7")
+    assert a.startswith("auto-") and "plan" not in a.lower()
+
+
+def test_output_memory_matches_text_per_namespace_and_counts_retokenization(tokenizer):
+    _, tokenize = _fns(tokenizer)
+    text = "The sum is 5."
+    generated = tokenize(text) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    ids = generated_ids_for_text(tokenizer, text, generated)
+    assert ids == tuple(tokenize(text))
+    memory = OutputMemory(capacity=2)
+    memory.remember(("salt-a",), text, ids, "out:solver")
+    assert memory.lookup(("salt-b",), text, ids) is None  # another tenant never sees it
+    assert memory.lookup(("salt-a",), text, ids, slot="out:other") is None
+    rec, equal = memory.lookup(("salt-a",), text, ids)
+    assert equal and rec.slot == "out:solver"
+    _, equal = memory.lookup(("salt-a",), text, ids[:-1])
+    assert not equal
+    assert memory.stats()["retokenized_equal_ratio"] == 0.5
+    memory.remember(("salt-a",), "b", (1,), "s")
+    memory.remember(("salt-a",), "c", (2,), "s")
+    assert memory.stats()["size"] == 2  # bounded
+
+
+def test_explicit_plan_substitutes_an_answers_generated_ids_and_says_so(tokenizer, monkeypatch):
+    from sglang_kvshare.chat import hooks as chat_hooks
+    from sglang_kvshare.chat.annotation import ChatKVShare
+
+    render, tokenize = _fns(tokenizer)
+    memory = OutputMemory()
+    monkeypatch.setattr(chat_hooks, "outputs", memory)
+    answer = "The sum is 5."
+    generated = tuple(tokenize("The s")) + tuple(tokenize("um is 5."))  # spells the same text, other ids
+    assert generated != tuple(tokenize(answer)) and tokenizer.decode(generated) == answer
+    memory.remember(("ns",), answer, generated, "out:solver")
+    messages = [{"role": "system", "content": "You check."}, {"role": "user", "content": "Task: 2 + 3."},
+                {"role": "assistant", "content": answer}]
+    spec = ChatKVShare(agent="checker", shared=({"message": 1, "slot": "task"}, {"message": 2, "slot": "out:solver"}))
+    plan = chat_hooks._explicit_plan(spec, messages, render, tokenize, _stock(tokenizer, messages), ("ns",))
+    seg = [s for s in plan.annotation.segments if s.slot == "out:solver"][0]
+    assert tuple(plan.input_ids[seg.start:seg.end]) == generated and not plan.same_as_stock
+    assert plan.messages[1].source == "output" and plan.messages[1].retokenized_equal is False
+    # Another namespace does not see the answer: its own re-tokenization, identical to stock.
+    plan = chat_hooks._explicit_plan(spec, messages, render, tokenize, _stock(tokenizer, messages), ("other",))
+    assert plan.same_as_stock and plan.messages[1].source == "content"
+
+
+def test_auto_plan_never_changes_the_prompt(tokenizer, monkeypatch):
+    from types import SimpleNamespace
+
+    from sglang_kvshare.chat import hooks as chat_hooks
+
+    render, tokenize = _fns(tokenizer)
+    memory = OutputMemory()
+    monkeypatch.setattr(chat_hooks, "outputs", memory)
+    request = SimpleNamespace(user=None)
+    answer = "The sum is 5."
+    memory.remember(("ns",), answer, tuple(tokenize("The s")) + tuple(tokenize("um is 5.")), AUTO_SLOT)
+    for last in ("Is it right?", "\n\nIs it right?"):  # the second starts with a whitespace run
+        messages = [{"role": "system", "content": "You grade."}, {"role": "user", "content": "Task: 2 + 3."},
+                    {"role": "assistant", "content": answer}, {"role": "user", "content": last}]
+        plan = chat_hooks._auto_plan(request, messages, render, tokenize, _stock(tokenizer, messages), ("ns",))
+        assert plan.same_as_stock and plan.input_ids == _stock(tokenizer, messages)
+        by_index = {m.index: m for m in plan.messages}
+        assert by_index[2].source == "output" and by_index[2].retokenized_equal is False  # not reused as output
+        assert (3 in by_index) == (last == "Is it right?")  # the awkward content stays template text
+        assert all(s.slot in (AUTO_SLOT, GLUE_SLOT) for s in plan.annotation.segments if s.kind == "shared")
