@@ -20,37 +20,55 @@ MODES: tuple[str, ...] = ("off", "fullshared", "kvcmas")
 ENV_VAR = "SGLANG_KVSHARE_CONFIG"
 BACKEND_NAME = "kvshare"  # our tree cache in SGLang's registry: --radix-cache-backend kvshare
 
+# Option groups, in the order --help and docs/CONFIGURATION.md show them.
+GROUP_MAIN = "kvshare"
+GROUP_LIMITS = "kvshare limits"
+GROUP_ADVANCED = "kvshare advanced"
+GROUPS: dict[str, str] = {
+    GROUP_MAIN: "cross-agent KV reuse: the options most users set",
+    GROUP_LIMITS: "bounds of everything kvshare keeps (each table evicts, never grows)",
+    GROUP_ADVANCED: "tuning of the gate, the anchors, staging and the learner (the defaults suit most servers)",
+}
+
+
+def _option(default, group: str, help: str):
+    """A config field with its ``--help`` text and option group (the CLI and the docs read both)."""
+    return field(default=default, metadata={"help": help, "group": group})
+
 
 @dataclass(frozen=True)
 class KVShareConfig:
     """Settings of cross-agent KV reuse (defaults from ALGORITHM.md)."""
 
-    mode: Mode = field(default="kvcmas", metadata={"help": "off = stock radix cache; fullshared = re-align only; kvcmas = re-align and correct with chained low-rank anchors learned online (KVCOMM's full-dimension anchors are an offline baseline: python -m benchmarks.fidelity)."})
-    tau: float = field(default=0.3, metadata={"help": "Gate threshold on the normalized entropy: accept a correction when H <= tau (0 never accepts)."})
-    capacity: Optional[int] = field(default=None, metadata={"help": "Anchors per slot pool (V); default 10."})
-    rank: Optional[int] = field(default=32, metadata={"help": "Rank r of the factors of new anchors; 0 means full dimension."})
-    evict_window: int = field(default=5, metadata={"help": "W: evict the least-activated among the W oldest anchors."})
-    gate_max_tokens: Optional[int] = field(default=128, metadata={"help": "Cap on the comparison length k of the gate; 0 = the whole segment. With --kvshare-min-anchor-len 0 the gate only considers anchors at least k tokens long, so without a cap a new content longer than every earlier one always falls back."})
-    min_anchor_len: int = field(default=16, metadata={"help": "Anchors of at least this many tokens (holding the edge) help a segment: the gate compares on their common prefix and rows past every anchor stay aligned only; 0 = an anchor must cover the whole comparison length (the papers' rule, which left single GSM8K questions with too few anchors on 17 % of decisions)."})
-    pool_budget_mb: float = field(default=512.0, metadata={"help": "Upper bound on the memory all anchor pools hold together (MiB); past it the least recently used pool's oldest anchors are evicted."})
-    max_pools: int = field(default=1024, metadata={"help": "Most anchor pools (one per slot and namespace); past it the least recently used pool is dropped."})
-    max_namespaces: int = field(default=64, metadata={"help": "Most (LoRA id, cache salt) namespaces whose copy records are kept; least recently used dropped first."})
-    max_slots: int = field(default=256, metadata={"help": "Most slot names whose copy records are kept per namespace; least recently used dropped first."})
-    learn_queue_max: int = field(default=16, metadata={"help": "Most dense-prefill observations waiting to be learned; a full queue drops new ones (counted)."})
-    learn_queue_mb: float = field(default=1024.0, metadata={"help": "Most memory (MiB) the K/V copies of waiting observations may hold (a 4K-token observation of a 135M model holds about 190 MiB in float16, a 1K one 47 MiB: 1024 lets a chain's burst of 4K observations wait instead of being dropped)."})
-    learn_cpu_share: float = field(default=0.5, metadata={"help": "Most share of wall time the learning thread may be busy: after learning for t seconds it sleeps t*(1/share-1), scaled by the learning queue's free share (a burst is learned, not dropped). On a machine with few cores the learner's SVDs compete with the forward; 1 = no pause."})
-    learn_yield_s: float = field(default=10.0, metadata={"help": "Learning yields to serving, at most this many seconds per observation: with --kvshare-learn-on-idle each step waits for the scheduler to take it (idle, or in front of a decode batch) and runs beside it once the budget is spent; without, the learning thread waits until no prefill is in flight (and none ended in the last 0.2 s). Under steady load it learns after the wait anyway, so pools fill. 0 = never wait. (10 s since session 12, 1 s before: with decode-gap steps serving never spent the budget, and back-to-back dense requests no longer met a step beside them.)"})
-    learn_single_thread: bool = field(default=False, metadata={"help": "Run each learning step on its thread alone (no OpenMP team, no MKL threads), so a CPU forward keeps its threads spinning while the learner computes: requests beside learning lose no speed, but learning takes about twice as long and pools fill later (measured on 2 cores: serving reuse 0.35 instead of 0.61). For CPU servers whose dense requests must not slow down while learning."})
-    learn_on_idle: bool = field(default=True, metadata={"help": "Offer the learner's steps (its factorizations) to the scheduler's own thread, which runs them only while fully idle (nothing running, nothing waiting), so they never share the cores with a forward; a request that arrives meanwhile waits at most one step. A step the scheduler does not take within the observation's --kvshare-learn-yield-s budget (steady load) runs beside it on a low-priority thread, as with false."})
-    learn_before_decode: bool = field(default=True, metadata={"help": "With --kvshare-learn-on-idle: the scheduler also runs one waiting learner step in front of a decode batch when no request waits for a prefill. Under serving load the scheduler is rarely fully idle but decodes most of the time; such a step delays one decode iteration (about 26 ms at 1K tokens on 2 CPU cores with 10-layer steps) instead of sharing the cores with a prefill."})
-    learn_step_layers: int = field(default=10, metadata={"help": "Layers per learning step: each factorization of an observation runs this many layers at a time, so a step on the idle scheduler is shorter and a request that arrives during it waits less (the factors are the same); 0 = all layers in one step."})
-    learn_slot_interval_s: float = field(default=0.0, metadata={"help": "Observe one slot at most once per this many seconds (0 = no limit). Observations of a (content, edge) the pool already holds are always skipped."})
-    recompute_head: int = field(default=0, metadata={"help": "K: the first K tokens of every reused segment are prefilled densely in the request's own context (EPIC-style boundary recompute); only the rest is re-aligned (and corrected). 0 = reuse whole segments."})
-    staged: bool = field(default=True, metadata={"help": "Staged prefill: after a dense stretch (an unseen segment, or a recomputed head) resume reuse for the segments behind it, within the same request. false = stop reusing at the first segment that needs prefill."})
-    min_stage_tokens: int = field(default=32, metadata={"help": "Staged prefill resumes reuse after a dense stretch only for a segment with at least this many reusable tokens: a stage costs one more forward, and a short private tail (the instruction before the answer) is cheaper, and more faithful, prefilled."})
-    max_segments: int = field(default=64, metadata={"help": "Most segments one request may declare."})
-    learn_async: bool = field(default=True, metadata={"help": "Record anchors from dense prefills on a background thread (keeps the SVD out of the scheduler loop); false records them inside checkpoint, deterministic for tests."})
-    auto: bool = field(default=False, metadata={"help": "Annotate /v1/chat/completions requests that carry no kvshare field: agent = digest of the system messages, every other message's content and every answer shared under the slot auto:message (see README, 'Using kvshare from an agent framework'). Off by default: every chat request then receives estimated KV."})
+    # --- what most users set
+    mode: Mode = _option("kvcmas", GROUP_MAIN, "off = stock radix cache; fullshared = re-align only; kvcmas = re-align and correct with chained low-rank anchors learned online (KVCOMM's full-dimension anchors are an offline baseline: python -m benchmarks.fidelity).")
+    auto: bool = _option(False, GROUP_MAIN, "Annotate /v1/chat/completions requests that carry no kvshare field: agent = digest of the system messages, every other message's content and every answer shared under the slot auto:message (docs/USAGE.md). Off by default: with it on, every chat request may receive estimated KV.")
+    recompute_head: int = _option(0, GROUP_MAIN, "K: the first K tokens of every reused segment are prefilled densely in the request's own context (EPIC-style boundary recompute); only the rest is re-aligned (and corrected). 0 = reuse whole segments.")
+    tau: float = _option(0.3, GROUP_MAIN, "Gate threshold on the normalized entropy: accept a correction when H <= tau (0 never accepts).")
+    staged: bool = _option(True, GROUP_MAIN, "Staged prefill: after a dense stretch (an unseen segment, or a recomputed head) resume reuse for the segments behind it, within the same request. false = stop reusing at the first segment that needs prefill.")
+    # --- bounds of what kvshare keeps
+    pool_budget_mb: float = _option(512.0, GROUP_LIMITS, "Upper bound on the memory all anchor pools hold together (MiB); past it the least recently used pool's oldest anchors are evicted.")
+    max_pools: int = _option(1024, GROUP_LIMITS, "Most anchor pools (one per slot and namespace); past it the least recently used pool is dropped.")
+    max_namespaces: int = _option(64, GROUP_LIMITS, "Most (LoRA id, cache salt) namespaces whose copy records are kept; least recently used dropped first.")
+    max_slots: int = _option(256, GROUP_LIMITS, "Most slot names whose copy records are kept per namespace; least recently used dropped first.")
+    max_segments: int = _option(64, GROUP_LIMITS, "Most segments one request may declare.")
+    learn_queue_max: int = _option(16, GROUP_LIMITS, "Most dense-prefill observations waiting to be learned; a full queue drops new ones (counted).")
+    learn_queue_mb: float = _option(1024.0, GROUP_LIMITS, "Most memory (MiB) the K/V copies of waiting observations may hold (a 4K-token observation of a 135M model holds about 190 MiB in float16, a 1K one 47 MiB: 1024 lets a chain's burst of 4K observations wait instead of being dropped).")
+    # --- tuning: the defaults suit most servers
+    capacity: Optional[int] = _option(None, GROUP_ADVANCED, "Anchors per slot pool (V); default 10.")
+    rank: Optional[int] = _option(32, GROUP_ADVANCED, "Rank r of the factors of new anchors; 0 means full dimension.")
+    evict_window: int = _option(5, GROUP_ADVANCED, "W: evict the least-activated among the W oldest anchors.")
+    gate_max_tokens: Optional[int] = _option(128, GROUP_ADVANCED, "Cap on the comparison length k of the gate; 0 = the whole segment. With --kvshare-min-anchor-len 0 the gate only considers anchors at least k tokens long, so without a cap a new content longer than every earlier one always falls back.")
+    min_anchor_len: int = _option(16, GROUP_ADVANCED, "Anchors of at least this many tokens (holding the edge) help a segment: the gate compares on their common prefix and rows past every anchor stay aligned only; 0 = an anchor must cover the whole comparison length (the papers' rule, which left single GSM8K questions with too few anchors on 17 % of decisions).")
+    learn_cpu_share: float = _option(0.5, GROUP_ADVANCED, "Most share of wall time the learning thread may be busy: after learning for t seconds it sleeps t*(1/share-1), scaled by the learning queue's free share (a burst is learned, not dropped). On a machine with few cores the learner's SVDs compete with the forward; 1 = no pause.")
+    learn_yield_s: float = _option(10.0, GROUP_ADVANCED, "Learning yields to serving, at most this many seconds per observation: with --kvshare-learn-on-idle each step waits for the scheduler to take it (idle, or in front of a decode batch) and runs beside it once the budget is spent; without, the learning thread waits until no prefill is in flight (and none ended in the last 0.2 s). Under steady load it learns after the wait anyway, so pools fill. 0 = never wait.")
+    learn_single_thread: bool = _option(False, GROUP_ADVANCED, "Run each learning step on its thread alone (no OpenMP team, no MKL threads), so a CPU forward keeps its threads spinning while the learner computes: requests beside learning lose no speed, but learning takes about twice as long and pools fill later (measured on 2 cores: serving reuse 0.35 instead of 0.61). For CPU servers whose dense requests must not slow down while learning.")
+    learn_on_idle: bool = _option(True, GROUP_ADVANCED, "Offer the learner's steps (its factorizations) to the scheduler's own thread, which runs them only while fully idle (nothing running, nothing waiting), so they never share the cores with a forward; a request that arrives meanwhile waits at most one step. A step the scheduler does not take within the observation's --kvshare-learn-yield-s budget (steady load) runs beside it on a low-priority thread, as with false.")
+    learn_before_decode: bool = _option(True, GROUP_ADVANCED, "With --kvshare-learn-on-idle: the scheduler also runs one waiting learner step in front of a decode batch when no request waits for a prefill. Under serving load the scheduler is rarely fully idle but decodes most of the time; such a step delays one decode iteration (about 26 ms at 1K tokens on 2 CPU cores with 10-layer steps) instead of sharing the cores with a prefill.")
+    learn_step_layers: int = _option(10, GROUP_ADVANCED, "Layers per learning step: each factorization of an observation runs this many layers at a time, so a step on the idle scheduler is shorter and a request that arrives during it waits less (the factors are the same); 0 = all layers in one step.")
+    learn_slot_interval_s: float = _option(0.0, GROUP_ADVANCED, "Observe one slot at most once per this many seconds (0 = no limit). Observations of a (content, edge) the pool already holds are always skipped.")
+    min_stage_tokens: int = _option(32, GROUP_ADVANCED, "Staged prefill resumes reuse after a dense stretch only for a segment with at least this many reusable tokens: a stage costs one more forward, and a short private tail (the instruction before the answer) is cheaper, and more faithful, prefilled.")
+    learn_async: bool = _option(True, GROUP_ADVANCED, "Record anchors from dense prefills on a background thread (keeps the SVD out of the scheduler loop); false records them inside checkpoint, deterministic for tests.")
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

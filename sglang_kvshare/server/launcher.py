@@ -23,7 +23,7 @@ import os  # noqa: E402
 import sys  # noqa: E402
 from typing import Sequence  # noqa: E402
 
-from sglang_kvshare.config import BACKEND_NAME, MODES, KVShareConfig  # noqa: E402
+from sglang_kvshare.config import BACKEND_NAME, GROUPS, MODES, KVShareConfig  # noqa: E402
 
 KVSHARE_PREFIX = "--kvshare-"
 
@@ -54,9 +54,10 @@ def _parse_bool(text: str) -> bool:
 
 
 def add_kvshare_args(parser: argparse.ArgumentParser) -> None:
-    """Add one ``--kvshare-<field>`` option per ``KVShareConfig`` field."""
-    group = parser.add_argument_group("kvshare", "cross-agent KV reuse (sglang-kvshare)")
+    """Add one ``--kvshare-<field>`` option per ``KVShareConfig`` field, in the config's option groups."""
+    groups = {name: parser.add_argument_group(name, description) for name, description in GROUPS.items()}
     for f in dataclasses.fields(KVShareConfig):
+        group = groups[f.metadata["group"]]
         flag = KVSHARE_PREFIX + f.name.replace("_", "-")
         help_text = f.metadata.get("help", "").replace("%", "%%")  # argparse formats help with %
         default = f.default
@@ -64,7 +65,8 @@ def add_kvshare_args(parser: argparse.ArgumentParser) -> None:
         if f.name == "mode":
             group.add_argument(flag, choices=MODES, default=default, help=f"{help_text} (default: {default})")
         elif kind == "bool":
-            group.add_argument(flag, type=_parse_bool, default=default, help=f"{help_text} (default: {default})")
+            group.add_argument(flag, type=_parse_bool, default=default, metavar="{true,false}",
+                               help=f"{help_text} (default: {str(default).lower()})")
         elif "int" in kind:
             group.add_argument(flag, type=int, default=default, help=f"{help_text} (default: {default})")
         else:
@@ -135,22 +137,34 @@ def apply_cpu_thread_env() -> None:
         os.environ.setdefault(key, value)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from sglang.srt.server_args import ServerArgs
-
+def kvshare_parser() -> argparse.ArgumentParser:
+    """The ``--kvshare-*`` options alone (the launcher's ``--help`` shows them first)."""
     parser = argparse.ArgumentParser(
-        prog="python -m sglang_kvshare.launch_server",
-        description="SGLang server with the kvshare cache. Every sglang.launch_server option works here.",
-    )
-    ServerArgs.add_cli_args(parser)
+        prog="python -m sglang_kvshare.launch_server", add_help=False,
+        usage="%(prog)s --model-path PATH [--kvshare-mode {off,fullshared,kvcmas}] [--kvshare-* ...] "
+              "[sglang.launch_server options ...]",
+        description="An SGLang server with the kvshare cache (--radix-cache-backend kvshare). Every "
+                    "sglang.launch_server option works here; the kvshare options come first, the ones most "
+                    "users set at the top. The full table: docs/CONFIGURATION.md.")
     add_kvshare_args(parser)
     return parser
 
 
+def print_help() -> None:
+    """The kvshare options first, grouped, then SGLang's own."""
+    from sglang.srt.server_args import ServerArgs
+
+    kvshare_parser().print_help()
+    sglang = argparse.ArgumentParser(prog="python -m sglang_kvshare.launch_server", add_help=False,
+                                     usage=argparse.SUPPRESS)
+    ServerArgs.add_cli_args(sglang)
+    print("\nSGLang's options (sglang.launch_server):")
+    sglang.print_help()
+
+
 def parse_kvshare(argv: Sequence[str]) -> tuple[KVShareConfig, list[str]]:
     ours, theirs = split_argv(argv)
-    parser = argparse.ArgumentParser(prog="python -m sglang_kvshare.launch_server", add_help=False)
-    add_kvshare_args(parser)
+    parser = kvshare_parser()
     ns = parser.parse_args(ours)
     values = {f.name: getattr(ns, "kvshare_" + f.name) for f in dataclasses.fields(KVShareConfig)}
     try:
@@ -166,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     if "-h" in argv or "--help" in argv:
         load_plugins()  # registers the kvshare backend, so SGLang's --help lists it
-        build_parser().print_help()
+        print_help()
         return
     config, sglang_argv = parse_kvshare(argv)
     backend = _flag_value(sglang_argv, "--radix-cache-backend")

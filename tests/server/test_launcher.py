@@ -59,3 +59,7 @@ def test_help_lists_kvshare_options_next_to_sglang_options(capsys):
     out = capsys.readouterr().out
     for flag in ("--kvshare-mode", "--kvshare-tau", "--model-path", "--radix-cache-backend"):
         assert flag in out
+    # The few options users set come first, the tuning knobs after them, SGLang's own last.
+    assert out.index("--kvshare-mode {") < out.index("kvshare limits:") < out.index("kvshare advanced:")
+    assert out.index("--kvshare-learn-yield-s") > out.index("kvshare advanced:")
+    assert out.index("kvshare advanced:") < out.index("SGLang's options")
