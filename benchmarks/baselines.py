@@ -25,6 +25,7 @@ import torch
 
 from sglang_kvshare.correction import ESTIMATORS as SERVED
 from sglang_kvshare.correction import Estimator, FullShared, RopeSpec, anchor_factory
+from sglang_kvshare.correction import make_estimator as served_make_estimator
 
 REFERENCE_AGENT = "ref"  # the "agent" of a context-free reference prefill (KVCOMM)
 
@@ -77,11 +78,7 @@ ESTIMATORS: dict[str, Callable[..., Estimator]] = {
 
 def make_estimator(name: str, spec: RopeSpec, **cfg) -> Estimator:
     """A served mode or a baseline by name; ``cfg`` as the mode's config takes it."""
-    try:
-        factory = ESTIMATORS[name]
-    except KeyError:
-        raise ValueError(f"unknown estimator {name!r}; choose one of {sorted(ESTIMATORS)}") from None
-    return factory(spec, **cfg)
+    return served_make_estimator(name, spec, modes=ESTIMATORS, **cfg)
 
 
 # ------------------------------------------------------------------ CacheBlend's selection

@@ -349,12 +349,18 @@ def _finish(serving, track: _Track) -> None:
             outputs.remember(track.namespace, track.text, ids, slot)
 
 
-async def around_non_streaming(original, self, adapted, request, raw_request=None):
+async def _respond(original, serving, adapted, request, raw_request) -> tuple[Optional[_Track], Any]:
+    """SGLang's response to ``adapted``, the agent's prefix warmed first when kvshare annotated it."""
     track = _tracks.get(id(adapted))
+    if track is not None:
+        await _warm(serving, track, adapted)
+    return track, await original(serving, adapted, request, raw_request)
+
+
+async def around_non_streaming(original, self, adapted, request, raw_request=None):
+    track, response = await _respond(original, self, adapted, request, raw_request)
     if track is None:
-        return await original(self, adapted, request, raw_request)
-    await _warm(self, track, adapted)
-    response = await original(self, adapted, request, raw_request)
+        return response
     _finish(self, track)
     from fastapi.responses import Response
     from pydantic import BaseModel
@@ -367,11 +373,9 @@ async def around_non_streaming(original, self, adapted, request, raw_request=Non
 
 
 async def around_streaming(original, self, adapted, request, raw_request=None):
-    track = _tracks.get(id(adapted))
+    track, response = await _respond(original, self, adapted, request, raw_request)
     if track is None:
-        return await original(self, adapted, request, raw_request)
-    await _warm(self, track, adapted)
-    response = await original(self, adapted, request, raw_request)
+        return response
     body = getattr(response, "body_iterator", None)
     if body is None:
         return response  # an error response: unchanged

@@ -338,10 +338,13 @@ ESTIMATORS: dict[str, Callable[..., Estimator]] = {
 }
 
 
-def make_estimator(name: str, spec: RopeSpec, **cfg) -> Estimator:
-    """Build a served mode by name; ``cfg`` are ``PoolConfig`` fields plus ``max_slots``/``budget_bytes``."""
+def make_estimator(name: str, spec: RopeSpec, *, modes: dict[str, Callable[..., Estimator]] | None = None,
+                   **cfg) -> Estimator:
+    """Build a mode by name from ``modes`` (default: the served ones, ``ESTIMATORS``); ``cfg`` are
+    ``PoolConfig`` fields plus ``max_slots``/``budget_bytes``. Raises ``ValueError`` for an unknown name."""
+    modes = ESTIMATORS if modes is None else modes
     try:
-        factory = ESTIMATORS[name]
+        factory = modes[name]
     except KeyError:
-        raise ValueError(f"unknown estimator {name!r}; choose one of {sorted(ESTIMATORS)}") from None
+        raise ValueError(f"unknown estimator {name!r}; choose one of {sorted(modes)}") from None
     return factory(spec, **cfg)
