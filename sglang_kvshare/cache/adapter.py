@@ -34,6 +34,7 @@ from sglang_kvshare.cache import report, tree_paths
 from sglang_kvshare.cache.admin_view import AdminView
 from sglang_kvshare.cache.assemble import write_and_insert
 from sglang_kvshare.cache.correction_state import CorrectionState
+from sglang_kvshare.cache.parts import CacheParts
 from sglang_kvshare.cache.plan import RequestPlan, plan_of, plan_request
 from sglang_kvshare.cache.record import Recorder
 from sglang_kvshare.cache.registry import ContentHasher, PlaceholderRegistry, RegistryLimits
@@ -68,9 +69,10 @@ class KVShareRadixCache(RadixCache):
                                asynchronous=config.learn_async, cpu_share=config.learn_cpu_share,
                                slot_interval_s=config.learn_slot_interval_s, activity=self.activity,
                                yield_s=config.learn_yield_s, single_thread=config.learn_single_thread)
-        self.resolver = Resolver(self, self.state, self.counters)
-        self.recorder = Recorder(self, self.state, self.registry, self.learner, self.hasher, self.counters)
-        self.kvshare_admin = AdminView(self, self.state, self.registry, self.learner, self.counters, self.hasher)
+        parts = CacheParts(self, self.state, self.registry, self.learner, self.counters, self.hasher)
+        self.resolver = Resolver(parts)
+        self.recorder = Recorder(parts)
+        self.kvshare_admin = AdminView(parts)
         super().__init__(params)
 
     @property

@@ -1,8 +1,8 @@
 """What the admin API sees of the cache: stats, pools, configure, reset.
 
 An object the cache owns (``KVShareRadixCache.kvshare_admin``), given what it
-reads: the tree's pool sizes, the config and estimator in force, the copy
-registry, the learner and the counters. Every method runs on the scheduler
+reads (``CacheParts``): the tree's pool sizes, the config and estimator in
+force, the copy registry, the learner and the counters. Every method runs on the scheduler
 thread between batches (the admin channel calls them there) and takes the
 estimator lock only around estimator calls.
 
@@ -16,40 +16,31 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Hashable, Optional
 
-from sglang_kvshare.cache.correction_state import CorrectionState
-from sglang_kvshare.cache.registry import ContentHasher, PlaceholderRegistry
+from sglang_kvshare.cache.parts import CacheParts
 from sglang_kvshare.config import KVShareConfig
-from sglang_kvshare.counters import Counters
-from sglang_kvshare.learning.learner import Learner
 
 DEFAULT_NAMESPACE = (None, None)
 
 
 class AdminView:
-    """The admin-facing side of one cache (see the module docstring); ``tree`` is SGLang's ``RadixCache``."""
+    """The admin-facing side of one cache (see the module docstring)."""
 
-    def __init__(self, tree: Any, state: CorrectionState, registry: PlaceholderRegistry, learner: Learner,
-                 counters: Counters, hasher: ContentHasher) -> None:
-        self.tree = tree
-        self.state = state
-        self.registry = registry
-        self.learner = learner
-        self.counters = counters
-        self.hasher = hasher
+    def __init__(self, parts: CacheParts) -> None:
+        self.parts = parts
 
     @property
     def config(self) -> KVShareConfig:
-        return self.state.config
+        return self.parts.state.config
 
     # ------------------------------------------------------------ naming
     def _display(self, namespace, slot: str) -> str:
         if tuple(namespace) == DEFAULT_NAMESPACE:
             return slot
-        return f"{slot}@{self.hasher((), 'namespace', tuple(namespace))[:8]}"
+        return f"{slot}@{self.parts.hasher((), 'namespace', tuple(namespace))[:8]}"
 
     def _describe_pools(self) -> dict[str, list[dict]]:
-        with self.state.lock:
-            described = self.state.estimator.describe() if self.state.estimator is not None else {}
+        with self.parts.state.lock:
+            described = self.parts.state.estimator.describe() if self.parts.state.estimator is not None else {}
         return {self._display(*key) if isinstance(key, tuple) and len(key) == 2 else str(key): anchors
                 for key, anchors in described.items()}
 
@@ -58,7 +49,7 @@ class AdminView:
         """Totals, per-slot counters, limits and usage (plain Python types)."""
         pools = self._describe_pools()
         slots = {}
-        for ns, node in self.registry.all_slots():
+        for ns, node in self.parts.registry.all_slots():
             name = self._display(ns, node.slot)
             info = node.stats.as_dict()
             anchors = pools.get(name, [])
@@ -67,30 +58,30 @@ class AdminView:
             slots[name] = info
         seen = sum(s["shared_tokens_seen"] for s in slots.values())
         reused = sum(s["resolved_alignment"] + s["resolved_correction"] for s in slots.values())
-        with self.state.lock:
-            memory = self.state.estimator.memory_bytes() if self.state.estimator is not None else 0
-        tree = self.tree
+        with self.parts.state.lock:
+            memory = self.parts.state.estimator.memory_bytes() if self.parts.state.estimator is not None else 0
+        tree = self.parts.tree
         allocator = tree.token_to_kv_pool_allocator
-        cfg = self.state.config
-        limits = {**dataclasses.asdict(self.registry.limits),
+        cfg = self.parts.state.config
+        limits = {**dataclasses.asdict(self.parts.registry.limits),
                   "learn_queue_jobs": cfg.learn_queue_max, "learn_queue_bytes": int(cfg.learn_queue_mb * 2**20),
                   "anchor_bytes": int(cfg.pool_budget_mb * 2**20), "pools": cfg.max_pools}
-        usage = {**self.registry.usage(), "learn_queue_jobs": self.learner.pending(),
-                 "learn_queue_bytes": self.learner.queued_bytes(), "anchor_bytes": int(memory),
+        usage = {**self.parts.registry.usage(), "learn_queue_jobs": self.parts.learner.pending(),
+                 "learn_queue_bytes": self.parts.learner.queued_bytes(), "anchor_bytes": int(memory),
                  "pools": len(pools)}
         return {
             "mode": cfg.mode,
             "config": dataclasses.asdict(cfg),
             "kv_pool_tokens": {"available": int(allocator.available_size()), "evictable": int(tree.evictable_size()),
                                "protected": int(tree.protected_size()), "total": int(allocator.size)},
-            "unsupported_reason": self.state.unsupported_reason,
+            "unsupported_reason": self.parts.state.unsupported_reason,
             "shared_tokens_seen": seen,
             "reuse_ratio": reused / seen if seen else 0.0,
             "anchor_bytes": int(memory),
-            "pending_observations": self.learner.pending(),
+            "pending_observations": self.parts.learner.pending(),
             "limits": limits,
             "usage": usage,
-            "counters": self.counters.snapshot(),
+            "counters": self.parts.counters.snapshot(),
             "slots": slots,
         }
 
@@ -100,7 +91,7 @@ class AdminView:
         Raises ``KeyError`` for a slot the cache does not know.
         """
         pools = self._describe_pools()
-        known = set(pools) | {self._display(ns, node.slot) for ns, node in self.registry.all_slots()}
+        known = set(pools) | {self._display(ns, node.slot) for ns, node in self.parts.registry.all_slots()}
         if slot is not None:
             if slot not in known:
                 raise KeyError(slot)
@@ -121,10 +112,10 @@ class AdminView:
         """
         changes = {k: v for k, v in dict(tau=tau, capacity=capacity, rank=rank, mode=mode,
                                          recompute_head=recompute_head, staged=staged).items() if v is not None}
-        new = self.state.config.replace(**changes)  # validates; raises ValueError
-        with self.state.lock:
-            if self.state.apply(new):
-                self.learner.reset()  # observations of the old estimator must not fill the new one
+        new = self.parts.state.config.replace(**changes)  # validates; raises ValueError
+        with self.parts.state.lock:
+            if self.parts.state.apply(new):
+                self.parts.learner.reset()  # observations of the old estimator must not fill the new one
         return new
 
     def reset(self, slot: Optional[str] = None) -> None:
@@ -133,9 +124,9 @@ class AdminView:
         Observations still queued are dropped too (for one slot: all of them), so
         nothing learned before the reset refills the pools after it.
         """
-        with self.state.lock:
-            self.learner.reset()
-            estimator = self.state.estimator
+        with self.parts.state.lock:
+            self.parts.learner.reset()
+            estimator = self.parts.state.estimator
             if estimator is not None:
                 if slot is None:
                     estimator.reset()
@@ -143,13 +134,13 @@ class AdminView:
                     for key in self._pool_keys(slot):
                         estimator.reset(key)
             if slot is None:
-                self.registry.reset()
+                self.parts.registry.reset()
             else:
-                for ns, node in list(self.registry.all_slots()):
+                for ns, node in list(self.parts.registry.all_slots()):
                     if self._display(ns, node.slot) == slot:
-                        self.registry.namespace(ns).slots.pop(node.slot, None)
+                        self.parts.registry.namespace(ns).slots.pop(node.slot, None)
 
     def _pool_keys(self, display: str) -> list[Hashable]:
-        with self.state.lock:
-            keys = list(self.state.estimator.describe()) if self.state.estimator is not None else []
+        with self.parts.state.lock:
+            keys = list(self.parts.state.estimator.describe()) if self.parts.state.estimator is not None else []
         return [k for k in keys if isinstance(k, tuple) and len(k) == 2 and self._display(*k) == display]

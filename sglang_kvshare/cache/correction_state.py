@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from sglang_kvshare.cache.checks import check_mode
@@ -19,21 +20,22 @@ from sglang_kvshare.config import KVShareConfig
 logger = logging.getLogger(__name__)
 
 
+@dataclass
 class CorrectionState:
     """Config, RoPE spec and estimator of one cache; ``page_size``/``tp_size`` are the launch facts
     a runtime mode switch is checked against again."""
 
-    def __init__(self, config: KVShareConfig, model_config: Optional[Any], *, page_size: int = 1,
-                 tp_size: int = 1) -> None:
-        self.config = config
-        self.model_config = model_config
-        self.page_size = page_size
-        self.tp_size = tp_size
-        self.spec = None
-        self.estimator = None
-        self.unsupported_reason: Optional[str] = None
-        self.lock = threading.RLock()
-        if config.mode != "off":
+    config: KVShareConfig
+    model_config: Optional[Any]
+    page_size: int = 1
+    tp_size: int = 1
+    spec: Any = field(default=None, init=False)  # correction.RopeSpec, read from the model
+    estimator: Any = field(default=None, init=False)
+    unsupported_reason: Optional[str] = field(default=None, init=False)
+    lock: threading.RLock = field(default_factory=threading.RLock, init=False)
+
+    def __post_init__(self) -> None:
+        if self.config.mode != "off":
             self._init_correction()
 
     @property

@@ -17,33 +17,23 @@ import time
 from typing import Any, Optional, Sequence
 
 from sglang_kvshare.cache import tree_paths
-from sglang_kvshare.cache.correction_state import CorrectionState
 from sglang_kvshare.cache.kv_pool_io import learning_copy_dtype, pool_dtype, read_pair
+from sglang_kvshare.cache.parts import CacheParts
 from sglang_kvshare.cache.plan import RequestPlan
-from sglang_kvshare.cache.registry import ContentHasher, Materialization, PlaceholderRegistry
+from sglang_kvshare.cache.registry import Materialization
 from sglang_kvshare.cache.resolve import Piece, candidates
-from sglang_kvshare.counters import Counters
-from sglang_kvshare.learning.learner import Learner, Observation
+from sglang_kvshare.learning.learner import Observation
 
 
 class Recorder:
-    """Copy records, observations and per-slot counts of one cache.
+    """Copy records, observations and per-slot counts of one cache."""
 
-    ``tree`` is SGLang's ``RadixCache`` (its tree walks, KV pool and request table).
-    """
-
-    def __init__(self, tree: Any, state: CorrectionState, registry: PlaceholderRegistry, learner: Learner,
-                 hasher: ContentHasher, counters: Counters) -> None:
-        self.tree = tree
-        self.state = state
-        self.registry = registry
-        self.learner = learner
-        self.hasher = hasher
-        self.counters = counters
+    def __init__(self, parts: CacheParts) -> None:
+        self.parts = parts
 
     # ------------------------------------------------------------ copies
     def _node_at(self, plan: RequestPlan, tokens: Sequence[int]) -> Optional[Any]:
-        return tree_paths.node_at(self.tree, tokens, plan.est_start, plan.namespace[0], plan.namespace[1])
+        return tree_paths.node_at(self.parts.tree, tokens, plan.est_start, plan.namespace[0], plan.namespace[1])
 
     def _record(self, plan: RequestPlan, index: int, *, exact: bool) -> None:
         seg = plan.annotation.segments[index]
@@ -51,8 +41,8 @@ class Recorder:
         if node is None:
             return
         mat = Materialization(agent=plan.agent_id, agent_name=plan.agent, node=node, start=seg.start, end=seg.end,
-                              exact=exact, generation=self.registry.generation)
-        records = self.registry.namespace(plan.namespace)
+                              exact=exact, generation=self.parts.registry.generation)
+        records = self.parts.registry.namespace(plan.namespace)
         if seg.kind == "shared":
             records.slot(seg.slot).record(plan.hashes[index], mat)
         else:
@@ -67,7 +57,7 @@ class Recorder:
 
     def checkpointed(self, req: Any, plan: RequestPlan, up_to: int) -> None:
         """Record the segments ``[0, up_to)`` finished and queue observations (kvcmas); each segment once."""
-        records = self.registry.namespace(plan.namespace)
+        records = self.parts.registry.namespace(plan.namespace)
         for o, seg in zip(plan.outcomes, plan.annotation.segments):
             if o.index in plan.learned or seg.end > up_to:
                 continue
@@ -77,9 +67,9 @@ class Recorder:
             exact = plan.exact_before(seg.end)
             source = None
             if o.resolved_by == "dense" and seg.kind == "shared" and exact:
-                source = next(iter(candidates(records, plan, o, self.registry.generation)), None)
+                source = next(iter(candidates(records, plan, o, self.parts.registry.generation)), None)
             self._record(plan, o.index, exact=exact)
-            if source is None or self.state.config.mode != "kvcmas":
+            if source is None or self.parts.state.config.mode != "kvcmas":
                 continue
             if source.agent == plan.agent_id and source.start == seg.start:
                 continue  # same agent, same offset (a client's commit of its own output): nothing to learn
@@ -90,17 +80,17 @@ class Recorder:
 
         src_idx = tree_paths.rows(source.node, source.start, source.end)
         if src_idx is None:
-            self.counters.add("observations_source_lost")
+            self.parts.counters.add("observations_source_lost")
             return
         seg = plan.annotation.segments[index]
-        if not self.learner.admit((plan.namespace, seg.slot), plan.hashes[index], source.agent, plan.agent_id):
+        if not self.parts.learner.admit((plan.namespace, seg.slot), plan.hashes[index], source.agent, plan.agent_id):
             return
         t0 = time.perf_counter()
-        kvcache = self.tree.token_to_kv_pool_allocator.get_kvcache()
-        row = self.tree.req_to_token_pool.req_to_token[req.kv.req_pool_idx][seg.start:]
+        kvcache = self.parts.tree.token_to_kv_pool_allocator.get_kvcache()
+        row = self.parts.tree.req_to_token_pool.req_to_token[req.kv.req_pool_idx][seg.start:]
         k_src, v_src, k_tgt, v_tgt = read_pair(kvcache, src_idx, row, learning_copy_dtype(kvcache))
-        self.counters.add("learn_copy_seconds", time.perf_counter() - t0)
-        self.learner.submit(Observation(
+        self.parts.counters.add("learn_copy_seconds", time.perf_counter() - t0)
+        self.parts.learner.submit(Observation(
             slot=(plan.namespace, seg.slot),
             source=SegmentCache(k_src, v_src, source.start, source.agent, exact=source.exact),
             target=SegmentCache(k_tgt, v_tgt, seg.start, plan.agent_id, exact=True),
@@ -117,19 +107,19 @@ class Recorder:
             return
         mat = Materialization(agent=plan.agent_id, agent_name=plan.agent, node=node, start=len(plan.tokens),
                               end=len(plan.tokens) + in_tree, exact=plan.est_start is None,
-                              generation=self.registry.generation)
-        slot = self.registry.namespace(plan.namespace).slot(plan.annotation.output_slot)
+                              generation=self.parts.registry.generation)
+        slot = self.parts.registry.namespace(plan.namespace).slot(plan.annotation.output_slot)
         # Consumers may pass the whole output or only what has KV; both find it.
-        for content in {self.hasher(out_ids), self.hasher(out_ids[:in_tree])}:
+        for content in {self.parts.hasher(out_ids), self.parts.hasher(out_ids[:in_tree])}:
             slot.record(content, mat)
 
     # ------------------------------------------------------------ stats
     def count(self, plan: RequestPlan) -> None:
         """Add the request's shared-segment outcomes to the per-slot stats (call once per request)."""
-        records = self.registry.namespace(plan.namespace)
+        records = self.parts.registry.namespace(plan.namespace)
         for o in plan.outcomes:
             if o.kind != "shared":
                 continue
             records.slot(o.slot).stats.add(o)
-        self.counters.add("annotated_requests")
-        self.counters.add("assembly_seconds", plan.assembly_seconds)
+        self.parts.counters.add("annotated_requests")
+        self.parts.counters.add("assembly_seconds", plan.assembly_seconds)

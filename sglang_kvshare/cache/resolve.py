@@ -23,12 +23,11 @@ from typing import Any, Callable, Optional
 import torch
 
 from sglang_kvshare.cache import tree_paths
-from sglang_kvshare.cache.correction_state import CorrectionState
 from sglang_kvshare.cache.kv_pool_io import ReadWorkspace, read_segment, sync_device
 from sglang_kvshare.cache.outcome import SegmentOutcome
+from sglang_kvshare.cache.parts import CacheParts
 from sglang_kvshare.cache.plan import RequestPlan
 from sglang_kvshare.cache.registry import Materialization, NamespaceRecords
-from sglang_kvshare.counters import Counters
 
 
 @dataclass
@@ -97,15 +96,13 @@ def candidates(records: NamespaceRecords, plan: RequestPlan, o: SegmentOutcome,
 class Resolver:
     """Resolves segments against the copy records, the tree and the estimator of one cache.
 
-    ``tree`` is SGLang's ``RadixCache`` (its lock and KV pool); ``state`` the
-    config and estimator in force. Keeps one read workspace, so it serves one
-    thread (the scheduler's).
+    Keeps one read workspace, so it serves one thread (the scheduler's).
     """
 
-    def __init__(self, tree: Any, state: CorrectionState, counters: Counters) -> None:
-        self.tree = tree
-        self.state = state
-        self.counters = counters
+    def __init__(self, parts: CacheParts) -> None:
+        self.tree = parts.tree  # SGLang's RadixCache: its locks and KV pool
+        self.state = parts.state  # the config and estimator in force
+        self.counters = parts.counters
         # The gate's copy of a source: read into reused buffers (the estimate keeps no reference).
         self._reads = ReadWorkspace()
 
