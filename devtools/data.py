@@ -1,8 +1,8 @@
 """Where the data files shipped in the repository's ``data/`` folder live.
 
 Why one helper: the demo, the workloads, the tests and the benchmarks all read
-the GSM8K test split, and each used to guess its own location (some outside
-the repository). The package is installed editable, so the files are found
+the GSM8K test split; they all find it here rather than each guessing a
+location. The package is installed editable, so the files are found
 relative to this source tree: ``<repo>/data/``. A missing file is an error
 that names the file; nothing falls back to made-up text.
 """

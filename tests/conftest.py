@@ -112,6 +112,9 @@ def pytest_collection_modifyitems(session, config, items) -> None:
     cache's unit tests on fake pools, about 60 s alone) fill that wait instead.
     Module-scoped server fixtures stay contiguous: the sort is stable.
     """
+    for item in items:  # every test that starts or borrows a server carries the marker: -m "not server" skips it
+        if "server_pool" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.server)
     items.sort(key=lambda item: "server_pool" in getattr(item, "fixturenames", ()))
 
 

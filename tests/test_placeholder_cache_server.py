@@ -152,7 +152,7 @@ def test_malformed_annotations_get_400_and_the_server_keeps_serving(server_pool,
 
 
 def test_plain_request_after_assembly_is_served_exact_kv(off_chain, server_pool, tokenizer):
-    """Issue 13 #1: agent B's assembled copy must never serve a plain request with B's prompt."""
+    """Agent B's assembled copy must never serve a plain request with B's prompt."""
     server = shared_server(server_pool)
     warm_agents(server, tokenizer)
     text = context(6, 3)
@@ -168,7 +168,7 @@ def test_plain_request_after_assembly_is_served_exact_kv(off_chain, server_pool,
 
 
 def test_cache_salts_do_not_share_segments(server_pool, tokenizer):
-    """Issue 13 #2: a tenant never reuses (or learns of) another tenant's KV."""
+    """A tenant never reuses (or learns of) another tenant's KV."""
     server = shared_server(server_pool)
     text = context(12, 3)
     for agent, salt in (("solver", "tenantA"), ("analyst", "tenantB")):
@@ -182,8 +182,8 @@ def test_cache_salts_do_not_share_segments(server_pool, tokenizer):
 
 
 def test_staged_prefill_cold_agent_and_a_miss_in_front(server_pool, tokenizer):
-    """Issue 14: a cold agent reuses its first request's shared segment; an unseen segment in
-    front no longer makes the later ones dense."""
+    """A cold agent reuses its first request's shared segment; an unseen segment in
+    front does not make the later ones dense."""
     from sglang_kvshare.frontend.builder import build_request, private_part, shared_part
 
     server = shared_server(server_pool)

@@ -18,7 +18,7 @@ through ``extra_body``)::
   marked with the same slot reuses the KV computed while generating it.
 
 The server renders the chat template with each marked content tokenized on its
-own (``chat_render``), so a marked content gets the same ids in every agent,
+own (``chat.render``), so a marked content gets the same ids in every agent,
 and sends the request as an annotated ``/generate`` would. Template text
 between two shared contents (``<|im_end|>\\n<|im_start|>user\\n``) is the same in
 every agent, so it is shared too, under the slot ``GLUE_SLOT``, and so is the
@@ -32,7 +32,7 @@ the field are annotated by the server: the agent is a digest of the system
 messages (and the request's ``user``); every other message's content, and
 every answer, is shared under the one slot ``AUTO_SLOT`` (``auto_slot`` says why).
 
-No SGLang imports: the server hooks (``chat_hooks``) call this, tests call it directly.
+No SGLang imports: the server hooks (``chat.hooks``) call this, tests call it directly.
 """
 
 from __future__ import annotations

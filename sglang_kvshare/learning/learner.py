@@ -13,8 +13,8 @@ in the queue; a full queue drops the new observation (counted), it never
 grows. ``reset`` bumps a generation and drains the queue, so observations
 queued before a reset never refill the pools after it.
 
-Throttles (issue 15: on a machine with few cores the SVDs of the learner
-slowed every request of a kvcmas server by up to 1.35x while it learned):
+Throttles (on a machine with few cores the learner's SVDs share the cores
+with the forward and slow every request while it learns; docs/PROFILE.md):
 * ``admit`` runs before the scheduler copies anything: an observation whose
   (content, edge) the pool already holds is skipped (it would only replace
   that delta: the pool has converged there), and one slot is observed at most
@@ -37,7 +37,7 @@ slowed every request of a kvcmas server by up to 1.35x while it learned):
   OpenMP team, no MKL threads): no tax on the forward, half the learning speed;
 * with ``idle_steps`` (``--kvshare-learn-on-idle``, the server's default) the
   steps run instead on the scheduler's own thread while it is fully idle, or
-  in front of a decode batch (``cache/idle_steps.py``): such a step never
+  in front of a decode batch (``learning/idle_steps.py``): such a step never
   overlaps a forward; a step the scheduler does not take within the
   observation's ``yield_s`` budget runs beside it as above, and only those
   count towards the duty cycle.
@@ -384,7 +384,7 @@ def _in_own_thread(step: Callable[[], Any], single: bool = False) -> Any:
             pass
         if single:
             # NOTE: on this thread alone: an OpenMP team of its own makes the scheduler's
-            # forward stop spinning at its barriers (cache/single_thread.py).
+            # forward stop spinning at its barriers (learning/single_thread.py).
             single_threaded_torch()
         try:
             out["value"] = step()

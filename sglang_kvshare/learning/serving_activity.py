@@ -3,9 +3,9 @@
 Why: on a machine with few cores the learner's SVDs and the model's forward
 share the cores. A duty cycle (``Learner.cpu_share``) bounds *how much* the
 learner takes, not *when*: an SVD that starts just before a dense prefill
-stretches that request's TTFT (issue 15: with 1.5 s between dense requests a
-kvcmas server that was learning served them at 1.25x ``off`` without this
-wait, 0.99x with it; ``chain_ttft --probe-gap``). The cache sees every request twice, at
+stretches that request's TTFT (``python -m benchmarks.chain_ttft --probe-gap``
+measures dense requests spaced out while the server learns, with and without
+this wait). The cache sees every request twice, at
 ``match_prefix`` (its prefill is about to run) and at the checkpoint that
 covers its whole prompt or its release (the prefill is over), so it can tell
 the learner when serving is quiet.

@@ -127,7 +127,7 @@ def with_defaults(sglang_argv: Sequence[str], *, cpu: bool, select_backend: bool
 
 
 def cpu_thread_env() -> dict[str, str]:
-    """Without explicit thread settings libgomp spins under load (see the CPU notes)."""
+    """Without explicit thread settings libgomp spins under load (docs/OPERATIONS.md, "On a machine without a GPU")."""
     n = os.cpu_count() or 1
     return {"OMP_NUM_THREADS": str(n), "SGLANG_CPU_OMP_THREADS_BIND": f"0-{n - 1}", "HF_HUB_OFFLINE": "1"}
 

@@ -231,7 +231,7 @@ def test_kvcmas_learns_from_dense_prefills_then_corrects():
 
 @pytest.mark.parametrize("min_anchor_len, expected", [(16, "correction"), (0, "too_few_anchors")])
 def test_anchors_shorter_than_the_segment_help_on_their_common_prefix(min_anchor_len, expected):
-    """Issue 14: pools learned on shorter contents (questions of varying length) must not stay useless.
+    """Pools learned on shorter contents (questions of varying length) must not stay useless.
     By default (16) the gate compares on the anchors' common prefix; 0 restores the papers' rule."""
     sched = MiniScheduler(make_cache("kvcmas", tau=1.0, min_anchor_len=min_anchor_len))
     for agent in ("A", "B"):

@@ -1,7 +1,7 @@
 """The learner's K/V copies: one gather per layer, float16 while queued on a float32 pool.
 
-Why (issue 15): at 1K tokens one observation held 94 MiB of float32 copies and
-the bounded queue dropped a chain's third edge. Each test would fail if the
+Why: at 1K tokens one observation holds 94 MiB of float32 copies, and a
+bounded queue of such copies drops a chain's third edge. Each test would fail if the
 copies were wrong, not narrowed, learned in float16, or silently learned from
 an overflow.
 """

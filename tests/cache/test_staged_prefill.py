@@ -1,4 +1,4 @@
-"""Staged prefill and head recompute on fake pools (issue 14, items 1 and 2).
+"""Staged prefill and head recompute on fake pools (docs/STAGED_PREFILL.md).
 
 ``MiniScheduler`` cuts the prefill where ``kvshare_stage_end`` asks and calls
 ``kvshare_resume`` between chunks, as the scheduler hooks do in a server.
@@ -109,7 +109,7 @@ def test_a_short_private_tail_after_a_dense_stretch_is_not_staged():
 
 
 def test_a_request_matched_again_after_its_dense_stretch_became_a_hit_still_reuses():
-    """Two cold requests of one agent wait together (the CI failure of session 10).
+    """Two cold requests of one agent wait together, as under concurrent load.
 
     The second was planned while the agent's system prompt was unseen (a dense
     stretch, reuse resuming at the shared segment); by the time it is scheduled

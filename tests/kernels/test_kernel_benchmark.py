@@ -1,4 +1,4 @@
-"""benchmarks.kernels runs on CPU and writes the JSON rows the issue asks for."""
+"""benchmarks.kernels runs on CPU and writes one JSON row per op and shape."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The learner's throttles: a known (content, edge) is skipped, a slot's rate is capped, the worker pauses.
 
-Why these matter (issue 15): on a 2-core machine the learner's SVDs made every
-request of a kvcmas server slower while it learned. Each test would fail if a
+Why these matter: on a 2-core machine the learner's SVDs make every request
+of a kvcmas server slower while it learns (docs/PROFILE.md, finding 1). Each test would fail if a
 throttle were missing: an observation the pool already holds copied again, a
 slot observed twice inside its interval, a worker that never pauses.
 """
@@ -151,7 +151,7 @@ def test_no_thread_that_ran_learning_outlives_its_step():
 
 @pytest.mark.skipif(torch_libgomp() is None, reason="needs torch on GNU libgomp (Linux CPU builds)")
 def test_single_threaded_learning_steps_leave_the_scheduler_its_threads():
-    """With ``single_thread`` a step starts no OpenMP team of its own (cache/single_thread.py)."""
+    """With ``single_thread`` a step starts no OpenMP team of its own (learning/single_thread.py)."""
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

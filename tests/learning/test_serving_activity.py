@@ -1,6 +1,6 @@
 """Learning yields to serving: the learner waits while a prefill is in flight.
 
-Why (issue 15): on a 2-core machine an SVD that starts just before a dense
+Why: on a 2-core machine an SVD that starts just before a dense
 prefill stretches that request's TTFT; the duty cycle bounds how much the
 learner takes, not when. Each test fails if the learner ignored an open
 prefill, waited past its bound, waited inside a synchronous (scheduler-thread)
