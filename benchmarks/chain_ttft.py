@@ -16,7 +16,7 @@ one at a time) and per repeat (a new content each time):
   content, nothing to reuse) sent right after the warm chains, while a kvcmas
   learner still has their observations queued (``pending`` says how many);
   every arm runs the same warm chains and probes, so ``while_learning_vs_off``
-  compares like with like (issue 15: at most 1.10x); ``--probe-gap`` spaces
+  compares like with like (the target: at most 1.10x); ``--probe-gap`` spaces
   them (back to back is steady load; a gap is a lull the learner may use).
 
 Arms: ``off``, ``fullshared``, ``kvcmas``, ``stock`` (``sglang.launch_server``
@@ -41,7 +41,7 @@ from pathlib import Path
 import requests
 from tqdm import tqdm
 
-from benchmarks.harness import RESULTS, machine, mode_args, stream_generate, wait_learning, write_json
+from benchmarks.harness import RESULTS, machine, mode_args, run_meta, stream_generate, wait_learning, write_json
 from benchmarks.texts import context_tokens
 from sglang_kvshare.frontend.builder import build_request, private_part, shared_part
 from devtools.server_process import ServerProcess
@@ -148,8 +148,8 @@ def main(argv=None) -> int:
 
     model_path = str(prepare("smollm2-135m"))
     tok = AutoTokenizer.from_pretrained(model_path)
-    results: dict = {"command": "python -m benchmarks.chain_ttft " + " ".join(
-        argv if argv is not None else sys.argv[1:]), "machine": machine(),
+    command = "python -m benchmarks.chain_ttft " + " ".join(argv if argv is not None else sys.argv[1:])
+    results: dict = {"meta": run_meta(command.strip()), "command": command, "machine": machine(),
                      "model": "SmolLM2-135M-Instruct", "agents": list(AGENTS), "tau": args.tau,
                      "repeats": args.repeats, "probe": args.probe, "probe_gap_s": args.probe_gap,
                      "ttft_definition": "time to the first streamed chunk of a 1-token greedy generation",

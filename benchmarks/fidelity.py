@@ -21,7 +21,7 @@ suffix position, top-1 agreement and a 32-token greedy continuation are
 compared with NonShared. A tau / rank grid (KL only) gives the trade-off.
 
     python -m benchmarks.fidelity --quick --out f.json     # < 5 min, 2 CPU cores
-    python -m benchmarks.fidelity                          # full run, writes benchmarks/results/
+    python -m benchmarks.fidelity                          # full run, writes benchmarks/results/fidelity.json
 """
 
 from __future__ import annotations
@@ -44,12 +44,12 @@ from sglang_kvshare.correction import (CorrectionPlan, FullShared, RopeSpec, Seg
                                        materialize, to_canonical)
 
 from .baselines import make_estimator
+from .harness import RESULTS, SCRATCH, run_meta
 from .common import KV, load_model, partial_recompute, prefill, set_threads, suffix_eval
 from .fidelity_head import (HEAD_KS, HEAD_MODES, PlanVariant, coarse_errors, coarse_summary, head_frontier,
                             head_label, plot_heads, splice_head)
 
 MAIN_MODES = ["fullshared", "kvcomm", "kvcmas", "kvcmas_fullrank", "kvcmas_nonchained", "cacheblend"]
-RESULTS = Path(__file__).resolve().parent / "results"
 GSM8K = gsm8k_path()  # data/gsm8k in the repository; a clear error if it is missing
 
 
@@ -469,10 +469,12 @@ def summarize(args, arms, spec, model, dense_spt, n_eval, n_warm, wall, path) ->
     cfg = model.config
     nl, d = cfg.num_hidden_layers, cfg.num_key_value_heads * cfg.head_dim
     item = 4
+    command = "python -m benchmarks.fidelity " + " ".join(getattr(args, "argv", sys.argv[1:]))
     out = {
+        "meta": run_meta(command.strip()),
         "model": "SmolLM2-135M-Instruct",
         "model_path": path,
-        "command": "python -m benchmarks.fidelity " + " ".join(sys.argv[1:]),
+        "command": command,
         "quick": bool(args.quick),
         "seed": args.seed,
         "tau": args.tau,
@@ -610,7 +612,9 @@ def plot(result: dict, path: Path) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small run, < 5 min on 2 CPU cores")
-    ap.add_argument("--out", type=Path, default=None, help="JSON path (default benchmarks/results/fidelity.json)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="JSON path (default benchmarks/results/fidelity.json; with --quick tmp/fidelity_quick.json: "
+                         "a smoke run is not a result)")
     ap.add_argument("--plot", type=Path, default=None, help="PNG path (default: next to --out)")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--seed", type=int, default=0)
@@ -629,6 +633,7 @@ def main(argv=None) -> None:
                     help="head recompute arms: first K tokens of each reused segment prefilled densely")
     ap.add_argument("--only", nargs="*", default=None, help="run only these arm labels (plus fullshared)")
     args = ap.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.quick:
         defaults = dict(warm=2, eval=1, lengths=[256], sweep_taus=[], sweep_ranks=[])
     else:
@@ -637,7 +642,7 @@ def main(argv=None) -> None:
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
-    out = args.out or RESULTS / ("fidelity_quick.json" if args.quick else "fidelity.json")
+    out = args.out or (SCRATCH / "fidelity_quick.json" if args.quick else RESULTS / "fidelity.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     result = run(args, out)
     out.write_text(json.dumps(result, indent=1))

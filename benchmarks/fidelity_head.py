@@ -1,7 +1,7 @@
 """Head (boundary) recompute and plan variants for the offline fidelity harness.
 
 Why a module of its own: ``benchmarks.fidelity`` runs the arms; this module
-holds what is specific to issue 14's arms, so the harness stays one job.
+holds what is specific to the head-recompute and plan-variant arms, so the harness stays one job.
 
 Head recompute (ALGORITHM.md 7, EPIC's "LegoLink"): of a reused segment
 ``[s, e)`` the first ``K`` tokens are prefilled densely behind the consumer's
@@ -11,7 +11,7 @@ prefix equal to the first ``K`` rows of the consumer's exact cache, so the
 harness splices those rows in (``tests/benchmarks/test_fidelity_head.py``
 checks the equality on a real forward). Reuse counts only ``[s + K, e)``.
 
-Plan variants (issue 14 item 4) are pure ``CorrectionPlan -> CorrectionPlan``
+Plan variants are pure ``CorrectionPlan -> CorrectionPlan``
 maps (keys only, first N rows, a subset of layers), so a variant is served
 through the same ``materialize`` as every other arm.
 """
@@ -29,7 +29,7 @@ HEAD_KS = [4, 8, 16, 32]
 """Head lengths of the new arms (K = 0 is the plain mode's own arm)."""
 HEAD_MODES = ["fullshared", "kvcmas"]
 COARSE_BUCKETS = [(0, 4), (4, 16), (16, 64), (64, 100000)]
-"""Token-position buckets of the per-position error evidence (issue 14: 0-4, 5-16, 17-64, 64+)."""
+"""Token-position buckets of the per-position error evidence (0-4, 5-16, 17-64, 64+)."""
 
 PlanVariant = Callable[[CorrectionPlan], CorrectionPlan]
 

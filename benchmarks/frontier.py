@@ -58,7 +58,7 @@ import requests
 from tqdm import tqdm
 
 from benchmarks import frontier_metrics as fm
-from benchmarks.harness import RESULTS, machine, stream_generate, write_json
+from benchmarks.harness import RESULTS, machine, run_meta, stream_generate, write_json
 from sglang_kvshare.protocol import Segment
 from sglang_kvshare.frontend.builder import Piece, assemble
 
@@ -282,10 +282,10 @@ RETRIEVAL_WARMUP_OFFSET = 100_000
 def load_warmup(spec: TaskSpec, limit: int, warmup: int) -> list:
     """``warmup`` unscored samples that share nothing with the ``limit`` scored ones.
 
-    Why a function: the fixed offset ``limit + 500`` ran past the end of HumanEval's 164
-    problems and gave no warm-up at all, silently (every HumanEval frontier run before
-    session 14 had ``warmup_samples`` 0). A set too short for the gap now gives its last
-    ``warmup`` samples; one too short for any raises instead of warming up on scored items.
+    Why a function: a fixed offset past the scored samples (``limit + WARMUP_GAP``) runs
+    past the end of a small set (HumanEval has 164 problems) and would give no warm-up at
+    all, silently. A set too short for the gap gives its last ``warmup`` samples; one too
+    short for any raises instead of warming up on scored items.
     """
     if warmup <= 0:
         return []
@@ -499,7 +499,9 @@ def merge_runs(runs: Sequence[dict]) -> dict:
     arm's agreement, teacher-forced metrics and paired accuracy were taken
     against the same reference, and one random-mix line serves all of them.
     Raises ValueError when a part differs. The first part's ``off`` (and any
-    arm's first occurrence) is kept; ``commands`` lists every part's command.
+    arm's first occurrence) is kept; ``commands`` lists every part's command and
+    ``parts_meta`` every part's ``meta`` (when it was measured, from which code);
+    the caller sets ``meta`` to the merge's own.
     """
     if not runs:
         raise ValueError("nothing to merge")
@@ -517,8 +519,9 @@ def merge_runs(runs: Sequence[dict]) -> dict:
                              "same reference and cannot share one line")
         if off.get("teacher_forced_positions") != first["arms"]["off"].get("teacher_forced_positions"):
             raise ValueError("off's continuations differ between runs (teacher-forced positions)")
-    merged = {k: v for k, v in first.items() if k not in ("command", "arms")}
+    merged = {k: v for k, v in first.items() if k not in ("meta", "command", "arms")}
     merged["commands"] = [run["command"] for run in runs]
+    merged["parts_meta"] = [run.get("meta") for run in runs]
     merged["arms"] = {}
     for run in runs:
         for name, arm in run["arms"].items():
@@ -561,7 +564,7 @@ def plot(out: dict, path: Path) -> None:
         ax.set_xlabel("reuse ratio (consumer shared tokens not prefilled)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    # Issue 14's distribution target (its KL half, <= 0.3x fullshared K=0's, is in the table).
+    # The distribution target: reuse >= 0.7 and top-1 >= 0.99 (its KL half, <= 0.3x fullshared K=0's: the table).
     top1_ymin = axes[1].get_ylim()[0]
     axes[1].fill_between([TARGET_REUSE, 1.0], TARGET_TOP1, 1.0, color="tab:green", alpha=0.12, zorder=0,
                          label=f"target: reuse >= {TARGET_REUSE}, top-1 >= {TARGET_TOP1}")
@@ -633,8 +636,9 @@ def run_task(name: str, args, tok, argv_used: Sequence[str]) -> dict:
     warm = load_warmup(spec, limit, args.warmup)
     arms = selected_arms(args)
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
-    out = {"command": "python -m benchmarks.frontier " + " ".join(shlex.quote(a) for a in argv_used),
-           "machine": machine(), "model": args.model, "model_path": args.model_path, "task": name,
+    command = "python -m benchmarks.frontier " + " ".join(shlex.quote(a) for a in argv_used)
+    out = {"meta": run_meta(command), "command": command, "machine": machine(), "model": args.model,
+           "model_path": args.model_path, "task": name,
            "workflow": "retrieval: 4 agents, one lookup each" if name == "retrieval" else "refer, 3 roles + final",
            "samples": len(samples), "warmup_samples": len(warm), "max_tokens": max_tokens,
            "concurrency": args.concurrency, "seed": args.seed, "top_k": TOP_K,
@@ -675,6 +679,9 @@ def main(argv=None, *, arm_server: Optional[ArmServer] = None) -> int:
             raise SystemExit("--merge needs OUT and at least two results files")
         out_path = Path(args.merge[0])
         merged = merge_runs([json.loads(Path(p).read_text()) for p in args.merge[1:]])
+        argv_used = sys.argv[1:] if argv is None else list(argv)
+        merged = {"meta": run_meta("python -m benchmarks.frontier " + " ".join(shlex.quote(a) for a in argv_used)),
+                  **merged}
         save(merged, out_path)
         print(f"{out_path}: {len(merged['arms'])} arms from {len(args.merge) - 1} runs", file=sys.stderr)
         return 0

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check of the kernels (issue 7), for a CUDA machine; about 2-3 minutes in all.
+# GPU check of the kernels, for a CUDA machine; about 2-3 minutes in all.
 #   1. tests/kernels with the compiled Triton kernels (no interpreter) against the torch references;
 #   2. python -m benchmarks.kernels on the GPU (Triton fused path vs unfused torch ops, bandwidth vs a
 #      measured copy, ratio to a measured SmolLM2-135M prefill).

@@ -2,8 +2,9 @@
 
 Why one module: every serving benchmark must start the same real server the
 same way (one mode at a time on this 2-core machine), time requests the same
-way (TTFT = time to the first streamed chunk), and write JSON that says on
-which machine it was measured.
+way (TTFT = time to the first streamed chunk), and write JSON that says with
+which command, on which machine, when and from which code it was measured
+(``run_meta``, the ``meta`` key of every results file).
 """
 
 from __future__ import annotations
@@ -11,10 +12,13 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -22,7 +26,11 @@ import requests
 
 from devtools.server_process import ServerProcess
 
-RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+"""The canonical results, one file per benchmark (``benchmarks.report`` lists them and writes docs/RESULTS.md)."""
+SCRATCH = ROOT / "tmp"
+"""Where smoke runs (``--quick``) write by default: git-ignored, so they never sit beside the canonical results."""
 
 
 def mode_args(mode: str, extra: Sequence[str] = ()) -> list[str]:
@@ -128,18 +136,59 @@ def machine() -> dict:
     return info
 
 
+def _git(*args: str) -> Optional[str]:
+    try:
+        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def command_line(argv: Optional[Sequence[str]] = None) -> str:
+    """This process's command as typed: ``python -m <module> <args>`` (``argv`` default: ``sys.argv[1:]``).
+
+    Why from ``sys.argv[0]``: under ``python -m`` it is the module's file, so the
+    module name is its path below the repository root.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    script = Path(sys.argv[0]).resolve() if sys.argv and sys.argv[0] else None
+    if script is not None and script.suffix == ".py" and script.is_relative_to(ROOT):
+        module = ".".join(script.relative_to(ROOT).with_suffix("").parts)
+        head = f"python -m {module}"
+    else:
+        head = "python " + (sys.argv[0] if sys.argv and sys.argv[0] else "-c")
+    return " ".join([head, shlex.join(args)]) if args else head
+
+
+def run_meta(command: Optional[str] = None) -> dict:
+    """The ``meta`` of a results JSON: command, machine, UTC date-time, git revision and whether the checkout was dirty.
+
+    ``command``: the command line that produced the results (default: this
+    process's, ``command_line()``). ``git_revision`` is ``git rev-parse HEAD``
+    of this checkout (None outside git); ``git_dirty`` is True when tracked
+    files differ from it, so the revision alone does not name the code that ran.
+    """
+    rev = _git("rev-parse", "HEAD")
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return {"command": command if command is not None else command_line(),
+            "machine": machine(),
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "git_revision": rev.strip() if rev else None,
+            "git_dirty": bool(status.strip()) if status is not None else None}
+
+
 def write_json(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
 
 
 def write_op_timings(path: Path, module: str, argv: Optional[Sequence[str]], shapes: dict, rows: list) -> None:
-    """Write an offline CPU-op benchmark's JSON (command, machine, torch threads, shapes, rows) and say so."""
+    """Write an offline CPU-op benchmark's JSON (meta, command, machine, torch threads, shapes, rows) and say so."""
     import torch
 
-    write_json(path, {"command": f"python -m {module} " + " ".join(argv if argv is not None else sys.argv[1:]),
-                      "machine": machine(), "torch_threads": torch.get_num_threads(), "shapes": shapes,
-                      "rows": rows})
+    command = f"python -m {module} " + " ".join(argv if argv is not None else sys.argv[1:])
+    write_json(path, {"meta": run_meta(command.strip()), "command": command, "machine": machine(),
+                      "torch_threads": torch.get_num_threads(), "shapes": shapes, "rows": rows})
     print(f"wrote {path}")
 
 

@@ -27,15 +27,15 @@ import platform
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
+from benchmarks.harness import RESULTS, run_meta
 from sglang_kvshare.kernels import align_correct_scatter_layers, gate_sq_distances, token_distances
 from sglang_kvshare.kernels.dispatch import _use_triton
 
-DEFAULT_OUT = Path(__file__).parent / "results" / "kernels_cpu.json"
+DEFAULT_OUT = RESULTS / "kernels_cpu.json"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -259,10 +259,11 @@ def _run(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, arg
         row("token_distances_torch_unfused", "torch-unfused", t, gate_bytes + L * vn * 4)
         del k_pool, v_pool, fac, X, A, B
 
+    command = "python -m benchmarks.kernels " + " ".join(argv if argv is not None else sys.argv[1:])
     result = {
         "meta": {
+            **run_meta(command.strip()),
             "question": "cost of the correction and the gate next to the dense prefill they replace",
-            "command": "python -m benchmarks.kernels " + " ".join(argv if argv is not None else sys.argv[1:]),
             "device": device_name,
             "device_type": device.type,
             "fused_path": fused_backend,
@@ -279,7 +280,6 @@ def _run(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, arg
             "prefill": {str(L): v for L, v in prefill.items()},
             "torch": torch.__version__,
             "triton": _triton_version(),
-            "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         },
         "rows": rows,
     }

@@ -16,7 +16,7 @@ questions with greedy decoding, and writes per mode the answers, the server's
   the ``off`` answer exactly, and the same for the last number of the
   reviser's answer (the team's result).
 
-    python -m benchmarks.langgraph_reuse --out benchmarks/results/langgraph_reuse.json
+    python -m benchmarks.langgraph_reuse          # writes benchmarks/results/langgraph_reuse.json
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from typing import Optional
 
 import requests
 
+from benchmarks.harness import RESULTS, run_meta
 from devtools.server_process import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,7 +95,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--questions", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--out", default="benchmarks/results/langgraph_reuse.json")
+    parser.add_argument("--out", default=str(RESULTS / "langgraph_reuse.json"))
     parser.add_argument("--modes", default="off,fullshared_auto",
                         help=f"comma-separated, 'off' first; known: {','.join(MODES)}")
     parser.add_argument("--resummarize", action="store_true", help="recompute the summary of --out's runs; no servers")
@@ -115,8 +116,8 @@ def main(argv: Optional[list[str]] = None) -> None:
             mode_args = MODES[mode]
             print(f"[langgraph_reuse] {mode}: {len(questions)} questions x {len(team.AGENTS)} agents", flush=True)
             results[mode] = run_mode(model_path, mode_args, team, questions, args.max_tokens)
-        out = {"command": "python -m benchmarks.langgraph_reuse " + " ".join(
-            argv if argv is not None else sys.argv[1:]),
+        command = "python -m benchmarks.langgraph_reuse " + " ".join(argv if argv is not None else sys.argv[1:])
+        out = {"meta": run_meta(command.strip()), "command": command,
                "questions": questions, "max_tokens": args.max_tokens, "runs": results}
     summary = summarize(results, AutoTokenizer.from_pretrained(model_path), questions)
     out["summary"] = summary

@@ -49,7 +49,7 @@ from typing import Any, Callable, Optional
 import requests
 from tqdm import tqdm
 
-from benchmarks.harness import RESULTS, machine, write_json
+from benchmarks.harness import RESULTS, machine, run_meta, write_json
 from benchmarks.soak_faults import Case, adversarial_name, catalogue, expected_status, fuzzed, many_slots
 from sglang_kvshare.protocol import DEFAULT_MAX_SEGMENTS, MAX_NAME_CHARS
 from sglang_kvshare.frontend.builder import build_request, private_part, shared_part
@@ -900,8 +900,10 @@ def summarize(args, res: dict, replay_rows: list[dict], wall: float) -> dict:
     mon: Monitor = res["monitor"]
     v = verdicts(res, replay_rows)
     passed = all(x is True or x == "not checked" for x in v.values())
+    command = "python -m benchmarks.soak " + " ".join(args.argv)
     return {
-        "command": "python -m benchmarks.soak " + " ".join(args.argv),
+        "meta": run_meta(command.strip()),
+        "command": command,
         "machine": machine(),
         "settings": {k: getattr(args, k) for k in ("mode", "tau", "clients", "minutes", "replay", "max_total_tokens",
                                                    "slot_names", "seed", "warm_rounds")},

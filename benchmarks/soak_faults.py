@@ -4,7 +4,7 @@ Why the project's own parser is the oracle: a fuzzed annotation may come out val
 (a mutated space, a harmless reorder), so the expected answer of every generated
 case is computed with ``protocol.parse_annotation`` on the same token count: 400
 when it raises, 200 otherwise. The server must agree (any 5xx, or a 2xx for a bad
-annotation, is a finding). The fixed catalogue names the faults issue 13 asks for
+annotation, is a finding). The fixed catalogue names the faults a server must survive
 (wrong types, huge and negative spans, long and unicode names, too many segments);
 ``mutate`` adds byte-level fuzz of a valid JSON string.
 

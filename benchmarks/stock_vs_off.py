@@ -1,10 +1,10 @@
 """``python -m benchmarks.stock_vs_off``: is ``--kvshare-mode off`` free against stock SGLang, to 2 %?
 
-Issue 15 asks that ``off`` cost nothing against ``sglang.launch_server`` with
-its default cache: TTFT and throughput within 2 %. Separate runs of the two
+The target: ``off`` costs nothing against ``sglang.launch_server`` with its
+default cache, TTFT and throughput within 2 %. Separate runs of the two
 servers cannot resolve 2 % on this shared machine: its speed drifts by
-10-20 % between minutes (``chain_ttft_stock_vs_off.json``: per-repeat ratios
-0.87-1.42). So both servers run *at once* and the same requests go to one,
+10-20 % between minutes (per-repeat ratios of 0.87-1.42 between two servers
+run one after the other). So both servers run *at once* and the same requests go to one,
 then the other, in ABBA order (stock first on even pairs, ``off`` first on odd
 ones): the drift hits both sides of a pair alike and cancels in the paired
 ratio ``off / stock``. Only one request (or one batch) is in flight at a time.
@@ -39,7 +39,7 @@ from typing import Sequence
 from tqdm import tqdm
 
 from benchmarks.chain_ttft import AGENTS, request
-from benchmarks.harness import RESULTS, machine, mode_args, process_tree_cpu_s, stream_generate, write_json
+from benchmarks.harness import RESULTS, machine, mode_args, process_tree_cpu_s, run_meta, stream_generate, write_json
 from benchmarks.texts import context_tokens
 from devtools.server_process import ServerProcess
 
@@ -187,8 +187,9 @@ def main(argv=None) -> int:
     model_path = str(prepare("smollm2-135m"))
     tok = AutoTokenizer.from_pretrained(model_path)
     out_dir = Path(args.out_dir)
-    results: dict = {"command": "python -m benchmarks.stock_vs_off " + " ".join(
-        argv if argv is not None else sys.argv[1:]), "machine": machine(), "model": "SmolLM2-135M-Instruct",
+    command = "python -m benchmarks.stock_vs_off " + " ".join(argv if argv is not None else sys.argv[1:])
+    results: dict = {"meta": run_meta(command.strip()), "command": command, "machine": machine(),
+                     "model": "SmolLM2-135M-Instruct",
                      "server_flags_both": ["--sleep-on-idle"], "ratio": "off / stock, per pair",
                      "ttft_definition": "time to the first streamed chunk of a 1-token greedy generation"}
     t0 = time.monotonic()

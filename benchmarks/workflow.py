@@ -1,7 +1,7 @@
 """Run a multi-agent workflow benchmark: accuracy, agreement with ``off``, reuse, TTFT.
 
     python -m benchmarks.workflow --task gsm8k --topology refer --agents 4 \\
-        --limit 50 --mode kvcmas --compare off --out benchmarks/results/workflow_gsm8k.json
+        --limit 50 --mode kvcmas --compare off      # writes benchmarks/results/workflow_gsm8k.json
 
 ``--mode`` takes a comma-separated list (``off,fullshared,kvcmas``): the modes
 run one after the other on the same samples, each on its own server, and
@@ -42,6 +42,8 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Optional
 
+from benchmarks.harness import RESULTS, run_meta
+
 MODES = ("off", "fullshared", "kvcmas", "stock")
 
 
@@ -66,7 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="extra launcher argument for started servers (repeat), e.g. --server-arg=--kvshare-tau=0.3")
     p.add_argument("--model", default="smollm2-135m", help="model name for devtools.models.prepare")
     p.add_argument("--model-path", default=None, help="local model folder (overrides --model)")
-    p.add_argument("--out", default=None, help="write the JSON here")
+    p.add_argument("--out", default=None,
+                   help="write the JSON here (default benchmarks/results/workflow_<task>.json, the task's canonical "
+                        "file; with --url none unless given: a run on an attached server is not a canonical result)")
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
 
@@ -239,8 +243,11 @@ def main(argv=None) -> dict:
 
         model_path = str(prepare(args.model))
     argv_used = sys.argv[1:] if argv is None else argv
+    out_path = args.out or (None if args.url else str(RESULTS / f"workflow_{args.task}.json"))
+    command = "python -m benchmarks.workflow " + " ".join(shlex.quote(a) for a in argv_used)
     out = {
-        "command": "python -m benchmarks.workflow " + " ".join(shlex.quote(a) for a in argv_used),
+        "meta": run_meta(command.strip()),
+        "command": command,
         "machine": machine(),
         "model": model_path or args.url,
         "task": args.task, "topology": args.topology, "agents": args.agents,
@@ -261,12 +268,12 @@ def main(argv=None) -> dict:
                 m: agreement(args.task, r["results"], runs[args.compare]["results"])
                 for m, r in runs.items() if m != args.compare}
         out["per_sample"] = {m: [_sample_row(res) for res in r["results"]] for m, r in runs.items()}
-        if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(out, indent=2, default=str) + "\n")
+        if out_path:
+            Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+            Path(out_path).write_text(json.dumps(out, indent=2, default=str) + "\n")
     print(json.dumps({k: out[k] for k in out if k != "per_sample"}, indent=2, default=str))
-    if args.out:
-        print(f"wrote {args.out}", file=sys.stderr)
+    if out_path:
+        print(f"wrote {out_path}", file=sys.stderr)
     return out
 
 

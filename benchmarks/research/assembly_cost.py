@@ -1,6 +1,6 @@
 """``python -m benchmarks.research.assembly_cost``: CPU time of assembling one corrected segment, by phase.
 
-Why this exists: issue 15 asks that a kvcmas consumer's assembly cost at most
+Why this exists: the target is that a kvcmas consumer's assembly cost at most
 8 % of the dense prefill it replaces, and the server's counters
 (``read_source``, ``gate_estimate``, ``write``) mix that work with whatever
 else the two cores do (the learner, the next forward). This times the same

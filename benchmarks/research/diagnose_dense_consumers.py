@@ -7,20 +7,27 @@ and the mix arm on N samples and, for every dense consumer, compares the output,
 the servers' own ``cached_tokens`` (where the extend starts) and the first
 token's top-5 logprobs from a plain request sent right after the sample.
 
-Finding (2026-11-30, ``12 1 0.5``; ``benchmarks/results/diagnose_dense_consumers.txt``):
-at concurrency 1 and with the same cached-prefix length, 2 of 23 still
-differed; with the first-token requests added (another cache history) 23 of
-23 agreed and the logprobs were within 2.1e-5 of ``off``. Float32 rounding
-from which earlier request computed the cached rows, not wrong KV.
+Finding (``12 1 0.5``, ``benchmarks/results/diagnose_dense_consumers.txt``): with the
+first-token requests sent after each sample, all 23 dense consumers gave ``off``'s
+output and their first-token logprobs were within 2.1e-5 of ``off``'s (top-2 gaps of
+3.9 or more). Without those requests (another cache history), 2 of 23 differed at the
+same cached-prefix length, at concurrency 1: float32 rounding from which earlier
+request computed the cached rows, not wrong KV.
+
+The first line of the output is ``# meta: {...}`` (``benchmarks.harness.run_meta``:
+command, machine, date, git revision), so a saved output records its run.
 """
+import json
 import sys
 import requests
 from concurrent.futures import ThreadPoolExecutor
 from transformers import AutoTokenizer
 from benchmarks import frontier as fr
 from devtools.models import prepare
+from benchmarks.harness import run_meta
 from devtools.server_process import ServerProcess
 
+print("# meta: " + json.dumps(run_meta()), flush=True)
 N = int(sys.argv[1]) if len(sys.argv) > 1 else 16
 CONC = int(sys.argv[2]) if len(sys.argv) > 2 else 4
 P = float(sys.argv[3]) if len(sys.argv) > 3 else 1.0

@@ -1,4 +1,4 @@
-"""Correction variants on top of head recompute, chosen on the warm set only (issue 14 item 4).
+"""Correction variants on top of head recompute, chosen on the warm set only.
 
 Question: once the first K tokens of each reused segment are prefilled densely
 (head recompute), does any form of the anchor correction still lower the KL
@@ -50,8 +50,8 @@ from sglang_kvshare.correction import FullShared, RopeSpec, SegmentCache, materi
 from benchmarks import fidelity as F
 from benchmarks.common import load_model, prefill, set_threads
 from benchmarks.fidelity_head import compose, first_rows, keys_only, layers_only
+from benchmarks.harness import RESULTS, SCRATCH, run_meta
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
 ROW_EDGES = [0, 8, 32, 100000]
 """Row buckets of the per-layer error sums (head K in {0, 8, 32} sums the buckets from K on)."""
 VARIANTS = {
@@ -282,7 +282,8 @@ def run(args) -> dict:
     rng = random.Random(args.seed)
     rng.shuffle(warm)
     rng.shuffle(held)
-    out = {"command": "python -m benchmarks.research.fidelity_variants " + " ".join(sys.argv[1:]), "quick": args.quick,
+    command = "python -m benchmarks.research.fidelity_variants " + " ".join(getattr(args, "argv", sys.argv[1:]))
+    out = {"meta": run_meta(command.strip()), "command": command, "quick": args.quick,
            "heads": args.heads, "tau": args.tau, "rank": args.rank, "gate_len": args.gate_len,
            "n_warm": len(warm), "n_heldout": len(held), "win_rule": f"mean KL < {WIN_FACTOR} x the random-mix line through "
            "fullshared@K at the variant's reuse, and lower KL on > 50 % of the warm instances it served",
@@ -371,7 +372,9 @@ def run(args) -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="2 warm + 1 held-out content per source, 256 tokens")
-    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--out", type=Path, default=None,
+                    help="JSON path (default benchmarks/results/fidelity_variants.json; with --quick "
+                         "tmp/fidelity_variants_quick.json: a smoke run is not a result)")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tau", type=float, default=0.3)
@@ -385,11 +388,12 @@ def main(argv=None) -> None:
     ap.add_argument("--short-n", type=int, default=None, help="GSM8K questions per split in the short study")
     ap.add_argument("--min-anchor-len", type=int, default=16, help="common-prefix rule of the short study")
     args = ap.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     # NOTE: the same contents as benchmarks.fidelity (same seeds, counts and lengths)
     args.warm, args.eval, args.lengths = (2, 1, [256]) if args.quick else (4, 3, [256, 512, 768, 384])
     if args.short_n is None:
         args.short_n = 4 if args.quick else 16
-    out = args.out or RESULTS / ("fidelity_variants_quick.json" if args.quick else "fidelity_variants.json")
+    out = args.out or (SCRATCH / "fidelity_variants_quick.json" if args.quick else RESULTS / "fidelity_variants.json")
     result = run(args)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

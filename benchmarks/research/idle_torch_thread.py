@@ -1,7 +1,7 @@
 """``python -m benchmarks.research.idle_torch_thread``: does an idle thread that once ran torch ops slow the main thread?
 
-Why this exists: a kvcmas server's dense prefills stayed 8-28 % slower after
-its learner had finished learning (issue 15). The cause is GNU libgomp, not
+Why this exists: a kvcmas server's dense prefills can run 8-28 % slower after
+its learner has finished learning, while its thread stays alive. The cause is GNU libgomp, not
 our code: every thread that runs an OpenMP parallel region keeps its own team
 of OpenMP threads for as long as it lives, and once a process holds more
 OpenMP threads than cores libgomp stops spinning at barriers, so each of the
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import RESULTS, machine, write_json
+from benchmarks.harness import RESULTS, machine, run_meta, write_json
 from sglang_kvshare.learning.single_thread import single_threaded_torch
 
 
@@ -106,8 +106,8 @@ def main(argv=None) -> int:
         values = [r[key] for r in rows]
         summary[key] = {"median_us": statistics.median(values), "min_us": min(values), "max_us": max(values)}
     ratios = {f"{name}_over_before": [r[name] / r["before"] for r in rows] for name in STATES}
-    result = {"command": "python -m benchmarks.research.idle_torch_thread " + " ".join(
-        argv if argv is not None else sys.argv[1:]), "machine": machine(),
+    command = "python -m benchmarks.research.idle_torch_thread " + " ".join(argv if argv is not None else sys.argv[1:])
+    result = {"meta": run_meta(command.strip()), "command": command, "machine": machine(),
               "torch_threads": torch.get_num_threads(), "op": "silu(x @ w) + x, x 64x576, w 576x576, float32",
               "side_thread_work": "one torch.svd_lowrank of 30x1024x192, then (busy) Gram products, at nice 19",
               "repeats": rows, "summary": summary,

@@ -1,9 +1,9 @@
 """``python -m benchmarks.research.learn_cost``: CPU time of learning one observation, per SVD method and length.
 
 Why this exists: on a CPU server the learner's factorizations share the cores
-with the forward (issue 15), and at 4K shared tokens one observation took
-70 s at nice 19 beside back-to-back prefills, so a kvcmas pool never got warm
-(``chain_ttft_4k_learner_threads.json``). This times the learner's own work,
+with the forward, and at 4K shared tokens a slow factorization beside
+back-to-back prefills can keep a kvcmas pool from ever getting warm (its
+observations wait, then drop from a full queue). This times the learner's own work,
 ``prepare_observation`` (canonical frame, deltas, four rank-32 factorizations:
 base K/V and delta K/V), on the 135M model's shapes (30 layers, 3 KV heads,
 head_dim 64) for each method ``factorize`` offers, with the base

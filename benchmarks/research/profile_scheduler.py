@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from benchmarks.chain_ttft import run_chain
-from benchmarks.harness import RESULTS, machine, mode_args, wait_learning, write_json
+from benchmarks.harness import RESULTS, machine, mode_args, run_meta, wait_learning, write_json
 from benchmarks.texts import context_tokens
 from devtools.server_process import ServerProcess
 
@@ -158,8 +158,8 @@ def main(argv=None) -> int:
             server.proc.wait(timeout=120)
         finally:
             server.stop()
-    result = {"command": "python -m benchmarks.research.profile_scheduler " + " ".join(
-        argv if argv is not None else sys.argv[1:]), "machine": machine(),
+    command = "python -m benchmarks.research.profile_scheduler " + " ".join(argv if argv is not None else sys.argv[1:])
+    result = {"meta": run_meta(command.strip()), "command": command, "machine": machine(),
               "mode": args.mode, "length": args.length, "chains": args.chains, "rate_hz": args.rate,
               "wall_s_incl_startup": round(load_s, 1), "raw": raw.name,
               "note": "startup (model load, warm-up) is in the samples; shares are of scheduler samples, "
