@@ -609,26 +609,31 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="small run, < 5 min on 2 CPU cores")
+def add_study_args(ap: argparse.ArgumentParser, name: str, quick_help: str) -> None:
+    """The options every offline fidelity study shares (this one and ``benchmarks.research.fidelity_variants``)."""
+    ap.add_argument("--quick", action="store_true", help=quick_help)
     ap.add_argument("--out", type=Path, default=None,
-                    help="JSON path (default benchmarks/results/fidelity.json; with --quick tmp/fidelity_quick.json: "
+                    help=f"JSON path (default benchmarks/results/{name}.json; with --quick tmp/{name}_quick.json: "
                          "a smoke run is not a result)")
-    ap.add_argument("--plot", type=Path, default=None, help="PNG path (default: next to --out)")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tau", type=float, default=0.3)
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--gate-len", type=int, default=256, help="gate comparison length cap k")
+    ap.add_argument("--sources", nargs="+", default=["gsm8k", "humaneval", "pydoc"])
+    ap.add_argument("--greedy-tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=1)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_study_args(ap, "fidelity", "small run, < 5 min on 2 CPU cores")
+    ap.add_argument("--plot", type=Path, default=None, help="PNG path (default: next to --out)")
     ap.add_argument("--warm", type=int, default=None, help="warm contents per source")
     ap.add_argument("--eval", type=int, default=None, help="held-out contents per source")
     ap.add_argument("--lengths", type=int, nargs="+", default=None, help="content lengths in tokens (cycled)")
-    ap.add_argument("--sources", nargs="+", default=["gsm8k", "humaneval", "pydoc"])
     ap.add_argument("--sweep-taus", type=float, nargs="*", default=None)
     ap.add_argument("--sweep-ranks", type=int, nargs="*", default=None)
-    ap.add_argument("--greedy-tokens", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--head-ks", type=int, nargs="*", default=HEAD_KS,
                     help="head recompute arms: first K tokens of each reused segment prefilled densely")
     ap.add_argument("--only", nargs="*", default=None, help="run only these arm labels (plus fullshared)")

@@ -371,19 +371,8 @@ def run(args) -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="2 warm + 1 held-out content per source, 256 tokens")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="JSON path (default benchmarks/results/fidelity_variants.json; with --quick "
-                         "tmp/fidelity_variants_quick.json: a smoke run is not a result)")
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tau", type=float, default=0.3)
-    ap.add_argument("--rank", type=int, default=32)
-    ap.add_argument("--gate-len", type=int, default=256)
+    F.add_study_args(ap, "fidelity_variants", "2 warm + 1 held-out content per source, 256 tokens")
     ap.add_argument("--heads", type=int, nargs="+", default=[0, 8, 32], choices=ROW_EDGES[:-1])
-    ap.add_argument("--sources", nargs="+", default=["gsm8k", "humaneval", "pydoc"])
-    ap.add_argument("--greedy-tokens", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-heldout", action="store_true", help="warm study and choice only")
     ap.add_argument("--short-n", type=int, default=None, help="GSM8K questions per split in the short study")
     ap.add_argument("--min-anchor-len", type=int, default=16, help="common-prefix rule of the short study")
