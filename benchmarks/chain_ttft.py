@@ -41,7 +41,8 @@ from pathlib import Path
 import requests
 from tqdm import tqdm
 
-from benchmarks.harness import RESULTS, machine, mode_args, run_meta, stream_generate, wait_learning, write_json
+from benchmarks.harness import (RESULTS, machine, mode_args, prefilled_tokens, run_meta, stream_generate, wait_learning,
+                                write_json)
 from benchmarks.texts import context_tokens
 from sglang_kvshare.frontend.builder import build_request, private_part, shared_part
 from devtools.server_process import ServerProcess
@@ -73,13 +74,13 @@ def run_chain(url: str, tok, ctx: list[int], *, floor: bool) -> dict:
         ids, cp = request(tok, agent, ctx)
         timed = stream_generate(url, ids, custom_params=cp, max_new_tokens=1)
         rep, meta = timed.report, timed.meta
-        row = {"ttft_s": timed.ttft, "prefill_tokens": meta["prompt_tokens"] - meta["cached_tokens"],
+        row = {"ttft_s": timed.ttft, "prefill_tokens": prefilled_tokens(meta),
                "shared_tokens_reused": rep.get("shared_tokens_reused", 0),
                "assembly_s": rep.get("assembly_seconds", 0.0), "fallbacks": rep.get("fallbacks", [])}
         if floor:
             again = stream_generate(url, ids, custom_params=cp, max_new_tokens=1)
             row["floor_s"] = again.ttft
-            row["floor_prefill_tokens"] = again.meta["prompt_tokens"] - again.meta["cached_tokens"]
+            row["floor_prefill_tokens"] = prefilled_tokens(again.meta)
         rows[agent] = row
     return rows
 
@@ -101,7 +102,7 @@ def probe_dense(url: str, tok, length: int, n: int, gap_s: float = 0.0) -> list[
         ids, cp = request(tok, list(AGENTS)[0], context_tokens(tok, length, seed=50_000 + 10 * length + i))
         timed = stream_generate(url, ids, custom_params=cp, max_new_tokens=1)
         rows.append({"ttft_s": timed.ttft, "pending_before": pending,
-                     "prefill_tokens": timed.meta["prompt_tokens"] - timed.meta["cached_tokens"]})
+                     "prefill_tokens": prefilled_tokens(timed.meta)})
     return rows
 
 

@@ -16,6 +16,7 @@ import json
 import time
 from pathlib import Path
 
+from benchmarks.harness import prefilled_tokens
 from devtools.data import gsm8k_path
 from sglang_kvshare.frontend.builder import build_request, private_part, shared_part
 from devtools.server_process import ServerProcess
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
                 meta = out["meta_info"]
                 rep = meta.get("kvshare", [{}])[0]
                 row = {"question": qi, "agent": agent, "prompt_tokens": meta["prompt_tokens"],
-                       "prefill_tokens": meta["prompt_tokens"] - meta["cached_tokens"],
+                       "prefill_tokens": prefilled_tokens(meta),
                        "tokens_aligned": rep.get("tokens_aligned", 0), "tokens_corrected": rep.get("tokens_corrected", 0),
                        "shared_tokens": rep.get("shared_tokens", 0), "latency_s": round(latency, 3),
                        "fallbacks": sorted({f["reason"] for f in rep.get("fallbacks", [])}),

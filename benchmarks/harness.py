@@ -87,6 +87,14 @@ def stream_generate(url: str, input_ids: list[int], *, custom_params: Optional[d
     return Timed(ttft=ttft, e2e=e2e, output_ids=list(last.get("output_ids") or []), meta=last["meta_info"])
 
 
+def prefilled_tokens(meta: dict) -> int:
+    """Prompt tokens the server prefilled: the prompt minus SGLang's exact cache hits (``cached_tokens``) minus
+    what kvshare served approximately (aligned, corrected, an earlier estimate; listed in the report)."""
+    report = (meta.get("kvshare") or [{}])[0] or {}
+    approx = sum(int(report.get(k) or 0) for k in ("tokens_aligned", "tokens_corrected", "tokens_estimate_hit"))
+    return int(meta["prompt_tokens"]) - int(meta.get("cached_tokens") or 0) - approx
+
+
 def wait_learning(url: str, timeout: float = 300.0) -> float:
     """Wait until the server's learner has no observation pending (at most ``timeout``); seconds waited.
 

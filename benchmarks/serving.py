@@ -28,7 +28,7 @@ from pathlib import Path
 import requests
 from tqdm import tqdm
 
-from benchmarks.harness import (RESULTS, SCRATCH, machine, process_tree_rss_mb, run_meta, start_server,
+from benchmarks.harness import (RESULTS, SCRATCH, machine, prefilled_tokens, process_tree_rss_mb, run_meta, start_server,
                                 stream_generate, summary, wait_learning, write_json)
 from benchmarks.texts import context_tokens
 from sglang_kvshare.frontend.builder import build_request, private_part, shared_part
@@ -61,7 +61,7 @@ def run_workflow(url: str, tok, ctx: list[int], output_tokens: int) -> list[dict
         t = stream_generate(url, ids, custom_params=cp, max_new_tokens=output_tokens, ignore_eos=True)
         rep = t.report
         rows.append({"agent": agent, "ttft_s": t.ttft, "e2e_s": t.e2e, "prompt_tokens": t.meta["prompt_tokens"],
-                     "prefill_tokens": t.meta["prompt_tokens"] - t.meta["cached_tokens"],
+                     "prefill_tokens": prefilled_tokens(t.meta),
                      "shared_tokens": rep.get("shared_tokens", 0),
                      "tokens_reused": rep.get("shared_tokens_reused", 0),
                      "tokens_corrected": rep.get("tokens_corrected", 0),

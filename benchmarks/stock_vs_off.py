@@ -39,7 +39,8 @@ from typing import Sequence
 from tqdm import tqdm
 
 from benchmarks.chain_ttft import AGENTS, request
-from benchmarks.harness import RESULTS, machine, mode_args, process_tree_cpu_s, run_meta, stream_generate, write_json
+from benchmarks.harness import (RESULTS, machine, mode_args, prefilled_tokens, process_tree_cpu_s, run_meta,
+                                stream_generate, write_json)
 from benchmarks.texts import context_tokens
 from devtools.server_process import ServerProcess
 
@@ -113,7 +114,7 @@ def ttft_pair(urls: dict[str, str], tok, length: int, i: int) -> dict:
     for arm in pair_order(i):
         timed = stream_generate(urls[arm], ids, custom_params=cp, max_new_tokens=1)
         row[arm] = timed.ttft
-        row[f"{arm}_prefill_tokens"] = timed.meta["prompt_tokens"] - timed.meta["cached_tokens"]
+        row[f"{arm}_prefill_tokens"] = prefilled_tokens(timed.meta)
     row["ratio"] = row["off"] / row["stock"]
     return row
 

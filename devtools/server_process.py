@@ -78,7 +78,7 @@ class ServerProcess:
             # SGLang's own launcher and default cache, with the same CPU defaults as ours.
             argv = with_defaults(base, cpu=not gpu_visible(), select_backend=False)
             return [*self.wrapper, sys.executable, "-m", "sglang.launch_server", *argv]
-        return [*self.wrapper, sys.executable, "-m", "sglang_kvshare.server.launcher", *base, *self.kvshare_args]
+        return [*self.wrapper, sys.executable, "-m", "sglang_kvshare.launch_server", *base, *self.kvshare_args]
 
     def start(self) -> "ServerProcess":
         """Launch and wait until the server answers ``/health_generate``."""

@@ -17,6 +17,8 @@ from typing import Literal, Optional
 
 Mode = Literal["off", "fullshared", "kvcmas"]
 MODES: tuple[str, ...] = ("off", "fullshared", "kvcmas")
+ReuseScope = Literal["workflow", "salt"]
+REUSE_SCOPES: tuple[str, ...] = ("workflow", "salt")
 ENV_VAR = "SGLANG_KVSHARE_CONFIG"
 BACKEND_NAME = "kvshare"  # our tree cache in SGLang's registry: --radix-cache-backend kvshare
 
@@ -44,6 +46,8 @@ class KVShareConfig:
     mode: Mode = _option("kvcmas", GROUP_MAIN, "off = stock radix cache; fullshared = re-align only; kvcmas = re-align and correct with chained low-rank anchors learned online (KVCOMM's full-dimension anchors are an offline baseline: python -m benchmarks.fidelity).")
     auto: bool = _option(False, GROUP_MAIN, "Annotate /v1/chat/completions requests that carry no kvshare field: agent = digest of the system messages, every other message's content and every answer shared under the slot auto:message (docs/USAGE.md). Off by default: with it on, every chat request may receive estimated KV.")
     recompute_head: int = _option(0, GROUP_MAIN, "K: the first K tokens of every reused segment are prefilled densely in the request's own context (EPIC-style boundary recompute); only the rest is re-aligned (and corrected). 0 = reuse whole segments.")
+    reuse_scope: ReuseScope = _option("workflow", GROUP_MAIN, "Who may be served KV another request computed: workflow = requests of the same workflow (the annotation's workflow field; on the chat API the kvshare field's workflow, else the request's user) and the same cache_salt and LoRA adapter; requests that name none share the anonymous scope, as they share SGLang's exact prefix cache. salt = every request of the same cache_salt and LoRA adapter, across workflows and users. Reports never name an agent of another workflow.")
+    admin_open: bool = _option(False, GROUP_MAIN, "Allow the kvshare admin writes (POST /kvshare/config, /kvshare/reset, /kvshare/pools/{slot}/reset) on a server started without --admin-api-key and --api-key. Off: those writes answer 403 there; with a key they follow SGLang's key rules.")
     tau: float = _option(0.3, GROUP_MAIN, "Gate threshold on the normalized entropy: accept a correction when H <= tau (0 never accepts).")
     staged: bool = _option(True, GROUP_MAIN, "Staged prefill: after a dense stretch (an unseen segment, or a recomputed head) resume reuse for the segments behind it, within the same request. false = stop reusing at the first segment that needs prefill.")
     # --- bounds of what kvshare keeps
@@ -54,6 +58,7 @@ class KVShareConfig:
     max_segments: int = _option(64, GROUP_LIMITS, "Most segments one request may declare.")
     learn_queue_max: int = _option(16, GROUP_LIMITS, "Most dense-prefill observations waiting to be learned; a full queue drops new ones (counted).")
     learn_queue_mb: float = _option(1024.0, GROUP_LIMITS, "Most memory (MiB) the K/V copies of waiting observations may hold (a 4K-token observation of a 135M model holds about 190 MiB in float16, a 1K one 47 MiB: 1024 lets a chain's burst of 4K observations wait instead of being dropped).")
+    chat_memory_mb: float = _option(64.0, GROUP_LIMITS, "Most memory (MiB) the HTTP process keeps for answers remembered so that they can come back as shared chat messages (at most 4096 answers); least recently used dropped first.")
     # --- tuning: the defaults suit most servers
     capacity: Optional[int] = _option(None, GROUP_ADVANCED, "Anchors per slot pool (V); default 10.")
     rank: Optional[int] = _option(32, GROUP_ADVANCED, "Rank r of the factors of new anchors; 0 means full dimension.")
@@ -73,6 +78,8 @@ class KVShareConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"kvshare mode must be one of {MODES}, got {self.mode!r}")
+        if self.reuse_scope not in REUSE_SCOPES:
+            raise ValueError(f"reuse_scope must be one of {REUSE_SCOPES}, got {self.reuse_scope!r}")
         if not 0.0 <= self.tau <= 1.0:
             raise ValueError(f"tau must lie in [0, 1], got {self.tau}")
         if self.capacity is not None and self.capacity < 2:
@@ -97,8 +104,8 @@ class KVShareConfig:
             raise ValueError(f"learn_yield_s must be >= 0, got {self.learn_yield_s}")
         if self.learn_slot_interval_s < 0:
             raise ValueError(f"learn_slot_interval_s must be >= 0, got {self.learn_slot_interval_s}")
-        if self.pool_budget_mb <= 0 or self.learn_queue_mb <= 0:
-            raise ValueError("pool_budget_mb and learn_queue_mb must be positive")
+        if self.pool_budget_mb <= 0 or self.learn_queue_mb <= 0 or self.chat_memory_mb <= 0:
+            raise ValueError("pool_budget_mb, learn_queue_mb and chat_memory_mb must be positive")
         for name in ("max_pools", "max_namespaces", "max_slots", "learn_queue_max"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -137,3 +144,25 @@ class KVShareConfig:
 
     def export_env(self) -> None:
         os.environ[ENV_VAR] = self.to_json()
+
+
+_live: Optional[KVShareConfig] = None
+
+
+def live_config() -> KVShareConfig:
+    """The config in force in this process.
+
+    The scheduler holds its own copy (the cache's); in the HTTP process this is
+    the launcher's config, then each runtime change the admin routes applied
+    (``set_live_config``), so the chat layer and the request validation follow a
+    ``POST /kvshare/config`` mode switch.
+    """
+    global _live
+    if _live is None:
+        _live = KVShareConfig.from_env()
+    return _live
+
+
+def set_live_config(config: KVShareConfig) -> None:
+    global _live
+    _live = config

@@ -20,6 +20,14 @@ be flat JSON values; a dict is accepted too)::
   question, retrieved passages, another agent's answer), with a ``slot`` name
   that says what role the text plays (``query``, ``out:analyst``). One slot
   holds different content on every request; the server learns per slot.
+* ``workflow`` (optional): the reuse scope (one multi-agent workflow, or one
+  user). Approximate KV crosses only between requests of the same workflow,
+  ``cache_salt`` and LoRA adapter; requests that name none share the anonymous
+  scope, as they share SGLang's exact prefix cache. (An operator may widen the
+  scope to the whole ``cache_salt`` with ``--kvshare-reuse-scope salt``.)
+* ``reuse`` (optional, shared segments, default true): false means this
+  request prefills the segment in its own context; its copy still serves later
+  requests (what the automatic chat mode does for the last message).
 * ``output_slot`` (optional): the slot under which this request's own generated
   tokens are shared with later agents. A consumer that puts the same output ids
   in a shared segment of that slot reuses the producer's KV (the producer's
@@ -39,6 +47,8 @@ from typing import Any, Literal, Optional, Sequence
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 CUSTOM_PARAMS_KEY = "kvshare"
+# The radix tree's estimate namespace: a client's extra_key may not start with it (400).
+RESERVED_EXTRA_KEY_PREFIX = "kvshare-est:"
 MAX_NAME_CHARS = 128
 DEFAULT_MAX_SEGMENTS = 64
 
@@ -54,6 +64,9 @@ class Segment(BaseModel):
     start: int = Field(ge=0)
     end: int = Field(gt=0)
     slot: Optional[str] = Field(default=None, min_length=1, max_length=MAX_NAME_CHARS)
+    reuse: bool = True
+    """False on a shared segment: this request prefills it in its own context, and its copy still serves
+    later requests (the automatic chat mode marks the last message so)."""
 
     @model_validator(mode="after")
     def _check(self) -> "Segment":
@@ -63,6 +76,8 @@ class Segment(BaseModel):
             raise ValueError("a shared segment needs a slot name")
         if self.kind == "private" and self.slot is not None:
             raise ValueError("a private segment takes no slot name")
+        if self.kind == "private" and not self.reuse:
+            raise ValueError("reuse applies to shared segments only (a private segment's last copy is the agent's own)")
         return self
 
     @property
@@ -79,9 +94,13 @@ class Annotation(BaseModel):
     """Slot under which this request's generated tokens become shared input of later
     agents (e.g. ``out:solver``): the consumer that passes the same output ids in a
     shared segment of that slot can reuse the producer's KV."""
+    workflow: Optional[str] = Field(default=None, min_length=1, max_length=MAX_NAME_CHARS)
+    """The reuse scope this request belongs to (one multi-agent workflow, or one user):
+    approximate KV is reused only between requests of the same workflow (and the same
+    ``cache_salt`` and LoRA). Requests that name none share the anonymous scope."""
 
     def to_custom_params(self) -> dict[str, str]:
-        return {CUSTOM_PARAMS_KEY: self.model_dump_json(exclude_none=True)}
+        return {CUSTOM_PARAMS_KEY: self.model_dump_json(exclude_none=True, exclude_defaults=True)}
 
 
 def _first_error(exc: ValidationError) -> str:
@@ -128,6 +147,18 @@ def parse_annotation(custom_params: Any, num_tokens: int,
             f"kvshare segments cover [0, {expected}) but the request has {num_tokens} input tokens; "
             "segments must cover the whole prompt")
     return ann
+
+
+def check_extra_key(extra_key: Any) -> None:
+    """Raise ``AnnotationError`` for an ``extra_key`` inside the estimate namespace kvshare reserves.
+
+    Why: SGLang keys the radix tree by ``extra_key``; a request that chose a
+    reserved one could match KV kvshare assembled for other requests, which a
+    request without an annotation must never see.
+    """
+    if isinstance(extra_key, str) and extra_key.startswith(RESERVED_EXTRA_KEY_PREFIX):
+        raise AnnotationError(f"extra_key may not start with {RESERVED_EXTRA_KEY_PREFIX!r}: kvshare reserves "
+                              "that prefix for the radix tree's estimate namespace; choose another extra_key")
 
 
 def generated_ids_for_text(tokenizer: Any, text: str, output_ids: Optional[Sequence[int]]) -> Optional[tuple[int, ...]]:

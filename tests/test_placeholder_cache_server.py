@@ -12,6 +12,7 @@ import math
 import pytest
 import requests
 
+from benchmarks.harness import prefilled_tokens
 from tests.agent_chain import AGENTS, SUFFIX, agent_request, context, report, warm_request
 from tests.servers import OFF, reconfigured, shared_server, small_pool_server
 
@@ -124,9 +125,10 @@ def test_fullshared_chain_reuses_a_1k_token_shared_question(server_pool, tokeniz
         assert rep["tokens_aligned"] >= shared_len
         # The scheduler prefilled only what no agent had computed before: this
         # agent's first use of the suffix (the system prompt was warmed).
-        assert meta["prompt_tokens"] - meta["cached_tokens"] <= suffix_len
-        # Every shared token came from the tree, on top of the agent's warmed prompt.
-        assert meta["cached_tokens"] >= rep["tokens_exact_hit"] + shared_len
+        assert prefilled_tokens(meta) <= suffix_len
+        # cached_tokens keeps SGLang's meaning: exact hits only (the warmed prompt); the aligned
+        # shared tokens are reported apart.
+        assert meta["cached_tokens"] == rep["tokens_exact_hit"] and rep["tokens_aligned"] >= shared_len
         assert first["prompt_tokens"] - first["cached_tokens"] >= shared_len  # the first agent paid for it
 
 
@@ -266,5 +268,7 @@ def test_head_recompute_reports_and_counts_only_reused_rows(server_pool, tokeniz
         seg = rep["segments"][1]
         assert seg["resolved_by"] == "alignment" and seg["head_recomputed"] == 8
         assert rep["tokens_aligned"] == query_len - 8 and rep["tokens_head_recomputed"] == 8
-        # The rows the server did not prefill are exactly the aligned ones.
-        assert out["meta_info"]["cached_tokens"] >= query_len - 8
+        # The rows the server did not prefill are the exact hits and the aligned ones.
+        meta = out["meta_info"]
+        assert meta["cached_tokens"] == rep["tokens_exact_hit"]
+        assert prefilled_tokens(meta) == meta["prompt_tokens"] - rep["tokens_exact_hit"] - (query_len - 8)

@@ -3,23 +3,21 @@
 A ``Task`` knows its samples, its roles, the instructions an agent gets after
 the shared query, how to pull the final answer out of the final agent's text
 (``extract``) and how to score it (``score``). HumanEval programs run only in
-a separate Python process with a timeout and resource limits
-(``run_sandboxed``), never in this process or the server.
+a contained child process (``run_sandboxed``, see ``benchmarks.workloads.sandbox``),
+never in this process or the server.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from benchmarks.workloads import sandbox
 from benchmarks.workloads.roles import GSM8K_FINAL, GSM8K_ROLES, HUMANEVAL_FINAL, HUMANEVAL_ROLES, Role
+from benchmarks.workloads.sandbox import SandboxResult
 from devtools.data import gsm8k_path
 
 
@@ -103,46 +101,14 @@ SANDBOX_TIMEOUT_S = 10.0
 SANDBOX_MEMORY_BYTES = 1 << 30
 
 
-@dataclass(frozen=True)
-class SandboxResult:
-    passed: bool
-    status: str  # passed | failed | timeout
-    detail: str = ""
-
-
-def _limit_resources() -> None:  # runs in the child before exec
-    import resource
-
-    resource.setrlimit(resource.RLIMIT_AS, (SANDBOX_MEMORY_BYTES, SANDBOX_MEMORY_BYTES))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
-    os.setsid()
-
-
 def run_sandboxed(program: str, timeout: float = SANDBOX_TIMEOUT_S) -> SandboxResult:
-    """Run ``program`` in a fresh isolated Python process (``-I``) in a temporary folder.
+    """Run ``program`` in the sandbox of ``benchmarks.workloads.sandbox`` with a 1 GiB address-space limit.
 
-    The process gets a 1 GiB address-space limit, a 1 MiB file-size limit, its
-    own session (the whole group is killed on timeout) and no stdin. Returns
-    ``passed`` when it exits 0 within ``timeout`` seconds.
+    ``passed`` when it exits 0 within ``timeout`` seconds; ``timeout`` when it does
+    not end by then; ``failed`` otherwise. The result names the guards that held
+    (``guards``) and the ones this platform lacks (``missing``).
     """
-    with tempfile.TemporaryDirectory(prefix="kvshare-humaneval-") as tmp:
-        path = Path(tmp) / "candidate.py"
-        path.write_text(program)
-        proc = subprocess.Popen([sys.executable, "-I", str(path)], cwd=tmp, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_limit_resources,
-                                env={"PATH": os.environ.get("PATH", ""), "PYTHONHASHSEED": "0"})
-        try:
-            _, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(proc.pid, 9)
-            except ProcessLookupError:
-                pass
-            proc.communicate()
-            return SandboxResult(False, "timeout", f"no result after {timeout}s")
-        if proc.returncode == 0:
-            return SandboxResult(True, "passed")
-        return SandboxResult(False, "failed", err.decode(errors="replace")[-500:])
+    return sandbox.run(program, timeout, sandbox.Limits(memory_bytes=SANDBOX_MEMORY_BYTES))
 
 
 def extract_code(text: str, problem: dict) -> str:

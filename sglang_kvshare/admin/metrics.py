@@ -11,6 +11,9 @@ batches and when idle (at most once a second), and after every admin call.
 The cache's numbers are cumulative since its last ``/kvshare/reset``;
 Prometheus counters must never go down, so ``update`` adds the increase since
 the previous update and treats a drop as a reset (the new value is all new).
+Its tables hold only what the current stats hold (at most ``MAX_SLOT_LABELS``
+labels; the stats themselves are bounded by the registry's limits), so each
+refresh costs time in proportion to the slots the cache keeps now.
 """
 
 from __future__ import annotations
@@ -97,15 +100,19 @@ class KVShareMetrics:
                 self._count(self.seconds, (key[: -len("_seconds")],), ("s", key), value)
             else:
                 self._count(self.events, (key,), ("ev", key), value)
-        for key in self._last.keys() - self._seen:  # gone from the stats: reset, counts from 0 again
-            self._last[key] = 0.0
+        # NOTE: a slot gone from the stats (reset, or evicted from the bounded registry) counts from 0 if it
+        # comes back, so its last values are dropped: these tables hold only the slots the stats hold now.
+        for key in self._last.keys() - self._seen:
+            del self._last[key]
+        for name in self._slot_labels.keys() - slots.keys():
+            del self._slot_labels[name]
         for label in self._gauged_slots - set(anchors):  # slots emptied by a reset
             self.anchors.labels(label).set(0)
             self.anchor_bytes.labels(label).set(0)
         for label, n in anchors.items():
             self.anchors.labels(label).set(n)
             self.anchor_bytes.labels(label).set(anchor_bytes[label])
-        self._gauged_slots |= set(anchors)
+        self._gauged_slots = set(anchors)
         self.pool_bytes.set(stats.get("anchor_bytes", 0))
         self.pending.set(stats.get("pending_observations", 0))
         self.reuse_ratio.set(stats.get("reuse_ratio", 0.0))
@@ -117,10 +124,12 @@ class KVShareMetrics:
 
     # ------------------------------------------------------------ helpers
     def _label(self, slot: str) -> str:
+        """The slot's own label while fewer than ``MAX_SLOT_LABELS`` slots have one, else ``OTHER_SLOT``."""
         label = self._slot_labels.get(slot)
         if label is None:
             label = slot if len(self._slot_labels) < MAX_SLOT_LABELS else OTHER_SLOT
-            self._slot_labels[slot] = label
+            if label != OTHER_SLOT:
+                self._slot_labels[slot] = label
         return label
 
     def _count(self, counter: Any, labels: tuple, key: tuple, value: float) -> None:

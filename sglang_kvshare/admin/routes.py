@@ -13,7 +13,9 @@ and the pool reads are ``ADMIN_OPTIONAL`` like ``/flush_cache`` (the admin key
 when the server has one, else the API key, else open; SGLang's middleware
 answers 401): pools show agent names and content details, which a server with
 only ``--admin-api-key`` must not publish. ``GET /kvshare/stats`` is ``NORMAL``
-like ``/get_server_info`` (which carries the same snapshot).
+like ``/get_server_info`` (which carries the same snapshot). On a server with
+no key at all the writes answer 403 unless ``--kvshare-admin-open true``:
+anyone who reaches the port could otherwise switch every user's mode.
 
 Data parallelism: the write and pool routes travel over SGLang's RPC socket,
 which reaches one scheduler only, so with ``--dp-size > 1`` they answer 501
@@ -38,7 +40,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from sglang_kvshare.admin.channel import AdminChannel, ChannelError
-from sglang_kvshare.config import KVShareConfig
+from sglang_kvshare.config import KVShareConfig, live_config, set_live_config
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +50,10 @@ MAX_RANK = 65536
 MAX_HEAD = 65536
 
 _HELP = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(KVShareConfig)}
+_CONFIG_FIELDS = {f.name for f in dataclasses.fields(KVShareConfig)}
 _channel: Optional[AdminChannel] = None
 _dp_size = 1  # the server's --dp-size, set by ``mount``
+_keyed = True  # the server has --admin-api-key or --api-key (set by ``mount``)
 
 
 class ConfigUpdate(BaseModel):
@@ -133,9 +137,19 @@ async def get_stats():
 _SINGLE_RANK = {501: {"description": "the server runs --dp-size > 1 (the call would reach one rank only)"}}
 
 
+def _unkeyed_write_error(op: str) -> Optional[JSONResponse]:
+    """A 403 for a write on a server without keys, unless the operator opened the writes."""
+    if op == "pools" or _keyed or live_config().admin_open:
+        return None
+    return _error(403, f"kvshare admin op {op!r} needs a key: start the server with --admin-api-key KEY (or "
+                       "--api-key KEY) and send it as 'Authorization: Bearer KEY', or allow writes without a key "
+                       "with --kvshare-admin-open true")
+
+
 async def _call(op: str, **params: Any) -> JSONResponse:
-    """Run one op in the scheduler over the RPC channel; a 501 with several DP ranks."""
-    refused = _single_rank_error(f"kvshare admin op {op!r}")
+    """Run one op in the scheduler over the RPC channel; a 501 with several DP ranks, a 403 for an
+    unkeyed write unless writes are open."""
+    refused = _unkeyed_write_error(op) or _single_rank_error(f"kvshare admin op {op!r}")
     if refused is not None:
         return refused
     try:
@@ -144,6 +158,10 @@ async def _call(op: str, **params: Any) -> JSONResponse:
         return _error(exc.status, str(exc))
     if not reply.ok:
         return _error(reply.status, reply.message)
+    if op == "configure" and "config" in reply.result:
+        # The HTTP process follows the switch (the chat layer and validation read live_config()).
+        set_live_config(KVShareConfig(**{k: v for k, v in reply.result["config"].items()
+                                         if k in _CONFIG_FIELDS}))
     return JSONResponse({"message": reply.message, **reply.result})
 
 
@@ -208,10 +226,12 @@ async def reset_all():
 
 
 # ------------------------------------------------------------ mounting
-def mount(app: Any, tokenizer_manager: Any, rpc_endpoint: str, *, dp_size: int = 1) -> None:
+def mount(app: Any, tokenizer_manager: Any, rpc_endpoint: str, *, dp_size: int = 1, keyed: bool = True) -> None:
     """Add the routes to ``app`` and open the channel (idempotent).
 
     ``dp_size`` is the server's ``--dp-size``: above 1 the RPC routes answer 501.
+    ``keyed``: the server has an API or admin key; without one the writes answer
+    403 unless ``--kvshare-admin-open`` (``KVShareConfig.admin_open``).
 
     NOTE: each route is added to the app itself, not through
     ``app.include_router``: FastAPI >= 0.165 keeps an included router as one
@@ -219,9 +239,10 @@ def mount(app: Any, tokenizer_manager: Any, rpc_endpoint: str, *, dp_size: int =
     auth level from the matched route's endpoint, so it would treat every
     included route as NORMAL and let writes through without the admin key.
     """
-    global _channel, _dp_size
+    global _channel, _dp_size, _keyed
     _channel = AdminChannel(tokenizer_manager, rpc_endpoint)
     _dp_size = int(dp_size or 1)
+    _keyed = keyed
     mounted = {getattr(r, "path", None) for r in app.router.routes}
     for route in router.routes:
         if route.path in mounted:

@@ -34,8 +34,9 @@ from sglang_kvshare.cache import report, tree_paths
 from sglang_kvshare.cache.admin_view import AdminView
 from sglang_kvshare.cache.assemble import write_and_insert
 from sglang_kvshare.cache.correction_state import CorrectionState
+from sglang_kvshare.cache.kv_pool_io import ReadWorkspace
 from sglang_kvshare.cache.parts import CacheParts
-from sglang_kvshare.cache.plan import RequestPlan, plan_of, plan_request
+from sglang_kvshare.cache.plan import RequestPlan, drop_plan, plan_of, plan_request
 from sglang_kvshare.cache.record import Recorder
 from sglang_kvshare.cache.registry import ContentHasher, PlaceholderRegistry, RegistryLimits
 from sglang_kvshare.cache.resolve import (Resolver, candidates, mark_matched, mark_unreached, next_stage,
@@ -69,7 +70,7 @@ class KVShareRadixCache(RadixCache):
                                asynchronous=config.learn_async, cpu_share=config.learn_cpu_share,
                                slot_interval_s=config.learn_slot_interval_s, activity=self.activity,
                                yield_s=config.learn_yield_s, single_thread=config.learn_single_thread)
-        parts = CacheParts(self, self.state, self.registry, self.learner, self.counters, self.hasher)
+        parts = CacheParts(self, self.state, self.registry, self.learner, self.counters, self.hasher, ReadWorkspace())
         self.resolver = Resolver(parts)
         self.recorder = Recorder(parts)
         self.kvshare_admin = AdminView(parts)
@@ -96,9 +97,14 @@ class KVShareRadixCache(RadixCache):
     def reset(self) -> None:
         super().reset()
         self.registry.reset()
+        self.state.new_epoch()
 
     def on_release(self, req, *, checkpointed: bool) -> None:
         self.activity.closed(req)  # also for a request the tree never checkpointed
+        plan = plan_of(req)
+        if plan is not None and not checkpointed and not req.finished():
+            # Retracted (or aborted) with its KV freed: if it comes back, it is planned afresh.
+            plan.released = True
         super().on_release(req, checkpointed=checkpointed)
 
     def _delete_leaf(self, node) -> None:
@@ -107,12 +113,14 @@ class KVShareRadixCache(RadixCache):
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         req = params.req
+        if req is not None:
+            _escape_reserved_extra_key(req, params)
         mode_on = req is not None and self.state.config.mode != "off"
         if mode_on:
             self.activity.opened(req)  # its prefill is coming: the learner waits for it
         plan = None
         if mode_on and not self.disable and not self.is_eagle:
-            plan = plan_request(req, self.hasher, self.state.config.max_segments, self.counters)
+            plan = self._plan(req)
         if plan is None:
             result = super().match_prefix(params)
             if req is not None and not self.disable:
@@ -153,20 +161,32 @@ class KVShareRadixCache(RadixCache):
             self.counters.add("internal_errors")
 
     # ------------------------------------------------------------ the request's path
+    def _plan(self, req) -> Optional[RequestPlan]:
+        """The plan step; a retracted request's old plan is taken back out of the stats and made afresh."""
+        old = plan_of(req)
+        if old is not None and old.released:
+            if old.counted:
+                self.recorder.count(old, sign=-1)
+            drop_plan(req)
+            self.counters.add("plans_after_retraction")
+        config = self.state.config
+        return plan_request(req, self.hasher, config.max_segments, self.counters,
+                            scope_by_workflow=config.reuse_scope == "workflow", epoch=self.state.epoch)
+
     def _match_annotated(self, req, plan: RequestPlan, params: MatchPrefixParams) -> MatchResult:
         result = super().match_prefix(params)
         limit = len(params.key)  # the scheduler never matches the last prompt token
         m, node = result.device_prefix_len, result.last_device_node
         plan.est_start = None
+        plan.exact_len, plan.estimate_len = m, 0  # what this match serves: the latest match is the one prefilled
         if m < limit:  # an earlier identical annotated request may have left estimates here
-            more, deeper = self._match_prefix_helper(node, tree_paths.est_key(plan.tokens[m:limit], plan.namespace))
+            more, deeper = self._match_prefix_helper(node, tree_paths.est_key(plan.tokens[m:limit], plan.tree_ns))
             got = sum(len(v) for v in more)
             if got:
                 plan.est_start, m, node = m, m + got, deeper
+                plan.estimate_len = got
         # A waiting request is matched again every round: a longer match makes its plan stale.
         advanced = plan.attempted and m > plan.assembled_end
-        if not plan.attempted:
-            plan.exact_len = m  # first call: everything matched so far is a hit
         if not plan.attempted or advanced:
             mark_matched(plan, m)
         if not self.active:
@@ -274,7 +294,7 @@ class KVShareRadixCache(RadixCache):
         ``est_start`` on go to the estimate namespace (never to the request's own)."""
         token_ids = req.full_untruncated_fill_ids[:up_to]
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : len(token_ids)]
-        present, last = tree_paths.insert_exact_then_estimate(self, req, token_ids, plan.est_start, row)
+        present, last = tree_paths.insert_exact_then_estimate(self, req, token_ids, plan.est_start, row, plan.tree_ns)
         req.kv.cache_inserted_len = max(req.kv.cache_inserted_len, len(token_ids))
         protected = req.kv.cache_protected_len
         if present > protected:  # the tree already had these rows: ours are duplicates
@@ -287,3 +307,19 @@ class KVShareRadixCache(RadixCache):
         self.unlock(req.lock)
         req.lock = self.lock(last)
         req.last_node = last
+
+
+def _escape_reserved_extra_key(req: Any, params: MatchPrefixParams) -> None:
+    """Keep a client-chosen ``extra_key`` out of the estimate namespace.
+
+    SGLang builds a request's tree keys from its ``extra_key``; one that looked
+    like an estimate key (``kvshare-est:...``) would let a plain request match
+    assembled KV, or plant exact rows where annotated requests look for
+    estimates. The HTTP process refuses such a key with a 400; a request that
+    bypasses it (the Engine API) gets the key escaped, consistently for its
+    match and its checkpoints, so it only ever meets its own rows.
+    """
+    extra = getattr(req, "extra_key", None)
+    if isinstance(extra, str) and extra.startswith(tree_paths.EST_PREFIX):
+        req.extra_key = tree_paths.RESERVED_ESCAPE + extra
+        params.key.extra_key = req.extra_key

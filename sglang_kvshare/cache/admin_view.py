@@ -19,7 +19,7 @@ from typing import Any, Hashable, Optional
 from sglang_kvshare.cache.parts import CacheParts
 from sglang_kvshare.config import KVShareConfig
 
-DEFAULT_NAMESPACE = (None, None)
+DEFAULT_NAMESPACE = (None, None, None)
 
 
 class AdminView:
@@ -63,12 +63,17 @@ class AdminView:
         tree = self.parts.tree
         allocator = tree.token_to_kv_pool_allocator
         cfg = self.parts.state.config
+        workspace_max = self.parts.reads.max_nbytes(allocator.get_kvcache())
         limits = {**dataclasses.asdict(self.parts.registry.limits),
                   "learn_queue_jobs": cfg.learn_queue_max, "learn_queue_bytes": int(cfg.learn_queue_mb * 2**20),
-                  "anchor_bytes": int(cfg.pool_budget_mb * 2**20), "pools": cfg.max_pools}
+                  "anchor_bytes": int(cfg.pool_budget_mb * 2**20), "pools": cfg.max_pools,
+                  "read_workspace_bytes": workspace_max}
         usage = {**self.parts.registry.usage(), "learn_queue_jobs": self.parts.learner.pending(),
                  "learn_queue_bytes": self.parts.learner.queued_bytes(), "anchor_bytes": int(memory),
-                 "pools": len(pools)}
+                 "pools": len(pools), "read_workspace_bytes": self.parts.reads.nbytes()}
+        # NOTE: everything kvshare allocates lives beside SGLang's KV pool, outside --mem-fraction-static;
+        # this is the most it can hold (docs/OPERATIONS.md: how to size the static fraction on a GPU).
+        memory_bound = limits["learn_queue_bytes"] + limits["anchor_bytes"] + workspace_max
         return {
             "mode": cfg.mode,
             "config": dataclasses.asdict(cfg),
@@ -78,6 +83,7 @@ class AdminView:
             "shared_tokens_seen": seen,
             "reuse_ratio": reused / seen if seen else 0.0,
             "anchor_bytes": int(memory),
+            "memory_bound_bytes": int(memory_bound),
             "pending_observations": self.parts.learner.pending(),
             "limits": limits,
             "usage": usage,
@@ -124,6 +130,7 @@ class AdminView:
         Observations still queued are dropped too (for one slot: all of them), so
         nothing learned before the reset refills the pools after it.
         """
+        self.parts.state.new_epoch()  # estimates assembled from what is forgotten are not matched again
         with self.parts.state.lock:
             self.parts.learner.reset()
             estimator = self.parts.state.estimator

@@ -58,8 +58,7 @@ def write_and_insert(tree: Any, spec: Any, counters: Counters, plan: RequestPlan
                 offset += p.hi - p.lo
             sync_device(new_idx)  # the next forward (another stream) must see the rows
         with counters.timed("insert"):
-            present, last = tree_paths.insert_estimate(tree, node, plan.tokens[m:end], new_idx,
-                                                       plan.namespace[0], plan.namespace[1])
+            present, last = tree_paths.insert_estimate(tree, node, plan.tokens[m:end], new_idx, plan.tree_ns)
         owned = True
         if present:  # part of it appeared meanwhile: give our duplicate slots back
             tree.token_to_kv_pool_allocator.free(new_idx[:present])

@@ -33,6 +33,10 @@ class CorrectionState:
     estimator: Any = field(default=None, init=False)
     unsupported_reason: Optional[str] = field(default=None, init=False)
     lock: threading.RLock = field(default_factory=threading.RLock, init=False)
+    # Names the estimates valid under the settings in force (part of their tree key): a reset or a
+    # config change starts a new epoch, so a repeated prompt is assembled again or prefilled, never
+    # served an estimate made under the old settings.
+    epoch: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         if self.config.mode != "off":
@@ -71,6 +75,10 @@ class CorrectionState:
                               step_layers=cfg.learn_step_layers or None,
                               svd_method="gram")  # serving: exact and the cheapest on the learning thread
 
+    def new_epoch(self) -> None:
+        """Invalidate every estimate in the tree (they stay until evicted, unreachable)."""
+        self.epoch += 1
+
     def apply(self, new: KVShareConfig) -> bool:
         """Put ``new`` in force (checked like a launch); returns True when the estimator was rebuilt
         (a mode switch between fullshared and kvcmas: the pools start empty).
@@ -81,6 +89,7 @@ class CorrectionState:
         with self.lock:
             rebuild = new.mode != self.config.mode and new.mode != "off"
             self.config = new
+            self.new_epoch()
             if new.mode != "off" and self.spec is None and self.unsupported_reason is None:
                 self._init_correction()
                 return True

@@ -70,6 +70,14 @@ class ReadWorkspace:
             self._bufs[which] = buf
         return buf[:, :rows]
 
+    def nbytes(self) -> int:
+        """What the two buffers hold now."""
+        return sum(b.numel() * b.element_size() for b in self._bufs if b is not None)
+
+    def max_nbytes(self, kvcache) -> int:
+        """The most the two buffers can grow to for ``kvcache`` (``max_rows`` rows of K and V, every layer)."""
+        return pair_nbytes(kvcache, self.max_rows, pool_dtype(kvcache)) // 2
+
 
 def learning_copy_dtype(kvcache) -> torch.dtype:
     """The dtype the learner's K/V copies are kept in while they wait in its queue.
@@ -85,6 +93,13 @@ def learning_copy_dtype(kvcache) -> torch.dtype:
     """
     dtype = pool_dtype(kvcache)
     return torch.float16 if dtype == torch.float32 else dtype
+
+
+def pair_nbytes(kvcache, rows: int, dtype: torch.dtype) -> int:
+    """Bytes ``read_pair`` allocates for ``rows`` rows in ``dtype``: K and V of a source and a target, every layer."""
+    first = kvcache.get_key_buffer(pool_layers(kvcache)[0])
+    per_row = first[0].numel() * torch.tensor([], dtype=dtype).element_size()
+    return 4 * len(pool_layers(kvcache)) * rows * per_row
 
 
 def pool_dtype(kvcache) -> torch.dtype:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sglang_kvshare.cache.correction_state import CorrectionState
+from sglang_kvshare.cache.kv_pool_io import ReadWorkspace
 from sglang_kvshare.cache.registry import ContentHasher, PlaceholderRegistry
 from sglang_kvshare.counters import Counters
 from sglang_kvshare.learning.learner import Learner
@@ -27,3 +28,4 @@ class CacheParts:
     learner: Learner
     counters: Counters
     hasher: ContentHasher
+    reads: ReadWorkspace  # the gate's reused read buffers (scheduler thread only)

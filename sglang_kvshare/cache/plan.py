@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 from sglang_kvshare.cache.outcome import SegmentOutcome
 from sglang_kvshare.cache.registry import ContentHasher, Namespace
+from sglang_kvshare.cache.tree_paths import TreeNamespace, est_extra_key
 from sglang_kvshare.counters import Counters
 from sglang_kvshare.protocol import Annotation, AnnotationError, parse_annotation
 
@@ -36,21 +37,29 @@ class RequestPlan:
     annotation: Annotation
     tokens: tuple[int, ...]
     hashes: list[str]
-    namespace: Namespace
+    namespace: Namespace  # (extra_key, cache_salt, reuse scope): the copy records and pools it may use
+    tree_ns: TreeNamespace  # where its rows live in the radix tree
     agent_id: str
     outcomes: list[SegmentOutcome]
-    exact_len: int = 0  # radix hit before any assembly (first match)
+    exact_len: int = 0  # prompt tokens the latest match found exactly in the tree (SGLang's cached_tokens)
+    estimate_len: int = 0  # prompt tokens it found in the estimate namespace (an earlier request's assembly)
     assembled_end: int = 0  # prefix length after assembly
     est_start: Optional[int] = None
     next_stage: Optional[int] = None  # where staged prefill resumes reuse (None: prefill the rest)
     learned: set[int] = field(default_factory=set)
     counted: bool = False
     attempted: bool = False  # assembly ran once; a repeat only re-runs if its nodes were evicted
+    released: bool = False  # its KV was released unfinished (retraction): the next match plans afresh
     assembly_seconds: float = 0.0
 
     @property
     def agent(self) -> str:
         return self.annotation.agent
+
+    @property
+    def workflow(self) -> Optional[str]:
+        """Who the request belongs to (its annotation's workflow); reports name only this workflow's agents."""
+        return self.annotation.workflow
 
     def exact_before(self, end: int) -> bool:
         """True when rows ``[0, end)`` of this request hold exact KV only."""
@@ -61,9 +70,19 @@ def plan_of(req: Any) -> Optional[RequestPlan]:
     return getattr(req, PLAN_ATTR, None)
 
 
-def plan_request(req: Any, hasher: ContentHasher, max_segments: int, counters: Counters) -> Optional[RequestPlan]:
+def drop_plan(req: Any) -> None:
+    """Forget the request's plan: its next match plans afresh."""
+    if hasattr(req, PLAN_ATTR):
+        delattr(req, PLAN_ATTR)
+
+
+def plan_request(req: Any, hasher: ContentHasher, max_segments: int, counters: Counters, *,
+                 scope_by_workflow: bool = True, epoch: int = 0) -> Optional[RequestPlan]:
     """The request's plan (made once, then kept on the request), or None for a request without annotation.
 
+    ``scope_by_workflow`` (``--kvshare-reuse-scope workflow``) makes the
+    annotation's ``workflow`` part of the namespace; ``epoch`` names the
+    estimates valid under the settings in force (``CorrectionState.epoch``).
     A malformed annotation reaching the scheduler (the HTTP process answers it
     with a 400; the Engine API does not check) is logged, counted and served as
     no annotation at all.
@@ -81,11 +100,15 @@ def plan_request(req: Any, hasher: ContentHasher, max_segments: int, counters: C
         return None
     if ann is None:
         return None
-    namespace = (req.extra_key, getattr(req, "cache_salt", None))
+    extra_key, salt = req.extra_key, getattr(req, "cache_salt", None)
+    scope = ann.workflow if scope_by_workflow else None
+    namespace = (extra_key, salt, scope)
+    scope_digest = hasher((), "scope", scope)[:16] if scope is not None else "-"
     first = ann.segments[0]
     own_prefix = tokens[first.start:first.end] if first.kind == "private" else ()
     plan = RequestPlan(
         annotation=ann, tokens=tokens, namespace=namespace,
+        tree_ns=TreeNamespace(extra_key, salt, est_extra_key(extra_key, scope_digest, epoch)),
         # NOTE: an agent is its name *and* its private prefix, so a client that
         # borrows a name cannot feed corrections into another agent's edges.
         agent_id=hasher(own_prefix, "agent", namespace, ann.agent),

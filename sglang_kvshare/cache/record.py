@@ -17,7 +17,7 @@ import time
 from typing import Any, Optional, Sequence
 
 from sglang_kvshare.cache import tree_paths
-from sglang_kvshare.cache.kv_pool_io import learning_copy_dtype, pool_dtype, read_pair
+from sglang_kvshare.cache.kv_pool_io import learning_copy_dtype, pair_nbytes, pool_dtype, read_pair
 from sglang_kvshare.cache.parts import CacheParts
 from sglang_kvshare.cache.plan import RequestPlan
 from sglang_kvshare.cache.registry import Materialization
@@ -33,7 +33,7 @@ class Recorder:
 
     # ------------------------------------------------------------ copies
     def _node_at(self, plan: RequestPlan, tokens: Sequence[int]) -> Optional[Any]:
-        return tree_paths.node_at(self.parts.tree, tokens, plan.est_start, plan.namespace[0], plan.namespace[1])
+        return tree_paths.node_at(self.parts.tree, tokens, plan.est_start, plan.tree_ns)
 
     def _record(self, plan: RequestPlan, index: int, *, exact: bool) -> None:
         seg = plan.annotation.segments[index]
@@ -41,7 +41,7 @@ class Recorder:
         if node is None:
             return
         mat = Materialization(agent=plan.agent_id, agent_name=plan.agent, node=node, start=seg.start, end=seg.end,
-                              exact=exact, generation=self.parts.registry.generation)
+                              exact=exact, generation=self.parts.registry.generation, workflow=plan.workflow)
         records = self.parts.registry.namespace(plan.namespace)
         if seg.kind == "shared":
             records.slot(seg.slot).record(plan.hashes[index], mat)
@@ -83,10 +83,12 @@ class Recorder:
             self.parts.counters.add("observations_source_lost")
             return
         seg = plan.annotation.segments[index]
-        if not self.parts.learner.admit((plan.namespace, seg.slot), plan.hashes[index], source.agent, plan.agent_id):
+        kvcache = self.parts.tree.token_to_kv_pool_allocator.get_kvcache()
+        nbytes = pair_nbytes(kvcache, int(src_idx.numel()), learning_copy_dtype(kvcache))
+        if not self.parts.learner.admit((plan.namespace, seg.slot), plan.hashes[index], source.agent, plan.agent_id,
+                                        nbytes):
             return
         t0 = time.perf_counter()
-        kvcache = self.parts.tree.token_to_kv_pool_allocator.get_kvcache()
         row = self.parts.tree.req_to_token_pool.req_to_token[req.kv.req_pool_idx][seg.start:]
         k_src, v_src, k_tgt, v_tgt = read_pair(kvcache, src_idx, row, learning_copy_dtype(kvcache))
         self.parts.counters.add("learn_copy_seconds", time.perf_counter() - t0)
@@ -107,19 +109,20 @@ class Recorder:
             return
         mat = Materialization(agent=plan.agent_id, agent_name=plan.agent, node=node, start=len(plan.tokens),
                               end=len(plan.tokens) + in_tree, exact=plan.est_start is None,
-                              generation=self.parts.registry.generation)
+                              generation=self.parts.registry.generation, workflow=plan.workflow)
         slot = self.parts.registry.namespace(plan.namespace).slot(plan.annotation.output_slot)
         # Consumers may pass the whole output or only what has KV; both find it.
         for content in {self.parts.hasher(out_ids), self.parts.hasher(out_ids[:in_tree])}:
             slot.record(content, mat)
 
     # ------------------------------------------------------------ stats
-    def count(self, plan: RequestPlan) -> None:
-        """Add the request's shared-segment outcomes to the per-slot stats (call once per request)."""
+    def count(self, plan: RequestPlan, sign: int = 1) -> None:
+        """Add the request's shared-segment outcomes to the per-slot stats, once per request;
+        ``sign=-1`` takes them back (a retracted request is planned and counted again)."""
         records = self.parts.registry.namespace(plan.namespace)
         for o in plan.outcomes:
             if o.kind != "shared":
                 continue
-            records.slot(o.slot).stats.add(o)
-        self.parts.counters.add("annotated_requests")
-        self.parts.counters.add("assembly_seconds", plan.assembly_seconds)
+            records.slot(o.slot).stats.add(o, sign)
+        self.parts.counters.add("annotated_requests", sign)
+        self.parts.counters.add("assembly_seconds", sign * plan.assembly_seconds)

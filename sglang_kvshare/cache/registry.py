@@ -1,10 +1,12 @@
 """Placeholder nodes: what the cache knows about each shared slot, per namespace.
 
-A **namespace** is what SGLang already uses to keep caches apart: the
-request's ``extra_key`` (the LoRA id) and ``cache_salt`` (the tenant). Every
-record here lives inside one namespace, so nothing computed for one tenant or
-adapter is ever offered to another, and the slot and agent names of one
-tenant are invisible to the next.
+A **namespace** is what SGLang already uses to keep caches apart, the
+request's ``extra_key`` (the LoRA id) and ``cache_salt`` (the tenant), plus
+the reuse scope (the annotation's ``workflow``, with
+``--kvshare-reuse-scope workflow``). Every record here lives inside one
+namespace, so nothing computed for one tenant, adapter or workflow is ever
+offered to another, and the slot and agent names of one are invisible to the
+next.
 
 Per shared slot (``query``, ``out:analyst`` ...) one ``PlaceholderNode`` keeps
 the latest **materializations** of each content seen in that slot: the radix
@@ -43,7 +45,7 @@ from typing import Any, Hashable, Iterator, Optional, Sequence
 
 from sglang_kvshare.cache.outcome import SegmentOutcome
 
-Namespace = tuple[Optional[str], Optional[str]]  # (extra_key, cache_salt)
+Namespace = tuple[Optional[str], Optional[str], Optional[str]]  # (extra_key, cache_salt, reuse scope)
 
 _seq = itertools.count()
 
@@ -76,6 +78,7 @@ class Materialization:
     end: int
     exact: bool  # computed densely on exact KV (True) or an estimate / computed on top of one
     generation: int  # the cache generation (a reset invalidates every record)
+    workflow: Optional[str] = None  # whose it is: a report names its agent only to the same workflow
     seq: int = field(default_factory=lambda: next(_seq))
 
     @property
@@ -98,23 +101,25 @@ class SlotStats:
     gate_entropy_sum: float = 0.0
     gate_decisions: int = 0
 
-    def add(self, o: SegmentOutcome) -> None:
-        """Count one request's outcome of this slot."""
-        self.requests += 1
-        self.shared_tokens_seen += o.tokens
+    def add(self, o: SegmentOutcome, sign: int = 1) -> None:
+        """Count one request's outcome of this slot (``sign=-1`` takes a counted outcome back)."""
+        self.requests += sign
+        self.shared_tokens_seen += sign * o.tokens
         if o.resolved_by in ("hit", "estimate_hit"):
-            self.resolved_hit += o.resolved_tokens
+            self.resolved_hit += sign * o.resolved_tokens
         elif o.resolved_by == "alignment":
-            self.resolved_alignment += o.resolved_tokens
+            self.resolved_alignment += sign * o.resolved_tokens
         elif o.resolved_by == "correction":
-            self.resolved_correction += o.resolved_tokens
-        self.prefilled_dense += o.tokens - o.resolved_tokens
-        self.head_recomputed += o.head_recomputed or 0
+            self.resolved_correction += sign * o.resolved_tokens
+        self.prefilled_dense += sign * (o.tokens - o.resolved_tokens)
+        self.head_recomputed += sign * (o.head_recomputed or 0)
         if o.reason is not None:
-            self.fallbacks[o.reason] += 1
+            self.fallbacks[o.reason] += sign
+            if self.fallbacks[o.reason] <= 0:
+                del self.fallbacks[o.reason]
         if o.entropy is not None:
-            self.gate_entropy_sum += o.entropy
-            self.gate_decisions += 1
+            self.gate_entropy_sum += sign * o.entropy
+            self.gate_decisions += sign
 
     def as_dict(self) -> dict:
         resolved = self.resolved_hit + self.resolved_alignment + self.resolved_correction

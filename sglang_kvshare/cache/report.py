@@ -17,13 +17,16 @@ def build(plan: RequestPlan) -> dict:
         if o.resolved_by != "dense":
             by[o.resolved_by] += o.resolved_tokens
     total = sum(o.tokens for o in plan.outcomes)
+    # NOTE: the totals count tokens, not segments: an exact or estimate match may end inside a segment
+    # (a system prompt that shares its first tokens with another), which then stays "dense" below.
+    exact, estimate = plan.exact_len, plan.estimate_len
     return {
         "agent": plan.agent,
-        "tokens_exact_hit": by["hit"],
+        "tokens_exact_hit": exact,
         "tokens_aligned": by["alignment"],
         "tokens_corrected": by["correction"],
-        "tokens_estimate_hit": by["estimate_hit"],
-        "tokens_prefilled": total - by["hit"] - by["estimate_hit"] - by["alignment"] - by["correction"],
+        "tokens_estimate_hit": estimate,
+        "tokens_prefilled": total - exact - estimate - by["alignment"] - by["correction"],
         "shared_tokens": sum(o.tokens for o in plan.outcomes if o.kind == "shared"),
         "shared_tokens_reused": sum(o.resolved_tokens for o in plan.outcomes if o.kind == "shared"
                                     and o.resolved_by in ("estimate_hit", "alignment", "correction")),

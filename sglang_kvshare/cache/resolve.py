@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from sglang_kvshare.cache import tree_paths
-from sglang_kvshare.cache.kv_pool_io import ReadWorkspace, read_segment, sync_device
+from sglang_kvshare.cache.kv_pool_io import read_segment, sync_device
 from sglang_kvshare.cache.outcome import SegmentOutcome
 from sglang_kvshare.cache.parts import CacheParts
 from sglang_kvshare.cache.plan import RequestPlan
@@ -80,11 +80,17 @@ def head_len(seg: Any, recompute_head: int) -> int:
     return min(recompute_head, seg.length)
 
 
+def prefilled_by_request(plan: RequestPlan, o: SegmentOutcome) -> bool:
+    """The segment is prefilled in the request's own context by design: its private suffix, or a shared
+    segment the client marked ``reuse: false``."""
+    return is_private_suffix(plan, o) or not plan.annotation.segments[o.index].reuse
+
+
 def candidates(records: NamespaceRecords, plan: RequestPlan, o: SegmentOutcome,
                generation: int) -> list[Materialization]:
     """Copies of the segment's content, latest first, of the registry's current ``generation``."""
     seg = plan.annotation.segments[o.index]
-    if is_private_suffix(plan, o):
+    if prefilled_by_request(plan, o):
         return []
     if seg.kind == "shared":
         mats = records.slot(seg.slot).copies(plan.hashes[o.index])
@@ -104,7 +110,7 @@ class Resolver:
         self.state = parts.state  # the config and estimator in force
         self.counters = parts.counters
         # The gate's copy of a source: read into reused buffers (the estimate keeps no reference).
-        self._reads = ReadWorkspace()
+        self._reads = parts.reads
 
     def resolve(self, records: NamespaceRecords, plan: RequestPlan, o: SegmentOutcome, locks: list,
                 generation: int) -> Resolution:
@@ -126,7 +132,9 @@ class Resolver:
                 raise Unresolved("source_evicted")
         self.tree.inc_lock_ref(source.node)
         locks.append(source.node)
-        o.source_agent = source.agent_name
+        # NOTE: a report names the source's agent only to the same workflow (with --kvshare-reuse-scope salt
+        # a source may belong to another one, whose agent names are not this client's to see).
+        o.source_agent = source.agent_name if source.workflow == plan.workflow else None
         if seg.kind == "private" or self.state.config.mode == "fullshared":
             return Resolution("alignment", source, src_idx)
         return self._correct(plan, o, seg, source, src_idx)
@@ -165,8 +173,8 @@ def resolve_segments(resolver: Resolver, records: NamespaceRecords, plan: Reques
             continue
         if pos >= limit:
             break
-        if is_private_suffix(plan, o):
-            break  # prefilled densely by design (see is_private_suffix): no fallback
+        if prefilled_by_request(plan, o):
+            break  # prefilled densely by design (see prefilled_by_request): no fallback
         head = head_len(seg, recompute_head)
         if pos < seg.start + head:
             break  # the head is prefilled densely first (staged prefill resumes after it)
@@ -207,7 +215,7 @@ def next_stage(plan: RequestPlan, a: int, limit: int, recompute_head: int,
         if seg.end <= a:
             continue
         resume = seg.start + head_len(seg, recompute_head)
-        if resume <= a or min(seg.end, limit) - resume < min_rows:
+        if resume <= a or min(seg.end, limit) - resume < min_rows or prefilled_by_request(plan, o):
             continue
         if has_source(o):
             return resume
@@ -245,5 +253,5 @@ def mark_unreached(plan: RequestPlan) -> None:
     allowed.
     """
     for o in plan.outcomes:
-        if o.kind == "shared" and o.resolved_by == "dense" and o.reason is None:
+        if o.kind == "shared" and o.resolved_by == "dense" and o.reason is None and not prefilled_by_request(plan, o):
             o.reason = "not_reached"

@@ -8,9 +8,12 @@ plain request's exact KV inserted over it would be thrown away as a
 duplicate while the request decoded on the estimate. So a request's rows
 ``[0, est_start)`` (exact) live in its own namespace (``extra_key``,
 ``cache_salt``) and rows ``[est_start, ...)`` (assembled, or computed on top
-of something assembled) in the estimate namespace ``kvshare-est:<extra_key>``
-with the same ``cache_salt``, as children of the exact node at
-``est_start``. SGLang's own code (plain match, insert, checkpoint) only ever
+of something assembled) in the estimate namespace
+``kvshare-est:<epoch>:<scope>:<extra_key>`` with the same ``cache_salt``, as
+children of the exact node at ``est_start``. The reuse scope keeps one
+workflow's estimates from another's; the epoch changes on every reset and
+config change, so estimates made under old settings are never matched again
+(they age out of the tree like any unused leaf). SGLang's own code (plain match, insert, checkpoint) only ever
 builds keys in the request's namespace, so it never reaches an estimate; the
 parent-chain operations (locking, ``path_device_indices``, eviction of
 leaves) work across the boundary unchanged.
@@ -21,18 +24,33 @@ Functions take the cache (a ``RadixCache``) and use only its tree helpers.
 from __future__ import annotations
 
 from array import array
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import InsertParams
 from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 
-EST_PREFIX = "kvshare-est:"
+from sglang_kvshare.protocol import RESERVED_EXTRA_KEY_PREFIX
+
+EST_PREFIX = RESERVED_EXTRA_KEY_PREFIX
+RESERVED_ESCAPE = "client:"  # put before a client's extra_key that starts with EST_PREFIX
 DEAD_ATTR = "kvshare_dead"
 
 
-def est_extra_key(extra_key: Optional[str]) -> str:
-    return EST_PREFIX + (extra_key or "")
+@dataclass(frozen=True)
+class TreeNamespace:
+    """Where one request's rows live: exact ones under SGLang's own key (``extra_key``, ``cache_salt``),
+    estimates under ``est_extra_key`` (the request's reuse scope and the estimate epoch) with the same salt."""
+
+    extra_key: Optional[str]
+    cache_salt: Optional[str]
+    est_extra_key: str
+
+
+def est_extra_key(extra_key: Optional[str], scope: str = "", epoch: int = 0) -> str:
+    """The extra key of the estimate namespace of (``extra_key``, a scope digest, an epoch)."""
+    return f"{EST_PREFIX}{epoch}:{scope}:{extra_key or ''}"
 
 
 def is_estimate_node(node: TreeNode) -> bool:
@@ -55,13 +73,13 @@ def _key(tokens: Sequence[int], extra_key: Optional[str], cache_salt: Optional[s
     return RadixKey(array("q", tokens), extra_key, cache_salt=cache_salt)
 
 
-def est_key(tokens: Sequence[int], namespace: tuple[Optional[str], Optional[str]]) -> RadixKey:
-    """The estimate-namespace key of ``tokens`` for a request of ``namespace`` (extra_key, cache_salt)."""
-    return _key(tokens, est_extra_key(namespace[0]), namespace[1])
+def est_key(tokens: Sequence[int], ns: TreeNamespace) -> RadixKey:
+    """The estimate-namespace key of ``tokens`` for a request of ``ns``."""
+    return _key(tokens, ns.est_extra_key, ns.cache_salt)
 
 
-def walk(cache: Any, tokens: Sequence[int], est_start: Optional[int], extra_key: Optional[str],
-         cache_salt: Optional[str]) -> tuple[int, TreeNode, list[torch.Tensor]]:
+def walk(cache: Any, tokens: Sequence[int], est_start: Optional[int],
+         ns: TreeNamespace) -> tuple[int, TreeNode, list[torch.Tensor]]:
     """Match ``tokens`` exactly up to ``est_start``, then in the estimate namespace.
 
     Returns (matched length, last node, values along the path). Splits a node
@@ -69,30 +87,28 @@ def walk(cache: Any, tokens: Sequence[int], est_start: Optional[int], extra_key:
     node always ends at the matched length.
     """
     exact_end = len(tokens) if est_start is None else min(est_start, len(tokens))
-    values, node = cache._match_prefix_helper(cache.root_node, _key(tokens[:exact_end], extra_key, cache_salt))
+    values, node = cache._match_prefix_helper(cache.root_node, _key(tokens[:exact_end], ns.extra_key, ns.cache_salt))
     matched = sum(len(v) for v in values)
     if matched == exact_end < len(tokens):
-        more, node = cache._match_prefix_helper(node, _key(tokens[exact_end:], est_extra_key(extra_key), cache_salt))
+        more, node = cache._match_prefix_helper(node, est_key(tokens[exact_end:], ns))
         values += more
         matched += sum(len(v) for v in more)
     return matched, node, values
 
 
 def insert_estimate(cache: Any, parent: TreeNode, tokens: Sequence[int], value: torch.Tensor,
-                    extra_key: Optional[str], cache_salt: Optional[str]) -> tuple[int, TreeNode]:
+                    ns: TreeNamespace) -> tuple[int, TreeNode]:
     """Insert ``tokens`` with pool slots ``value`` below ``parent`` in the estimate namespace.
 
     Returns (tokens that were already there, last node). The caller frees its
     duplicate slots for the tokens already present.
     """
-    key = _key(tokens, est_extra_key(extra_key), cache_salt)
-    return cache._insert_helper(parent, key, value.to(torch.int64, copy=True), 0, 0)
+    return cache._insert_helper(parent, est_key(tokens, ns), value.to(torch.int64, copy=True), 0, 0)
 
 
-def node_at(cache: Any, tokens: Sequence[int], est_start: Optional[int], extra_key: Optional[str],
-            cache_salt: Optional[str]) -> Optional[TreeNode]:
+def node_at(cache: Any, tokens: Sequence[int], est_start: Optional[int], ns: TreeNamespace) -> Optional[TreeNode]:
     """The node that ends exactly at ``len(tokens)`` (splitting one if needed), or None if absent."""
-    matched, node, _ = walk(cache, tokens, est_start, extra_key, cache_salt)
+    matched, node, _ = walk(cache, tokens, est_start, ns)
     return node if matched == len(tokens) else None
 
 
@@ -119,14 +135,13 @@ def rows(node: TreeNode, start: int, end: int) -> Optional[torch.Tensor]:
 
 
 def insert_exact_then_estimate(cache: Any, req: Any, token_ids: Sequence[int], est_start: int,
-                               kv_indices: torch.Tensor) -> tuple[int, TreeNode]:
+                               kv_indices: torch.Tensor, ns: TreeNamespace) -> tuple[int, TreeNode]:
     """Insert a request's rows: ``[0, est_start)`` in its namespace, the rest as estimates.
 
     Returns (tokens the tree already had, last node), like SGLang's insert.
     """
-    extra_key, salt = req.extra_key, req.cache_salt
     inserted = req.kv.cache_inserted_len
-    head = cache.insert(InsertParams(key=_key(token_ids[:est_start], extra_key, salt),
+    head = cache.insert(InsertParams(key=_key(token_ids[:est_start], ns.extra_key, ns.cache_salt),
                                      value=kv_indices[:est_start].to(torch.int64, copy=True),
                                      inserted_len=min(inserted, est_start), priority=req.priority or 0))
     node = head.last_device_node
@@ -134,6 +149,5 @@ def insert_exact_then_estimate(cache: Any, req: Any, token_ids: Sequence[int], e
         return head.prefix_len, node
     # NOTE: when part of the exact rows was new, nothing can hang below them yet,
     # so the estimate part is new too and the present rows stay one prefix.
-    tail_len, node = insert_estimate(cache, node, token_ids[est_start:], kv_indices[est_start:len(token_ids)],
-                                     extra_key, salt)
+    tail_len, node = insert_estimate(cache, node, token_ids[est_start:], kv_indices[est_start:len(token_ids)], ns)
     return head.prefix_len + tail_len, node

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
@@ -70,6 +71,7 @@ class ChatKVShare(BaseModel):
     agent: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
     shared: tuple[SharedMessage, ...] = ()
     output_slot: Optional[str] = Field(default=None, min_length=1, max_length=MAX_NAME_CHARS)
+    workflow: Optional[str] = Field(default=None, min_length=1, max_length=MAX_NAME_CHARS)
 
 
 def parse_chat_kvshare(raw: Any, num_messages: int, max_segments: int) -> ChatKVShare:
@@ -139,33 +141,38 @@ class ChatPlan:
 
 
 def build_annotation(prompt: RenderedPrompt, slots: Mapping[int, str], agent: str,
-                     output_slot: Optional[str], ids_for: Optional[Mapping[int, Sequence[int]]] = None,
+                     output_slot: Optional[str], ids_for: Optional[Mapping[int, Sequence[int]]] = None, *,
+                     share_tail: bool = True, workflow: Optional[str] = None, no_reuse: frozenset[int] = frozenset(),
                      ) -> Optional[tuple[list[int], Annotation]]:
     """Ids and annotation for a rendered prompt; None when no content is shared and no output_slot is set.
 
     ``slots`` maps message index to slot for the shared contents; ``ids_for``
     optionally replaces a content's ids (a remembered answer's generated ids).
-    Template text between two shared contents, or after the last one when it
-    ends the prompt (the generation prompt), is shared under ``GLUE_SLOT``;
-    adjacent private pieces merge into one segment.
+    Template text between two shared contents is shared under ``GLUE_SLOT``, and
+    so is the text after the last one when it ends the prompt (the generation
+    prompt) unless ``share_tail`` is false; adjacent private pieces merge into
+    one segment. ``workflow`` is the request's reuse scope; the messages in
+    ``no_reuse`` are shared for later requests but prefilled by this one.
     """
     ids_for = ids_for or {}
     kinds: list[tuple[str, Optional[str], tuple[int, ...]]] = []
-    for piece, ids in zip(prompt.pieces, prompt.piece_ids):
+    reuse: dict[int, bool] = {}
+    for k, (piece, ids) in enumerate(zip(prompt.pieces, prompt.piece_ids)):
         if piece.message is not None and piece.message in slots:
             kinds.append(("shared", slots[piece.message], tuple(ids_for.get(piece.message, ids))))
+            reuse[k] = piece.message not in no_reuse
         else:
             kinds.append(("private", None, tuple(ids)))
     for k in range(1, len(kinds)):
         last = k == len(kinds) - 1
         if (kinds[k][0] == "private" and prompt.pieces[k].message is None and kinds[k - 1][0] == "shared"
-                and (last or kinds[k + 1][0] == "shared")):
+                and ((last and share_tail) or (not last and kinds[k + 1][0] == "shared"))):
             kinds[k] = ("shared", GLUE_SLOT, kinds[k][2])
     if output_slot is None and not any(kind == "shared" and ids for kind, _, ids in kinds):
         return None
     input_ids: list[int] = []
     segments: list[Segment] = []
-    for kind, slot, ids in kinds:
+    for k, (kind, slot, ids) in enumerate(kinds):
         if not ids:
             continue
         start = len(input_ids)
@@ -173,26 +180,56 @@ def build_annotation(prompt: RenderedPrompt, slots: Mapping[int, str], agent: st
         if kind == "private" and segments and segments[-1].kind == "private":
             segments[-1] = Segment(kind="private", start=segments[-1].start, end=len(input_ids))
         else:
-            segments.append(Segment(kind=kind, start=start, end=len(input_ids), slot=slot))
-    return input_ids, Annotation(agent=agent, segments=tuple(segments), output_slot=output_slot)
+            segments.append(Segment(kind=kind, start=start, end=len(input_ids), slot=slot, reuse=reuse.get(k, True)))
+    return input_ids, Annotation(agent=agent, segments=tuple(segments), output_slot=output_slot, workflow=workflow)
 
 
-def auto_agent(messages: Sequence[Mapping[str, Any]], user: Optional[str]) -> str:
-    """The agent of an unannotated request: a digest of its system messages (role, name, content) and ``user``.
+def build_capped(prompt: RenderedPrompt, slots: Mapping[int, str], agent: str, output_slot: Optional[str],
+                 max_segments: int, **kwargs) -> tuple[Optional[tuple[list[int], Annotation]], dict[int, str]]:
+    """``build_annotation``, keeping the newest shared messages that fit in ``max_segments`` segments;
+    also returns the slots kept.
+
+    Why: a long conversation shares every message, and each adds up to two
+    segments (its content and the glue after it); past the limit the oldest
+    shared messages become private text of the agent (prefilled, or reused only
+    as the agent's own prefix) instead of the request being refused, so a chat
+    stock SGLang answers is never rejected for its length.
+    """
+    keep = dict(slots)
+    order = [i for i in sorted(keep) if i not in kwargs.get("no_reuse", ())]  # the newest stay longest
+    while True:
+        built = build_annotation(prompt, keep, agent, output_slot, **kwargs)
+        if built is None or len(built[1].segments) <= max_segments or not order:
+            return built, keep
+        del keep[order.pop(0)]
+
+
+_AGENT_KEY = os.urandom(16)  # per process: an agent name cannot be recomputed outside the server
+
+
+def auto_agent(messages: Sequence[Mapping[str, Any]], user: Optional[str], key: bytes = _AGENT_KEY) -> str:
+    """The agent of an unannotated request: a keyed digest of its system messages (role, name, content) and ``user``.
 
     Why a digest and not a name: in agent frameworks the system prompt *is* the
     agent; two requests with the same one are the same agent, and the digest
-    shows no prompt text in reports.
+    shows no prompt text in reports. Why keyed (a per-process secret, like the
+    cache's content digests): an unkeyed digest would let anyone confirm a
+    guessed system prompt offline by hashing it.
     """
     identity = [[m.get("role"), m.get("name"), m.get("content")] for m in messages
                 if m.get("role") in PRIVATE_ROLES]
     digest = hashlib.blake2b(json.dumps([identity, user], sort_keys=True, default=str).encode(),
-                             digest_size=8).hexdigest()
+                             digest_size=8, key=key).hexdigest()
     return f"auto-{digest}"
 
 
 def auto_candidates(messages: Sequence[Mapping[str, Any]]) -> set[int]:
-    """Messages whose content may be shared in automatic mode: every non-system message with text."""
+    """Messages whose content may be shared in automatic mode: every non-system message with text.
+
+    The last one is shared for the requests that come after (the next agent
+    reads the same task), never reused by this one: ``auto_plan`` marks it
+    ``reuse: false``.
+    """
     return {i for i, m in enumerate(messages)
             if m.get("role") not in PRIVATE_ROLES and isinstance(m.get("content"), str) and m.get("content")}
 

@@ -38,6 +38,7 @@ import copy
 import hashlib
 import json
 import logging
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -46,10 +47,10 @@ from typing import Any, Optional
 
 from sglang_kvshare.chat.annotation import (
     AUTO_SLOT, REQUEST_KEY, ChatKVShare, ChatPlan, MessageOutcome, auto_agent, auto_candidates,
-    auto_slot, build_annotation, parse_chat_kvshare)
+    auto_slot, build_annotation, build_capped, parse_chat_kvshare)
 from sglang_kvshare.chat.outputs import OutputMemory
 from sglang_kvshare.chat.render import TemplateSplitError, align_to_stock, render_pieces, safe_messages
-from sglang_kvshare.config import KVShareConfig
+from sglang_kvshare.config import live_config
 from sglang_kvshare.protocol import CUSTOM_PARAMS_KEY, AnnotationError, generated_ids_for_text
 
 logger = logging.getLogger(__name__)
@@ -57,20 +58,13 @@ logger = logging.getLogger(__name__)
 STATS_ROUTE = "/kvshare/chat"
 MAX_WARMED = 4096
 
-_config: Optional[KVShareConfig] = None
 _local = threading.local()
 _pending: dict[int, "_Pending"] = {}  # id(ChatCompletionRequest) -> pending, during handle_request
 _tracks: dict[int, "_Track"] = {}  # id(GenerateReqInput) -> track, from conversion to response
 _warmed: "OrderedDict[tuple, None]" = OrderedDict()
 outputs = OutputMemory()
-counters: dict[str, int] = {"explicit": 0, "auto": 0, "auto_stock": 0, "same_as_stock": 0, "warmups": 0}
-
-
-def config() -> KVShareConfig:
-    global _config
-    if _config is None:
-        _config = KVShareConfig.from_env()
-    return _config
+counters: dict[str, int] = {"explicit": 0, "auto": 0, "auto_stock": 0, "same_as_stock": 0, "warmups": 0,
+                            "opted_out": 0, "internal_errors": 0}
 
 
 @dataclass
@@ -90,14 +84,22 @@ class _Capture:
 
 @dataclass
 class _Track:
+    """What the answer of one annotated chat request carried, gathered as its outputs pass.
+
+    Each output costs time proportional to what it adds, never to the whole
+    answer: a cumulative output (SGLang's default) replaces the kept
+    reference; a delta (incremental streaming) is appended. The ids and text
+    are joined once, when the answer is finished (``output_ids``, ``text``).
+    """
+
     plan: ChatPlan
     namespace: tuple
     explicit: bool
     report: Optional[dict] = None
-    output_ids: list[int] = field(default_factory=list)
-    text: str = ""
     finished: bool = False
     warmed: bool = False
+    _ids: list = field(default_factory=list)  # cumulative: [the latest list]; incremental: the deltas
+    _texts: list = field(default_factory=list)
 
     def observe(self, out: dict, incremental: bool) -> None:
         meta = out.get("meta_info") or {}
@@ -107,14 +109,25 @@ class _Track:
         ids = out.get("output_ids")
         if ids is not None:
             if incremental:
-                self.output_ids.extend(int(t) for t in ids)
+                self._ids.append(ids)
             else:
-                self.output_ids = [int(t) for t in ids]
+                self._ids[:] = [ids]
         text = out.get("text")
         if text is not None:
-            self.text = self.text + text if incremental else text
+            if incremental:
+                self._texts.append(text)
+            else:
+                self._texts[:] = [text]
         if meta.get("finish_reason") is not None:
             self.finished = True
+
+    @property
+    def output_ids(self) -> list[int]:
+        return [int(t) for part in self._ids for t in part]
+
+    @property
+    def text(self) -> str:
+        return "".join(self._texts)
 
     def kvshare_report(self) -> dict:
         return {**(self.report or {}), "chat": {**self.plan.report(), "warmed": self.warmed}}
@@ -138,12 +151,15 @@ async def around_handle_request(original, self, request, raw_request=None):
             raw = _raw_field(await raw_request.json())
         except Exception:  # noqa: BLE001 - SGLang already parsed this body; nothing to add
             raw = None
-    if raw is None and not config().auto:
+    if raw is False:  # the client opted out: served exactly as stock SGLang serves it
+        counters["opted_out"] += 1
+        return await original(self, request, raw_request)
+    if raw is None and not live_config().auto:
         return await original(self, request, raw_request)
     spec = None
     if raw is not None:
         try:
-            spec = parse_chat_kvshare(raw, len(request.messages), config().max_segments)
+            spec = parse_chat_kvshare(raw, len(request.messages), live_config().max_segments)
         except AnnotationError as exc:
             return self.create_error_response(str(exc), err_type="BadRequest", status_code=400)
     pending = _Pending(spec)
@@ -187,15 +203,18 @@ def around_convert(original, self, request, raw_request=None):
                                      **plan.annotation.to_custom_params()}
         adapted.sampling_params = sampling
         pending.adapted_id = id(adapted)
-        _tracks[id(adapted)] = _Track(plan, _namespace(adapted), explicit=pending.spec is not None)
+        _tracks[id(adapted)] = _Track(plan, _namespace(adapted, plan.annotation.workflow),
+                                      explicit=pending.spec is not None)
         counters[plan.mode] += 1
         counters["same_as_stock"] += int(plan.same_as_stock)
     return adapted, processed
 
 
-def _namespace(adapted) -> tuple:
+def _namespace(adapted, workflow: Optional[str]) -> tuple:
+    """Where the chat layer keeps a request's answers and warm-ups: its cache namespace and reuse scope."""
+    scope = workflow if live_config().reuse_scope == "workflow" else None
     return tuple(json.dumps(getattr(adapted, name, None), sort_keys=True, default=str)
-                 for name in ("cache_salt", "extra_key", "lora_path"))
+                 for name in ("cache_salt", "extra_key", "lora_path")) + (scope,)
 
 
 def _refuse(spec: Optional[ChatKVShare], why: str) -> None:
@@ -207,6 +226,25 @@ def _refuse(spec: Optional[ChatKVShare], why: str) -> None:
 
 
 def _plan(serving, request, adapted, capture: _Capture, spec: Optional[ChatKVShare]) -> Optional[ChatPlan]:
+    """The request's plan, or None to serve it as stock SGLang does.
+
+    Explicit mode answers what it cannot honour with a 400 that says why (a
+    ``ValueError``); automatic mode never changes what stock would answer. An
+    unexpected error serves the request as stock in both modes (logged, counted).
+    """
+    try:
+        return _plan_or_raise(serving, request, adapted, capture, spec)
+    except ValueError:
+        if spec is not None:
+            raise
+        logger.exception("sglang-kvshare: automatic annotation failed; serving as stock")
+    except Exception:  # noqa: BLE001 - never a 500 because of kvshare
+        logger.exception("sglang-kvshare: chat annotation failed; serving as stock")
+    counters["internal_errors"] += 1
+    return None
+
+
+def _plan_or_raise(serving, request, adapted, capture: _Capture, spec: Optional[ChatKVShare]) -> Optional[ChatPlan]:
     custom = (adapted.sampling_params or {}).get("custom_params") if isinstance(adapted.sampling_params, dict) else None
     if isinstance(custom, dict) and CUSTOM_PARAMS_KEY in custom:
         if spec is not None:
@@ -234,16 +272,18 @@ def _plan(serving, request, adapted, capture: _Capture, spec: Optional[ChatKVSha
         return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
 
     messages = capture.messages
-    namespace = _namespace(adapted)
+    user = getattr(request, "user", None) or None
+    workflow = (spec.workflow if spec is not None else None) or user
+    namespace = _namespace(adapted, workflow)
     try:
         if spec is not None:
-            return _explicit_plan(spec, messages, render, tokenize, capture.stock_ids, namespace)
-        return _auto_plan(request, messages, render, tokenize, capture.stock_ids, namespace)
+            return _explicit_plan(spec, messages, render, tokenize, capture.stock_ids, namespace, workflow)
+        return _auto_plan(messages, render, tokenize, capture.stock_ids, namespace, user)
     except TemplateSplitError as exc:
         return _refuse(spec, str(exc))
 
 
-def _explicit_plan(spec, messages, render, tokenize, stock_ids, namespace) -> ChatPlan:
+def _explicit_plan(spec, messages, render, tokenize, stock_ids, namespace, workflow: Optional[str]) -> ChatPlan:
     marked = {m.message: m.slot for m in spec.shared}
     prompt = render_pieces(render, tokenize, messages, cut=set(marked))
     missing = sorted(set(marked) - prompt.content_messages())
@@ -266,7 +306,7 @@ def _explicit_plan(spec, messages, render, tokenize, stock_ids, namespace) -> Ch
                 outcome.tokens = len(rec.ids)
                 same = False
         outcomes.append(outcome)
-    built = build_annotation(prompt, marked, spec.agent, spec.output_slot, ids_for)
+    built = build_annotation(prompt, marked, spec.agent, spec.output_slot, ids_for, workflow=workflow)
     if built is None:
         raise ValueError("kvshare marks no message and sets no output_slot; mark a message in 'shared' or "
                          "drop the field")
@@ -274,7 +314,7 @@ def _explicit_plan(spec, messages, render, tokenize, stock_ids, namespace) -> Ch
     return ChatPlan(input_ids, annotation, same, "explicit", outcomes)
 
 
-def _auto_plan(request, messages, render, tokenize, stock_ids, namespace) -> Optional[ChatPlan]:
+def _auto_plan(messages, render, tokenize, stock_ids, namespace, user: Optional[str]) -> Optional[ChatPlan]:
     candidates = auto_candidates(messages)
     prompt = render_pieces(render, tokenize, messages, cut=candidates)
     safe = safe_messages(tokenize, prompt.pieces)
@@ -298,8 +338,16 @@ def _auto_plan(request, messages, render, tokenize, stock_ids, namespace) -> Opt
                 slot = outcome.slot = rec.slot
         slots[piece.message] = slot
         outcomes.append(outcome)
-    agent = auto_agent(messages, getattr(request, "user", None))
-    built = build_annotation(prompt, slots, agent, AUTO_SLOT)
+    agent = auto_agent(messages, user)
+    # The last message (what the user just sent) is prefilled in the request's own context, and offered to the
+    # requests after it (reuse: false); the generation prompt after it stays private. A long chat keeps its
+    # newest shared messages within the segment limit.
+    last = frozenset({len(messages) - 1}) & frozenset(slots)
+    built, kept = build_capped(prompt, slots, agent, AUTO_SLOT, live_config().max_segments, share_tail=False,
+                               workflow=user, no_reuse=last)
+    for outcome in outcomes:
+        if outcome.index not in kept:
+            outcome.slot = None  # merged into the agent's private text
     if built is None:
         return None
     input_ids, annotation = built
@@ -311,7 +359,7 @@ def _auto_plan(request, messages, render, tokenize, stock_ids, namespace) -> Opt
 async def _warm(serving, track: _Track, adapted) -> None:
     """Prefill the agent's private prefix once, so its shared segments can be placed behind it."""
     ids = track.plan.first_private_ids
-    if not ids or config().mode == "off":
+    if not ids or live_config().mode == "off":
         return
     key = (track.namespace, hashlib.blake2b(json.dumps(ids).encode(), digest_size=16).hexdigest())
     if key in _warmed:
@@ -367,9 +415,10 @@ async def around_non_streaming(original, self, adapted, request, raw_request=Non
 
     if not isinstance(response, BaseModel) or not hasattr(response, "choices"):
         return response  # an error response: unchanged
-    body = response.model_dump(mode="json", by_alias=True)
-    body[REQUEST_KEY] = track.kvshare_report()
-    return Response(content=json.dumps(body), media_type="application/json")
+    # NOTE: serialized exactly as SGLang serializes it (sglang.srt.utils.json_response.model_json_response:
+    # a -inf logprob becomes null), then the report is spliced in; the body is never parsed again.
+    body = with_field(response.model_dump_json(by_alias=True), REQUEST_KEY, track.kvshare_report())
+    return Response(content=body, media_type="application/json")
 
 
 async def around_streaming(original, self, adapted, request, raw_request=None):
@@ -381,12 +430,16 @@ async def around_streaming(original, self, adapted, request, raw_request=None):
         return response  # an error response: unchanged
 
     async def with_report():
+        reported = False
         async for chunk in body:
-            if track.explicit and isinstance(chunk, str) and chunk.startswith("data: [DONE]"):
+            if not reported and _is_final_chunk(chunk):
+                chunk, reported = _with_report_chunk(chunk, track.kvshare_report()), True
+            elif not reported and isinstance(chunk, str) and chunk.startswith("data: [DONE]"):
+                # No chunk carried a finish reason (the stream ended early): the report travels alone.
                 extra = {"id": f"kvshare-{id(track):x}", "object": "chat.completion.chunk", "choices": [],
-                         "created": int(time.time()),
-                         "model": request.model, REQUEST_KEY: track.kvshare_report()}
-                yield f"data: {json.dumps(extra)}\n\n"
+                         "created": int(time.time()), "model": request.model}
+                yield f"data: {with_field(json.dumps(extra), REQUEST_KEY, track.kvshare_report())}\n\n"
+                reported = True
             yield chunk
         _finish(self, track)
 
@@ -394,21 +447,94 @@ async def around_streaming(original, self, adapted, request, raw_request=None):
     return response
 
 
+def with_field(json_object: str, key: str, value: Any) -> str:
+    """``json_object`` (the text of a JSON object) with ``"key": value`` added last, the rest byte for byte.
+
+    Non-finite floats in ``value`` become null, as SGLang writes them.
+    """
+    text = json_object.rstrip()
+    if not text.endswith("}"):
+        raise ValueError("not the text of a JSON object")
+    head = text[:-1].rstrip()
+    sep = "" if head.endswith("{") else ","
+    return f"{head}{sep}{json.dumps(key)}:{json.dumps(_finite(value), separators=(',', ':'))}}}"
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _chunk_payload(chunk: Any) -> Optional[str]:
+    """The JSON text of a server-sent ``data: {...}`` chunk, else None."""
+    if not isinstance(chunk, str) or not chunk.startswith("data: {"):
+        return None
+    return chunk[len("data: "):].rstrip("\n")
+
+
+def _is_final_chunk(chunk: Any) -> bool:
+    """A chunk whose choices carry a finish reason: the stream's last content chunk."""
+    payload = _chunk_payload(chunk)
+    if payload is None or '"finish_reason"' not in payload:
+        return False
+    try:
+        choices = json.loads(payload).get("choices") or []
+    except ValueError:
+        return False
+    return any(isinstance(c, dict) and c.get("finish_reason") for c in choices)
+
+
+def _with_report_chunk(chunk: str, report: dict) -> str:
+    return f"data: {with_field(_chunk_payload(chunk), REQUEST_KEY, report)}\n\n"
+
+
 def around_generate(original, self, obj, request=None):
-    """Tap our requests' outputs; everything else gets SGLang's generator itself."""
+    """Tap the outputs of annotated requests (chat and ``/generate``); every other request gets SGLang's
+    generator itself."""
     track = _tracks.get(id(obj))
-    if track is None:
+    if track is None and not _annotated(obj):
         return original(self, obj, request)
     # NOTE: SGLang sends deltas only for streams on a server with incremental streaming output.
     incremental = bool(getattr(self, "incremental_streaming_output", False)) and bool(getattr(obj, "stream", False))
     return _tap(original(self, obj, request), track, incremental)
 
 
-async def _tap(generator, track: _Track, incremental: bool):
+def _annotated(obj: Any) -> bool:
+    sampling = getattr(obj, "sampling_params", None)
+    custom = sampling.get("custom_params") if isinstance(sampling, dict) else None
+    return isinstance(custom, dict) and CUSTOM_PARAMS_KEY in custom
+
+
+def exact_cached_tokens(meta: dict) -> None:
+    """Keep ``meta_info["cached_tokens"]`` SGLang's meaning: prompt tokens served from the prefix cache, exact.
+
+    SGLang counts every prompt token it did not prefill, and the KV kvshare
+    assembled (aligned, corrected, or an earlier request's estimate) is among
+    them; those tokens are approximations, which the report lists apart
+    (``tokens_aligned``, ``tokens_corrected``, ``tokens_estimate_hit``).
+    Mutates ``meta``; the chat API's ``usage.prompt_tokens_details`` follows it.
+    """
+    reports = meta.get("kvshare")
+    cached = meta.get("cached_tokens")
+    if not reports or not isinstance(reports[0], dict) or not isinstance(cached, int):
+        return
+    report = reports[0]
+    approx = sum(int(report.get(k) or 0) for k in ("tokens_aligned", "tokens_corrected", "tokens_estimate_hit"))
+    meta["cached_tokens"] = max(0, cached - approx)
+
+
+async def _tap(generator, track: Optional[_Track], incremental: bool):
     try:
         async for out in generator:
             if isinstance(out, dict):
-                track.observe(out, incremental)
+                exact_cached_tokens(out.get("meta_info") or {})
+                if track is not None:
+                    track.observe(out, incremental)
             yield out
     finally:
         await generator.aclose()
@@ -418,7 +544,7 @@ async def _tap(generator, track: _Track, incremental: bool):
 
 async def chat_stats():
     """``GET /kvshare/chat``: the chat layer's counters and the answers' re-tokenization agreement."""
-    return {"auto": config().auto, "requests": dict(counters), "outputs": outputs.stats()}
+    return {"auto": live_config().auto, "requests": dict(counters), "outputs": outputs.stats()}
 
 
 def mount_stats_route(app: Any) -> None:

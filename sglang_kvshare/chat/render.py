@@ -24,12 +24,17 @@ No SGLang imports: unit testable with any Hugging Face tokenizer.
 from __future__ import annotations
 
 import re
+import secrets
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-# Private-use code points: no chat template or tokenizer gives them a meaning.
-_SENTINEL = "\ue000kvshare-{}\ue001"
-_SENTINEL_RE = re.compile("\ue000kvshare-([0-9]+)\ue001")
+# Private-use code points (no chat template or tokenizer gives them a meaning) around a random
+# nonce drawn per rendering: a message that holds sentinel-like text can never be mistaken for one.
+_SENTINEL = "\ue000kvshare-{nonce}-{index}\ue001"
+
+
+def _sentinel_re(nonce: str) -> re.Pattern:
+    return re.compile("\ue000kvshare-" + re.escape(nonce) + "-([0-9]+)\ue001")
 
 Render = Callable[[list[dict[str, Any]]], str]
 Tokenize = Callable[[str], list[int]]
@@ -75,22 +80,24 @@ def split_rendered(render: Render, messages: Sequence[dict[str, Any]],
     rendering.
     """
     full = render([dict(m) for m in messages])
+    nonce = secrets.token_hex(8)
+    sentinel_re = _sentinel_re(nonce)
     probe = []
     candidates: set[int] = set()
     for i, m in enumerate(messages):
         m = dict(m)
         content = m.get("content")
-        if (cut is None or i in cut) and isinstance(content, str) and content and "\ue000" not in content:
-            m["content"] = _SENTINEL.format(i)
+        if (cut is None or i in cut) and isinstance(content, str) and content:
+            m["content"] = _SENTINEL.format(nonce=nonce, index=i)
             candidates.add(i)
         probe.append(m)
     templated = render(probe)
-    found = [int(x) for x in _SENTINEL_RE.findall(templated)]
+    found = [int(x) for x in sentinel_re.findall(templated)]
     once = {i for i in candidates if found.count(i) == 1}
     pieces: list[Piece] = []
     pos = 0
     template_text: list[str] = []
-    for match in _SENTINEL_RE.finditer(templated):
+    for match in sentinel_re.finditer(templated):
         i = int(match.group(1))
         template_text.append(templated[pos:match.start()])
         pos = match.end()

@@ -140,10 +140,19 @@ class Learner:
     # ------------------------------------------------------------ scheduler side
     _MAX_TRACKED_SLOTS = 4096
 
-    def admit(self, slot: Hashable, content_key: Hashable, src_agent: Hashable, dst_agent: Hashable) -> bool:
-        """Whether an observation is worth copying (call before reading any K/V); counts the skips."""
+    def admit(self, slot: Hashable, content_key: Hashable, src_agent: Hashable, dst_agent: Hashable,
+              nbytes: int = 0) -> bool:
+        """Whether an observation is worth copying and fits the queue (call before reading any K/V); counts the
+        skips and drops.
+
+        ``nbytes`` is the size of the copies it would make: a full queue (in jobs or bytes) drops it here, before
+        a byte is copied, so a long segment never allocates its copies only to be dropped.
+        """
         estimator = self._estimator()
         if estimator is None:
+            return False
+        if self.asynchronous and not self._fits(nbytes):
+            self._counters.add("observations_dropped_queue_full")
             return False
         with self._lock:
             known = estimator.has_observation(slot, content_key, src_agent, dst_agent)
@@ -170,7 +179,7 @@ class Learner:
             return True
         size = obs.nbytes
         with self._bytes_lock:
-            if self._queue.qsize() >= self.max_jobs or self._bytes + size > self.max_bytes:
+            if not self._fits_locked(size):
                 self._counters.add("observations_dropped_queue_full")
                 return False
             self._bytes += size
@@ -178,6 +187,13 @@ class Learner:
         obs.queued_at = time.perf_counter()
         self._queue.put(obs)
         return True
+
+    def _fits_locked(self, nbytes: int) -> bool:
+        return self._queue.qsize() < self.max_jobs and self._bytes + nbytes <= self.max_bytes
+
+    def _fits(self, nbytes: int) -> bool:
+        with self._bytes_lock:
+            return self._fits_locked(nbytes)
 
     def reset(self) -> None:
         """Forget every queued observation; one being learned now is discarded at commit."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from sglang_kvshare.config import BACKEND_NAME
+from sglang_kvshare.config import BACKEND_NAME, live_config
 from sglang_kvshare.server.sglang_targets import SETUP_HTTP_SERVER
 
 logger = logging.getLogger(__name__)
@@ -35,8 +35,10 @@ def before_setup_http_server(*args: Any, **kwargs: Any) -> None:
 
     app = _http_app()
     dp_size = int(getattr(server_args, "dp_size", 1) or 1)
-    routes.mount(app, bound["tokenizer_manager"], port_args.rpc_ipc_name, dp_size=dp_size)
+    keyed = bool(getattr(server_args, "admin_api_key", None) or getattr(server_args, "api_key", None))
+    routes.mount(app, bound["tokenizer_manager"], port_args.rpc_ipc_name, dp_size=dp_size, keyed=keyed)
     chat_hooks.mount_stats_route(app)
+    chat_hooks.outputs.max_bytes = int(live_config().chat_memory_mb * 2**20)
     if dp_size > 1:
         logger.warning("sglang-kvshare: --dp-size %d: the kvshare write and pool routes answer 501 "
                        "(SGLang's RPC channel reaches one rank only); /kvshare/stats shows rank 0", dp_size)

@@ -23,9 +23,10 @@ import os  # noqa: E402
 import sys  # noqa: E402
 from typing import Sequence  # noqa: E402
 
-from sglang_kvshare.config import BACKEND_NAME, GROUPS, MODES, KVShareConfig  # noqa: E402
+from sglang_kvshare.config import BACKEND_NAME, GROUPS, MODES, REUSE_SCOPES, KVShareConfig  # noqa: E402
 
 KVSHARE_PREFIX = "--kvshare-"
+CHOICES: dict[str, tuple[str, ...]] = {"mode": MODES, "reuse_scope": REUSE_SCOPES}
 
 # (flag, value or None for a switch) applied on a CPU-only machine unless given.
 CPU_DEFAULTS: tuple[tuple[str, str | None], ...] = (
@@ -62,8 +63,8 @@ def add_kvshare_args(parser: argparse.ArgumentParser) -> None:
         help_text = f.metadata.get("help", "").replace("%", "%%")  # argparse formats help with %
         default = f.default
         kind = str(f.type)
-        if f.name == "mode":
-            group.add_argument(flag, choices=MODES, default=default, help=f"{help_text} (default: {default})")
+        if f.name in CHOICES:
+            group.add_argument(flag, choices=CHOICES[f.name], default=default, help=f"{help_text} (default: {default})")
         elif kind == "bool":
             group.add_argument(flag, type=_parse_bool, default=default, metavar="{true,false}",
                                help=f"{help_text} (default: {str(default).lower()})")

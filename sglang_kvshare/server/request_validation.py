@@ -8,22 +8,14 @@ message, before the request reaches the scheduler. Nothing else changes.
 
 from __future__ import annotations
 
-from sglang_kvshare.config import KVShareConfig
-from sglang_kvshare.protocol import parse_annotation
-
-_max_segments: int | None = None
-
-
-def _limit() -> int:
-    global _max_segments
-    if _max_segments is None:
-        _max_segments = KVShareConfig.from_env().max_segments
-    return _max_segments
+from sglang_kvshare.config import live_config
+from sglang_kvshare.protocol import check_extra_key, parse_annotation
 
 
 def validate_annotation_after(result, _manager, obj, input_ids, *args, **kwargs):
-    """AFTER hook: raises ``AnnotationError`` (a ``ValueError``) for a bad annotation."""
+    """AFTER hook: raises ``AnnotationError`` (a ``ValueError``) for a bad annotation or a reserved extra_key."""
+    check_extra_key(getattr(obj, "extra_key", None))
     sampling = getattr(obj, "sampling_params", None)
     if isinstance(sampling, dict) and input_ids is not None:
-        parse_annotation(sampling.get("custom_params"), len(input_ids), _limit())
+        parse_annotation(sampling.get("custom_params"), len(input_ids), live_config().max_segments)
     return result

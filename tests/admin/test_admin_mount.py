@@ -74,7 +74,7 @@ def test_the_mount_hook_reads_dp_size_from_the_server_args(monkeypatch):
     from sglang_kvshare.server import http_routes
 
     monkeypatch.setattr(http_routes, "_http_app", lambda: app)
-    server_args = SimpleNamespace(radix_cache_backend="kvshare", dp_size=3)
+    server_args = SimpleNamespace(radix_cache_backend="kvshare", dp_size=3, admin_api_key="k", api_key=None)
     port_args = SimpleNamespace(rpc_ipc_name="ipc:///nonexistent")
     try:
         http_routes.before_setup_http_server(server_args, object(), None, port_args)
@@ -101,3 +101,29 @@ def test_api_key_only_guards_reads_and_writes_with_that_key(app):
     # With the key the route runs: its own validation answers before any scheduler is needed.
     r = client.post("/kvshare/config", json={"tau": 2}, headers={"Authorization": "Bearer user-key"})
     assert r.status_code == 422 and "tau" in r.json()["message"]
+
+
+@pytest.mark.parametrize("method, path", WRITES)
+def test_writes_on_a_server_without_keys_need_the_operator_to_open_them(method, path, monkeypatch):
+    from sglang_kvshare.admin import routes as admin_routes
+    from sglang_kvshare.config import KVShareConfig
+
+    app = FastAPI()
+    routes.mount(app, tokenizer_manager=None, rpc_endpoint="ipc:///nonexistent", keyed=False)
+    try:
+        body = {"tau": 0.5} if path.endswith("/config") else None
+        r = TestClient(app).request(method, path, json=body)
+        assert r.status_code == 403 and "--kvshare-admin-open" in r.json()["message"], r.text
+        assert admin_routes._unkeyed_write_error("pools") is None  # reads follow SGLang's key rules only
+        from sglang_kvshare.admin.ops import Reply
+
+        class Channel:  # stands for the scheduler: answers every op
+            async def call(self, op, **params):
+                return Reply(200, f"{op} done")
+
+        monkeypatch.setattr(admin_routes, "live_config", lambda: KVShareConfig(admin_open=True))
+        monkeypatch.setattr(admin_routes, "_channel_or_error", lambda: Channel())
+        r = TestClient(app).request(method, path, json=body)
+        assert r.status_code == 200 and r.json()["message"].endswith("done")  # opened: the write goes through
+    finally:
+        routes.mount(FastAPI(), tokenizer_manager=None, rpc_endpoint="ipc:///nonexistent")  # keyed again

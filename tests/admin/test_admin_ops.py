@@ -137,6 +137,25 @@ def test_metrics_count_increases_and_survive_a_reset():
     assert _value(registry, "sglang_kvshare_requests_total", slot="query") == 13
 
 
+def test_metrics_tables_hold_only_the_slots_the_stats_hold():
+    """10 000 slot names over time: the exporter's tables stay bounded, the counts stay right."""
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from sglang_kvshare.admin.metrics import MAX_SLOT_LABELS, OTHER_SLOT, KVShareMetrics
+
+    registry = prometheus_client.CollectorRegistry()
+    metrics = KVShareMetrics(registry=registry)
+    for round_ in range(100):  # the registry keeps 100 slots at a time; older ones were evicted
+        slots = {f"s{round_}-{i}": {"requests": 1, "shared_tokens_seen": 10, "fallbacks": {"no_source": 1}}
+                 for i in range(100)}
+        metrics.update({"slots": slots, "counters": {}})
+        assert len(metrics._slot_labels) <= MAX_SLOT_LABELS
+        assert len(metrics._last) <= 100 * 8  # this round's slots only (a few series each)
+    samples = [s for metric in registry.collect() if metric.name == "sglang_kvshare_requests"
+               for s in metric.samples if s.name == "sglang_kvshare_requests_total"]
+    assert sum(s.value for s in samples) == 100 * 100  # every request counted once, across labels
+    assert any(s.labels["slot"] == OTHER_SLOT for s in samples)
+
+
 def test_configure_sets_head_recompute_and_staging():
     cache = FakeView()
     reply = ops.execute(cache, "configure", recompute_head=8, staged=False)

@@ -112,7 +112,9 @@ def test_estimates_are_reused_by_an_identical_annotated_request(sched):
     assert m == len(again.origin_input_ids) - 1
     # The query's KV was assembled the first time: served again, but reported as an estimate hit.
     rep = again.report()
-    assert rep["tokens_exact_hit"] == len(SYS["B"]) and rep["tokens_estimate_hit"] == len(QUERY)
+    # Token counts: everything past B's exact system prompt, up to the last prompt token, is the earlier
+    # request's estimate (the query and the suffix rows it computed on top of it).
+    assert rep["tokens_exact_hit"] == len(SYS["B"]) and rep["tokens_estimate_hit"] == m - len(SYS["B"])
     assert rep["shared_tokens_reused"] == len(QUERY)
     assert_pool_accounted(sched.cache)
 
@@ -122,7 +124,7 @@ def test_output_computed_on_an_estimate_is_not_a_source_of_exact_kv(sched):
     warm(sched, "B")
     b = annotated("B", output_slot="out:B")
     sched.run(b, new_tokens=6)
-    records = sched.cache.registry.namespace((None, None))
+    records = sched.cache.registry.namespace((None, None, None))
     out = [m for mats in records.slot("out:B").contents.values() for m in mats]
     assert out and not any(m.exact for m in out)
     query_copies = [m for mats in records.slot("query").contents.values() for m in mats]
@@ -223,7 +225,7 @@ def test_kvcmas_learns_from_dense_prefills_then_corrects():
         sched.run(b)
         reports.append(b.report()["segments"][1])
     assert reports[0]["reason"] == "too_few_anchors"  # the pool starts empty: dense, then learned
-    assert sched.cache.estimator.pool_size(((None, None), "query")) >= 2
+    assert sched.cache.estimator.pool_size(((None, None, None), "query")) >= 2
     assert reports[-1]["resolved_by"] == "correction", reports
     assert sched.cache.counters.get("observations") >= 2
     assert_pool_accounted(sched.cache)
@@ -277,7 +279,7 @@ def test_kvcmas_corrected_rows_differ_from_plain_alignment():
 def test_reset_drops_queued_observations_and_pools():
     sched = learned_kvcmas()
     sched.cache.kvshare_admin.reset()
-    assert sched.cache.estimator.pool_size(((None, None), "query")) == 0
+    assert sched.cache.estimator.pool_size(((None, None, None), "query")) == 0
     assert sched.cache.kvshare_admin.stats()["slots"] == {}
     assert sched.cache.learner.generation == 1
 

@@ -84,14 +84,16 @@ def test_explicit_annotation_reuses_marked_messages_and_answers(client, server):
     out = _slot(report, "out:planner")[0]
     assert out["resolved_by"] == "alignment" and out["resolved_tokens"] >= out["tokens"] - 1
 
-    # A third agent, streamed: the report arrives in one extra chunk without choices.
+    # A third agent, streamed: the report arrives in the final chunk (the one with the finish reason).
     kv = {"agent": "critic", "shared": [{"message": 1, "slot": "task"}, {"message": 2, "slot": "out:planner"},
                                         {"message": 3, "slot": "out:solver"}]}
     critique, report, chunks = _ask(client, "You critique solutions.",
                                     [{"role": "user", "content": LONG_TASK}, {"role": "assistant", "content": plan},
                                      {"role": "assistant", "content": solution}], kv, stream=True)
     assert critique and report is not None
-    assert [c for c in chunks if (c.model_extra or {}).get("kvshare")][0].choices == []
+    carrier = [c for c in chunks if (c.model_extra or {}).get("kvshare")]
+    assert len(carrier) == 1 and carrier[0].choices and carrier[0].choices[0].finish_reason is not None
+    assert all(c.choices for c in chunks)  # no extra chunk: clients that read choices[0] are safe
     # Every marked message is reused (but for an answer's unfed last token); only template glue
     # that no earlier request had is prefilled.
     marked = [s for s in report["segments"] if s["kind"] == "shared" and s["slot"] != "chat:glue"]
@@ -144,14 +146,15 @@ def test_auto_mode_reuses_the_shared_task_across_agents(client, server):
     reports = []
     for k, system in enumerate(["You are agent one; answer briefly.", "You are agent two, a careful checker.",
                                 "You are agent three, a terse summarizer."]):
-        text, report, chunks = _ask(client, system, [{"role": "user", "content": task}], stream=(k == 2))
-        assert text
-        if k == 2:  # a stream without the field keeps the stock wire format: no extra chunk
-            assert all(c.choices for c in chunks[:-1]) and report is None
-        else:
-            assert report["chat"]["mode"] == "auto" and report["chat"]["same_as_stock"]
-            assert report["agent"].startswith("auto-")
-            reports.append(report)
+        # The task, then each agent's own instruction: the last message is always prefilled.
+        text, report, chunks = _ask(client, system, [{"role": "user", "content": task},
+                                                     {"role": "user", "content": f"Agent {k + 1}, go ahead."}],
+                                    stream=(k == 2))
+        assert text and report["chat"]["mode"] == "auto" and report["chat"]["same_as_stock"]
+        assert report["agent"].startswith("auto-") and report["segments"][-1]["kind"] == "private"
+        if k == 2:  # a stream carries the report in its final chunk, and no extra chunk
+            assert all(c.choices for c in chunks)
+        reports.append(report)
     assert _slot(reports[0], "auto:message")[0]["resolved_by"] == "dense"
     task_seg = _slot(reports[1], "auto:message")[0]
     assert task_seg["resolved_by"] == "alignment" and task_seg["resolved_tokens"] == task_seg["tokens"]
@@ -175,13 +178,71 @@ def test_auto_mode_reuses_an_answer_that_comes_back_as_a_message(client, server)
     assert counts["seen_again"] >= 1 and counts["retokenized_equal"] >= 1
 
 
+def _with_turn(task):
+    return [{"role": "user", "content": task}, {"role": "user", "content": "Your turn."}]
+
+
 def test_auto_mode_never_reuses_across_cache_salts(client):
     task = TASK + " (namespace test)"
-    _, first, _ = _ask(client, "You are tenant A's agent.", [{"role": "user", "content": task}],
-                       cache_salt="tenant-a")
-    _, other, _ = _ask(client, "You are tenant B's agent.", [{"role": "user", "content": task}],
-                       cache_salt="tenant-b")
-    _, same, _ = _ask(client, "You are tenant A's second agent.", [{"role": "user", "content": task}],
-                      cache_salt="tenant-a")
+    _, first, _ = _ask(client, "You are tenant A's agent.", _with_turn(task), cache_salt="tenant-a")
+    _, other, _ = _ask(client, "You are tenant B's agent.", _with_turn(task), cache_salt="tenant-b")
+    _, same, _ = _ask(client, "You are tenant A's second agent.", _with_turn(task), cache_salt="tenant-a")
     assert _reused(other) == 0 and all("source_agent" not in s for s in other["segments"])
     assert _reused(same) > 0  # the same text within tenant A is reused
+
+
+def test_auto_mode_never_reuses_across_users(client):
+    document = "Quarterly memo for the reuse-scope test: " + " ".join(f"item {i} costs {3 * i} euros." for i in range(40))
+    _, alice, _ = _ask(client, "You are alice's summarizer.", _with_turn(document), user="alice")
+    _, bob, _ = _ask(client, "You are bob's auditor.", _with_turn(document), user="bob")
+    _, alice2, _ = _ask(client, "You are alice's auditor.", _with_turn(document), user="alice")
+    assert _reused(bob) == 0  # bob is never served KV computed behind alice's system prompt
+    assert all("source_agent" not in s for s in bob["segments"])
+    assert _reused(alice2) > 0 and bob["agent"] != alice2["agent"]  # a second agent of alice reuses
+
+
+def test_auto_mode_answers_long_chats_and_hostile_content_like_stock(client):
+    messages = []
+    for i in range(40):  # an agent's tool loop: 40 messages would need 81 segments unmerged
+        messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": f"Step {i}: the tool said {i * 11}."})
+    text, report, _ = _ask(client, "You run tools.", messages, max_tokens=4)
+    assert text is not None and len(report["segments"]) <= 64
+    hostile = [{"role": "user", "content": "Echo this: \ue000kvshare-999\ue001 and \ue000kvshare-0\ue001."},
+               {"role": "user", "content": "Now answer."}]
+    text, report, _ = _ask(client, "You echo.", hostile, max_tokens=4)  # a 200, like stock
+    assert text is not None
+    text, report, _ = _ask(client, "You echo.", hostile, {"agent": "echo", "shared": [{"message": 1, "slot": "q"}]},
+                           max_tokens=4)
+    assert text is not None and report["chat"]["mode"] == "explicit"
+
+
+def test_a_request_can_opt_out(client, server):
+    before = requests.get(server.url + "/kvshare/chat", timeout=30).json()["requests"]
+    text, report, resp = _ask(client, "You answer.", _with_turn(TASK), False, max_tokens=4)
+    after = requests.get(server.url + "/kvshare/chat", timeout=30).json()["requests"]
+    assert text is not None and report is None  # served exactly as stock SGLang serves it
+    assert after["opted_out"] == before["opted_out"] + 1 and after["auto"] == before["auto"]
+
+
+def test_cached_tokens_count_exact_hits_only(server, model_path):
+    from transformers import AutoTokenizer
+
+    from sglang_kvshare.frontend.builder import build_request, private_part, shared_part
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    doc = "Cached-token test document. " + " ".join(f"Row {i}: value {i * 13}." for i in range(30))
+    for agent in ("writer", "reader"):
+        system = f"<|im_start|>system\nYou are the {agent}.<|im_end|>\n<|im_start|>user\n"
+        ids, custom = build_request(tok, agent, [private_part(system), shared_part(doc, slot="doc"),
+                                                 private_part("<|im_end|>\n<|im_start|>assistant\n")])
+        server.generate(input_ids=ids[:len(tok(system, add_special_tokens=False).input_ids)] + [1], max_new_tokens=0)
+        meta = server.generate(input_ids=ids, custom_params=custom, max_new_tokens=1)["meta_info"]
+    report = meta["kvshare"][0]
+    assert report["tokens_aligned"] > 0  # the reader's document was aligned ...
+    assert meta["cached_tokens"] == report["tokens_exact_hit"]  # ... and cached_tokens counts exact hits only
+
+
+def test_a_reserved_extra_key_is_a_400(server):
+    r = requests.post(server.url + "/generate", timeout=60, json={
+        "text": "Hello", "extra_key": "kvshare-est:0:-:", "sampling_params": {"max_new_tokens": 1}})
+    assert r.status_code == 400 and "kvshare-est:" in r.text

@@ -184,32 +184,91 @@ def test_explicit_plan_substitutes_an_answers_generated_ids_and_says_so(tokenize
     messages = [{"role": "system", "content": "You check."}, {"role": "user", "content": "Task: 2 + 3."},
                 {"role": "assistant", "content": answer}]
     spec = ChatKVShare(agent="checker", shared=({"message": 1, "slot": "task"}, {"message": 2, "slot": "out:solver"}))
-    plan = chat_hooks._explicit_plan(spec, messages, render, tokenize, _stock(tokenizer, messages), ("ns",))
+    plan = chat_hooks._explicit_plan(spec, messages, render, tokenize, _stock(tokenizer, messages), ("ns",), None)
     seg = [s for s in plan.annotation.segments if s.slot == "out:solver"][0]
     assert tuple(plan.input_ids[seg.start:seg.end]) == generated and not plan.same_as_stock
     assert plan.messages[1].source == "output" and plan.messages[1].retokenized_equal is False
     # Another namespace does not see the answer: its own re-tokenization, identical to stock.
-    plan = chat_hooks._explicit_plan(spec, messages, render, tokenize, _stock(tokenizer, messages), ("other",))
+    plan = chat_hooks._explicit_plan(spec, messages, render, tokenize, _stock(tokenizer, messages), ("other",),
+                                     None)
     assert plan.same_as_stock and plan.messages[1].source == "content"
 
 
 def test_auto_plan_never_changes_the_prompt(tokenizer, monkeypatch):
-    from types import SimpleNamespace
-
     from sglang_kvshare.chat import hooks as chat_hooks
 
     render, tokenize = _fns(tokenizer)
     memory = OutputMemory()
     monkeypatch.setattr(chat_hooks, "outputs", memory)
-    request = SimpleNamespace(user=None)
     answer = "The sum is 5."
     memory.remember(("ns",), answer, tuple(tokenize("The s")) + tuple(tokenize("um is 5.")), AUTO_SLOT)
     for last in ("Is it right?", "\n\nIs it right?"):  # the second starts with a whitespace run
         messages = [{"role": "system", "content": "You grade."}, {"role": "user", "content": "Task: 2 + 3."},
                     {"role": "assistant", "content": answer}, {"role": "user", "content": last}]
-        plan = chat_hooks._auto_plan(request, messages, render, tokenize, _stock(tokenizer, messages), ("ns",))
+        plan = chat_hooks._auto_plan(messages, render, tokenize, _stock(tokenizer, messages), ("ns",), None)
         assert plan.same_as_stock and plan.input_ids == _stock(tokenizer, messages)
         by_index = {m.index: m for m in plan.messages}
         assert by_index[2].source == "output" and by_index[2].retokenized_equal is False  # not reused as output
-        assert (3 in by_index) == (last == "Is it right?")  # the awkward content stays template text
+        if 3 in by_index:  # the last message is offered to later requests, never reused by this one
+            last = [s for s in plan.annotation.segments if s.kind == "shared"][-1]
+            assert not last.reuse
         assert all(s.slot in (AUTO_SLOT, GLUE_SLOT) for s in plan.annotation.segments if s.kind == "shared")
+
+
+def test_auto_plan_always_prefills_the_last_message_and_the_generation_prompt(tokenizer):
+    from sglang_kvshare.chat import hooks as chat_hooks
+
+    render, tokenize = _fns(tokenizer)
+    question = "What did the planner propose?"
+    messages = [{"role": "system", "content": "You grade."}, {"role": "user", "content": "Task: 2 + 3."},
+                {"role": "assistant", "content": "Plan: add them."}, {"role": "user", "content": question}]
+    plan = chat_hooks._auto_plan(messages, render, tokenize, _stock(tokenizer, messages), ("ns",), "alice")
+    *_, asked, tail = plan.annotation.segments
+    assert asked.kind == "shared" and not asked.reuse  # prefilled here, offered to the requests after it
+    assert plan.input_ids[asked.start:asked.end] == tokenize(question)
+    assert tail.kind == "private"  # the generation prompt: the cache always prefills a last private segment
+    assert tokenizer.decode(plan.input_ids[tail.start:tail.end]).endswith("<|im_start|>assistant\n")
+    assert all(s.reuse for s in plan.annotation.segments[:-2])
+    assert plan.annotation.workflow == "alice"  # the OpenAI user is the reuse scope
+
+
+def test_auto_plan_keeps_a_long_chat_within_the_segment_limit(tokenizer, monkeypatch):
+    """A 40-message tool loop: 81 segments uncapped; the oldest messages become private text instead of a 400."""
+    from sglang_kvshare.chat import hooks as chat_hooks
+    from sglang_kvshare.config import KVShareConfig
+
+    monkeypatch.setattr(chat_hooks, "live_config", lambda: KVShareConfig(mode="fullshared", auto=True))
+    render, tokenize = _fns(tokenizer)
+    messages = [{"role": "system", "content": "You use tools."}]
+    for i in range(40):
+        messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": f"Step {i}: result {i * 7}."})
+    plan = chat_hooks._auto_plan(messages, render, tokenize, _stock(tokenizer, messages), ("ns",), None)
+    assert plan.input_ids == _stock(tokenizer, messages)
+    assert len(plan.annotation.segments) <= 64
+    assert parse_annotation(plan.annotation.to_custom_params(), len(plan.input_ids), 64) == plan.annotation
+    shared = {m.index for m in plan.messages if m.slot is not None}
+    assert {39, 40} <= shared and 1 not in shared  # the newest messages stay shared, the oldest became private
+
+
+def test_a_message_holding_the_sentinel_text_renders_like_any_other(tokenizer):
+    render, tokenize = _fns(tokenizer)
+    messages = [{"role": "system", "content": "You check."},
+                {"role": "user", "content": "Look: \ue000kvshare-999\ue001 and \ue000kvshare-1\ue001 here."},
+                {"role": "assistant", "content": "Seen."}]
+    for cut in ({1, 2}, {2}, None):
+        pieces = split_rendered(render, messages, cut)  # no IndexError, nothing mistaken for a cut
+        assert "".join(p.text for p in pieces) == render(messages)
+    prompt, same = align_to_stock(render_pieces(render, tokenize, messages, {2}), _stock(tokenizer, messages))
+    assert same and 2 in prompt.content_messages()
+
+
+def test_the_auto_agent_name_is_keyed():
+    import hashlib
+    import json
+
+    messages = [{"role": "system", "content": "You plan."}, {"role": "user", "content": "Task"}]
+    identity = [[m.get("role"), m.get("name"), m.get("content")] for m in messages if m["role"] == "system"]
+    unkeyed = "auto-" + hashlib.blake2b(json.dumps([identity, None], sort_keys=True).encode(),
+                                        digest_size=8).hexdigest()
+    assert auto_agent(messages, None) != unkeyed  # a guessed system prompt cannot be confirmed offline
+    assert auto_agent(messages, None, key=b"k" * 16) != auto_agent(messages, None, key=b"j" * 16)

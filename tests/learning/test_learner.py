@@ -167,3 +167,12 @@ def test_single_threaded_learning_steps_leave_the_scheduler_its_threads():
         assert torch.get_num_threads() == 2  # the calling (scheduler) thread keeps its count
     finally:
         torch.set_num_threads(before)
+
+
+def test_an_observation_that_would_not_fit_the_queue_is_dropped_before_it_is_copied():
+    estimator = make_estimator("kvcmas", _spec(), tau=1.0)
+    counters = Counters()
+    learner = Learner(lambda: estimator, threading.RLock(), counters, max_jobs=4, max_bytes=1024, asynchronous=True)
+    assert learner.admit("query", "c1", "A", "B", nbytes=1000)
+    assert not learner.admit("query", "c2", "A", "B", nbytes=4096)  # a 32K-token segment on a big model, say
+    assert counters.get("observations_dropped_queue_full") == 1

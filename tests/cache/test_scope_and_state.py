@@ -1,0 +1,128 @@
+"""Reuse scope, estimate invalidation, reserved tree keys and retraction, on fake pools (no server).
+
+Each test fails on a cache that lets approximate KV cross a workflow, serves an
+estimate made under old settings, lets a client's extra_key reach the estimate
+namespace, or counts a retracted request twice.
+"""
+
+from __future__ import annotations
+
+import json
+
+from tests.cache.fakes import FakeReq, MiniScheduler, make_cache
+from tests.cache.test_adapter import QUERY, SYS, annotated, warm
+
+
+def scoped(agent: str, workflow=None, **kw) -> FakeReq:
+    req = annotated(agent, **kw)
+    ann = json.loads(req.custom_params["kvshare"])
+    if workflow is not None:
+        ann["workflow"] = workflow
+    return FakeReq(req.origin_input_ids, custom_params={"kvshare": json.dumps(ann)}, cache_salt=req.cache_salt,
+                   extra_key=req.extra_key)
+
+
+def test_approximate_reuse_stays_inside_a_workflow():
+    sched = MiniScheduler(make_cache("fullshared"))
+    sched.run(scoped("A", "alice"))
+    warm(sched, "B")
+    bob = scoped("B", "bob")
+    sched.run(bob)
+    assert bob.report()["tokens_aligned"] == 0  # bob is never served KV computed behind alice's prompt
+    assert bob.report()["segments"][1]["reason"] == "no_source"
+    warm(sched, "C")
+    alice_again = scoped("C", "alice")
+    sched.run(alice_again)
+    seg = alice_again.report()["segments"][1]
+    assert seg["resolved_by"] == "alignment" and seg["source_agent"] == "A"  # a second agent of alice reuses
+
+
+def test_a_wider_scope_shares_but_never_names_another_workflows_agent():
+    sched = MiniScheduler(make_cache("fullshared", reuse_scope="salt"))
+    sched.run(scoped("A", "alice"))
+    warm(sched, "B")
+    bob = scoped("B", "bob")
+    sched.run(bob)
+    seg = bob.report()["segments"][1]
+    assert seg["resolved_by"] == "alignment" and "source_agent" not in seg
+
+
+def test_estimates_of_an_identical_request_are_not_reused_after_a_config_change_or_reset():
+    sched = MiniScheduler(make_cache("fullshared"))
+    sched.run(annotated("A"))
+    warm(sched, "B")
+    sched.run(annotated("B"))
+    again = annotated("B")
+    sched.run(again)
+    assert again.report()["tokens_estimate_hit"] >= len(QUERY)  # the estimate of the first B request
+    sched.cache.kvshare_admin.configure(recompute_head=4)
+    after_change = annotated("B")
+    sched.run(after_change)
+    rep = after_change.report()
+    assert rep["tokens_estimate_hit"] == 0  # assembled again under the new settings
+    assert rep["segments"][1]["head_recomputed"] == 4
+    sched.cache.kvshare_admin.reset()
+    after_reset = annotated("B")
+    sched.run(after_reset)
+    assert after_reset.report()["tokens_estimate_hit"] == 0
+    assert after_reset.report()["tokens_aligned"] == 0  # the records are gone too: prefilled
+
+
+def test_a_client_extra_key_never_reaches_the_estimate_namespace():
+    sched = MiniScheduler(make_cache("fullshared"))
+    sched.run(annotated("A"))
+    warm(sched, "B")
+    b = annotated("B")
+    sched.run(b)
+    est_key = b.kvshare_plan.tree_ns.est_extra_key
+    plain = FakeReq(list(b.origin_input_ids), extra_key=est_key)  # a plain request naming the estimate key
+    assert sched.match(plain) == 0  # nothing matched: the key was escaped, not the estimates
+    assert plain.extra_key.startswith("client:")
+    assert sched.cache.counters.get("plain_tokens_from_estimates") == 0
+
+
+def test_a_retracted_request_is_planned_afresh_and_counted_once():
+    sched = MiniScheduler(make_cache("fullshared"))
+    cache = sched.cache
+    sched.run(annotated("A"))
+    warm(sched, "B")
+    b = annotated("B")
+    sched.match(b)  # admitted: planned, assembled, its prompt prefilled and counted ...
+    plan = b.kvshare_plan
+    plan.counted = True
+    cache.recorder.count(plan)
+    cache.on_release(b, checkpointed=False)  # ... then retracted in decode: its KV freed, not finished
+    assert plan.released
+    before = cache.kvshare_admin.stats()["slots"]["query"]["requests"]
+    sched.run(b)  # matched again from scratch, as SGLang re-queues a retracted request
+    assert b.kvshare_plan is not plan and b.report()["shared_tokens_reused"] == len(QUERY)
+    assert cache.kvshare_admin.stats()["slots"]["query"]["requests"] == before  # the old count taken back
+    assert cache.counters.get("plans_after_retraction") == 1
+
+
+def test_an_admin_change_is_rejected_without_state_change_when_invalid():
+    cache = make_cache("fullshared")
+    epoch = cache.state.epoch
+    try:
+        cache.kvshare_admin.configure(tau=3.0)
+    except ValueError:
+        pass
+    assert cache.state.epoch == epoch and cache.kvshare_config.tau != 3.0
+    assert SYS  # the shared fixtures stay importable from test_adapter
+
+
+def test_a_segment_marked_reuse_false_is_prefilled_here_and_offered_to_later_requests():
+    sched = MiniScheduler(make_cache("fullshared"))
+    sched.run(annotated("A"))
+    warm(sched, "B")
+    req = annotated("B")
+    ann = json.loads(req.custom_params["kvshare"])
+    ann["segments"][1]["reuse"] = False  # e.g. the message a user just typed
+    mine = FakeReq(req.origin_input_ids, custom_params={"kvshare": json.dumps(ann)})
+    sched.run(mine)
+    seg = mine.report()["segments"][1]
+    assert seg["resolved_by"] == "dense" and "reason" not in seg  # by design, not a fallback
+    warm(sched, "C")
+    later = annotated("C")
+    sched.run(later)
+    assert later.report()["segments"][1]["source_agent"] == "B"  # B's copy serves the next agent
