@@ -246,3 +246,44 @@ def test_a_reserved_extra_key_is_a_400(server):
     r = requests.post(server.url + "/generate", timeout=60, json={
         "text": "Hello", "extra_key": "kvshare-est:0:-:", "sampling_params": {"max_new_tokens": 1}})
     assert r.status_code == 400 and "kvshare-est:" in r.text
+
+
+def test_auto_mode_serves_tools_list_contents_several_choices_and_logprobs(server):
+    """Shapes agent frameworks send: each answered 200 with valid JSON, as stock answers them."""
+    url = server.url + "/v1/chat/completions"
+    tools = [{"type": "function", "function": {"name": "add", "description": "Add two numbers.", "parameters": {
+        "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}, "required": ["a", "b"]}}}]
+    bodies = [
+        {"messages": [{"role": "system", "content": "You use tools."}, {"role": "user", "content": "Add 2 and 3."},
+                      {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                       "function": {"name": "add", "arguments": "{\"a\": 2, \"b\": 3}"}}]},
+                      {"role": "tool", "tool_call_id": "c1", "content": "5"}], "tools": tools},
+        {"messages": [{"role": "system", "content": "You read."},
+                      {"role": "user", "content": [{"type": "text", "text": "A list-valued content."}]}]},
+        {"messages": [{"role": "system", "content": "You answer."}, {"role": "user", "content": TASK}], "n": 2},
+        {"messages": [{"role": "system", "content": "You answer."}, {"role": "user", "content": TASK}],
+         "logprobs": True, "top_logprobs": 2},
+    ]
+    for body in bodies:
+        r = requests.post(url, timeout=300, json={"model": "default", "max_tokens": 3, "temperature": 0, **body})
+        assert r.status_code == 200, (body, r.text)
+        answer = r.json()  # strict JSON: no NaN / Infinity
+        assert answer["choices"] and len(answer["choices"]) == body.get("n", 1)
+        if body.get("logprobs"):
+            assert answer["choices"][0]["logprobs"]["content"]
+
+
+def test_the_http_process_follows_a_runtime_mode_switch(client, server):
+    from tests.servers import reconfigured
+
+    def warmups():
+        return requests.get(server.url + "/kvshare/chat", timeout=30).json()["requests"]["warmups"]
+
+    kv = {"agent": "switch-test", "shared": [{"message": 1, "slot": "query"}]}
+    with reconfigured(server, mode="off"):
+        before = warmups()
+        _ask(client, "You are the mode-switch agent, off.", _with_turn(TASK), kv, max_tokens=2)
+        assert warmups() == before  # off: the chat layer no longer warms agent prefixes
+    before = warmups()
+    _ask(client, "You are the mode-switch agent, on again.", _with_turn(TASK), kv, max_tokens=2)
+    assert warmups() == before + 1
