@@ -37,3 +37,24 @@ def check_setup(ctx, config: KVShareConfig) -> None:
             "--radix-cache-backend kvshare supports full-attention models without hierarchical "
             "cache; drop the backend flag for hybrid SWA/SSM models or --enable-hierarchical-cache.")
     check_mode(config.mode, page_size=ctx.params.page_size, tp_size=ctx.tp_size)
+
+
+# The share of the device memory left free after SGLang allocated its KV pool that kvshare may fill
+# (anchors and queued learning copies); the rest stays for the forward's activations.
+DEVICE_MEMORY_SHARE = 0.5
+
+
+def fit_memory_budget(config: KVShareConfig, free_bytes: int, share: float = DEVICE_MEMORY_SHARE) -> KVShareConfig:
+    """``config`` with its anchor and learning-queue budgets scaled down to ``share`` of ``free_bytes``.
+
+    Why: on a GPU these live beside SGLang's KV pool, outside
+    ``--mem-fraction-static``; budgets larger than what the device has left
+    would end in an out-of-memory error in the middle of serving instead of an
+    eviction. Returns ``config`` itself when it fits.
+    """
+    allowed_mb = share * free_bytes / 2**20
+    wanted_mb = config.pool_budget_mb + config.learn_queue_mb
+    if wanted_mb <= allowed_mb:
+        return config
+    scale = max(allowed_mb, 1.0) / wanted_mb
+    return config.replace(pool_budget_mb=config.pool_budget_mb * scale, learn_queue_mb=config.learn_queue_mb * scale)

@@ -89,7 +89,7 @@ def build_cache(ctx: Any) -> Any:
     from sglang_kvshare.cache.adapter import KVShareRadixCache
     from sglang_kvshare.cache.checks import check_setup
 
-    config = KVShareConfig.from_env()
+    config = _fit_device_memory(KVShareConfig.from_env())
     check_setup(ctx, config)
     install(scheduler_hooks(config))
     cache = KVShareRadixCache(ctx.params, config=config, model_config=ctx.model_config, tp_size=ctx.tp_size)
@@ -98,6 +98,23 @@ def build_cache(ctx: Any) -> Any:
     logger.info("sglang-kvshare: KVShareRadixCache live (mode=%s%s)", config.mode,
                 f", disabled: {cache.unsupported_reason}" if cache.unsupported_reason else "")
     return cache
+
+
+def _fit_device_memory(config: KVShareConfig) -> KVShareConfig:
+    """On a GPU, shrink kvshare's memory budgets to what the device has free (``checks.fit_memory_budget``)."""
+    import torch
+
+    from sglang_kvshare.cache.checks import fit_memory_budget
+
+    if not torch.cuda.is_available():
+        return config
+    free, _total = torch.cuda.mem_get_info()
+    fitted = fit_memory_budget(config, free)
+    if fitted is not config:
+        logger.warning("sglang-kvshare: %.0f MiB free on the device: anchor budget %.0f -> %.0f MiB, learning queue "
+                       "%.0f -> %.0f MiB (docs/OPERATIONS.md, 'Memory on a GPU')", free / 2**20, config.pool_budget_mb,
+                       fitted.pool_budget_mb, config.learn_queue_mb, fitted.learn_queue_mb)
+    return fitted
 
 
 def load_plugin() -> None:

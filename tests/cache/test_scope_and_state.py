@@ -126,3 +126,14 @@ def test_a_segment_marked_reuse_false_is_prefilled_here_and_offered_to_later_req
     later = annotated("C")
     sched.run(later)
     assert later.report()["segments"][1]["source_agent"] == "B"  # B's copy serves the next agent
+
+
+def test_memory_budgets_shrink_to_what_the_device_has_free():
+    from sglang_kvshare.cache.checks import fit_memory_budget
+    from sglang_kvshare.config import KVShareConfig
+
+    config = KVShareConfig(pool_budget_mb=512.0, learn_queue_mb=1024.0)
+    assert fit_memory_budget(config, free_bytes=64 * 2**30) is config  # plenty free: unchanged
+    fitted = fit_memory_budget(config, free_bytes=1 * 2**30)  # 1 GiB free: at most half of it
+    assert fitted.pool_budget_mb + fitted.learn_queue_mb <= 512.0 + 1e-6
+    assert fitted.pool_budget_mb / fitted.learn_queue_mb == config.pool_budget_mb / config.learn_queue_mb
