@@ -86,10 +86,6 @@ class KVShareRadixCache(RadixCache):
         return self.state.estimator
 
     @property
-    def unsupported_reason(self) -> Optional[str]:
-        return self.state.unsupported_reason
-
-    @property
     def active(self) -> bool:
         return self.state.ready and not self.disable
 

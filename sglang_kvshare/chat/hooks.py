@@ -106,18 +106,12 @@ class _Track:
         reports = meta.get("kvshare")
         if reports:
             self.report = reports[0]
-        ids = out.get("output_ids")
-        if ids is not None:
-            if incremental:
-                self._ids.append(ids)
-            else:
-                self._ids[:] = [ids]
-        text = out.get("text")
-        if text is not None:
-            if incremental:
-                self._texts.append(text)
-            else:
-                self._texts[:] = [text]
+        for parts, value in ((self._ids, out.get("output_ids")), (self._texts, out.get("text"))):
+            if value is not None:
+                if incremental:
+                    parts.append(value)  # a delta
+                else:
+                    parts[:] = [value]  # everything so far: keep the reference, copy nothing
         if meta.get("finish_reason") is not None:
             self.finished = True
 

@@ -96,7 +96,7 @@ def build_cache(ctx: Any) -> Any:
     if config.learn_on_idle and config.learn_async:
         cache.learner.use_idle_steps()  # the scheduler's idle hook runs the learner's steps
     logger.info("sglang-kvshare: KVShareRadixCache live (mode=%s%s)", config.mode,
-                f", disabled: {cache.unsupported_reason}" if cache.unsupported_reason else "")
+                f", disabled: {cache.state.unsupported_reason}" if cache.state.unsupported_reason else "")
     return cache
 
 
