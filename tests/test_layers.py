@@ -2,7 +2,7 @@
 
 Layers, lowest first (docs/ARCHITECTURE.md says why):
 
-    base (config, protocol, counters) -> kernels -> correction -> learning -> cache
+    base (config, protocol, counters) -> kernels -> correction, guard math -> learning -> cache
     -> chat, admin -> server -> launch_server;   frontend (the client library) on base only
 
 A module never imports one of a higher layer, nor one of a sibling layer of the same rank
@@ -27,6 +27,7 @@ LAYERS: list[tuple[int, tuple[str, ...]]] = [
     (0, ("sglang_kvshare.config", "sglang_kvshare.protocol", "sglang_kvshare.counters")),
     (1, ("sglang_kvshare.kernels",)),
     (2, ("sglang_kvshare.correction",)),
+    (2, ("sglang_kvshare.guard",)),  # the fidelity guard's math; its serving side ranks with chat and admin
     (3, ("sglang_kvshare.learning",)),
     (4, ("sglang_kvshare.cache",)),
     (5, ("sglang_kvshare.chat",)),

@@ -1,0 +1,151 @@
+"""Per scope, the setting that keeps the fidelity target: a longer recomputed head, then dense, and back.
+
+A **scope** is (namespace, agent): the measured quantity, one request's output
+distributions, mixes every reused segment of that request, so it cannot be
+split by slot; an agent's role (its prompt, its position in the workflow)
+decides how much reuse moves its outputs. Each scope climbs a ladder of
+settings, from the server's own (its ``--kvshare-recompute-head``) through
+longer heads to ``dense`` (no reuse at all):
+
+* tighten one step when the 95 % interval of the scope's estimate lies wholly
+  on the wrong side of the target (``FidelityTarget.missed``);
+* relax one step when it lies wholly on the right side by a margin
+  (``met_with_margin``) and at least twice the minimum samples back it;
+* otherwise stay. Every change starts the scope's estimates afresh (they
+  measured the old setting), and samples of requests served under another
+  setting than the current one are dropped as stale.
+
+So a scope moves only on evidence (``min_samples`` verified requests at the
+least), never back and forth on noise (a relax needs more evidence and a
+margin). An operator may pin a scope to a setting. Bounded: at most
+``max_scopes`` scopes, least recently verified dropped first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, defaultdict
+from dataclasses import dataclass, field
+from typing import Hashable, Optional
+
+from sglang_kvshare.guard.estimate import RunningEstimate
+from sglang_kvshare.guard.measure import RequestFidelity
+from sglang_kvshare.guard.target import FidelityTarget
+
+DENSE = -1  # the setting "no reuse": every segment prefilled
+
+
+def ladder(base_head: int, steps: tuple[int, ...] = (8, 16, 32, 64)) -> tuple[int, ...]:
+    """The settings a scope may take, loosest first: the server's head, longer heads, then ``DENSE``."""
+    return (base_head, *sorted(h for h in set(steps) if h > base_head), DENSE)
+
+
+def setting_name(head: int) -> str:
+    return "dense" if head == DENSE else f"head{head}"
+
+
+@dataclass(frozen=True)
+class Action:
+    """One change of a scope's setting and why."""
+
+    scope: Hashable
+    before: int
+    after: int
+    reason: str  # target_missed | met_with_margin | pinned | unpinned
+
+
+@dataclass
+class ScopeState:
+    level: int = 0
+    top1: RunningEstimate = field(default_factory=lambda: RunningEstimate(0.0, 1.0))
+    kl: RunningEstimate = field(default_factory=lambda: RunningEstimate(0.0, float("inf")))
+    pinned: Optional[int] = None  # a head (or DENSE) an operator set
+    samples: int = 0  # all verified requests of the scope, across settings
+
+    def reset_estimates(self) -> None:
+        self.top1 = RunningEstimate(0.0, 1.0)
+        self.kl = RunningEstimate(0.0, float("inf"))
+
+
+class Controller:
+    """Per-scope estimates and settings; not thread-safe (one owner: the guard's worker)."""
+
+    def __init__(self, target: Optional[FidelityTarget], settings: tuple[int, ...], *, min_samples: int = 20,
+                 margin: float = 0.5, max_scopes: int = 256) -> None:
+        if min_samples < 2:
+            raise ValueError(f"min_samples must be >= 2 (an interval needs two samples), got {min_samples}")
+        self.target = target
+        self.settings = settings
+        self.min_samples = min_samples
+        self.margin = margin
+        self.max_scopes = max_scopes
+        self._scopes: OrderedDict[Hashable, ScopeState] = OrderedDict()
+        self.counters: dict[str, int] = defaultdict(int)
+
+    # ------------------------------------------------------------ reads
+    def setting(self, scope: Hashable) -> int:
+        """The head (or ``DENSE``) the scope is served under now."""
+        state = self._scopes.get(scope)
+        if state is None:
+            return self.settings[0]
+        return state.pinned if state.pinned is not None else self.settings[state.level]
+
+    def snapshot(self) -> dict:
+        return {"target": None if self.target is None else str(self.target), "min_samples": self.min_samples,
+                "scopes": len(self._scopes), "max_scopes": self.max_scopes, "actions": dict(self.counters)}
+
+    def scopes(self) -> dict[Hashable, dict]:
+        out = {}
+        for scope, state in self._scopes.items():
+            out[scope] = {"setting": setting_name(self.setting(scope)), "pinned": state.pinned is not None,
+                          "samples": state.samples, "top1": state.top1.as_dict(), "kl": state.kl.as_dict()}
+        return out
+
+    # ------------------------------------------------------------ writes
+    def _state(self, scope: Hashable) -> ScopeState:
+        state = self._scopes.get(scope)
+        if state is None:
+            state = self._scopes[scope] = ScopeState()
+            while len(self._scopes) > self.max_scopes:
+                self._scopes.popitem(last=False)
+                self.counters["scopes_dropped"] += 1
+        self._scopes.move_to_end(scope)
+        return state
+
+    def observe(self, scope: Hashable, served_under: int, fidelity: RequestFidelity) -> Optional[Action]:
+        """Add one verified request of ``scope`` served under ``served_under``; the setting change it causes."""
+        state = self._state(scope)
+        if served_under != self.setting(scope):
+            self.counters["stale_samples"] += 1  # measured a setting the scope has left
+            return None
+        state.samples += 1
+        state.top1.add(fidelity.top1)
+        state.kl.add(fidelity.kl)
+        self.counters["samples"] += 1
+        if self.target is None or state.pinned is not None or state.top1.n < self.min_samples:
+            return None
+        est = state.top1 if self.target.metric == "top1" else state.kl
+        if self.target.missed(est) and state.level < len(self.settings) - 1:
+            return self._move(scope, state, +1, "target_missed")
+        if (state.level > 0 and est.n >= 2 * self.min_samples
+                and self.target.met_with_margin(est, self.margin)):
+            return self._move(scope, state, -1, "met_with_margin")
+        return None
+
+    def _move(self, scope: Hashable, state: ScopeState, step: int, reason: str) -> Action:
+        before = self.settings[state.level]
+        state.level += step
+        state.reset_estimates()
+        self.counters[reason] += 1
+        return Action(scope, before, self.settings[state.level], reason)
+
+    def pin(self, scope: Hashable, head: Optional[int]) -> Action:
+        """Serve ``scope`` under ``head`` (``DENSE`` for no reuse) whatever its estimates say; None unpins."""
+        if head is not None and head != DENSE and head < 0:
+            raise ValueError(f"a pinned head must be >= 0 or dense, got {head}")
+        state = self._state(scope)
+        before = self.setting(scope)
+        state.pinned = head
+        state.reset_estimates()
+        reason = "pinned" if head is not None else "unpinned"
+        self.counters[reason] += 1
+        return Action(scope, before, self.setting(scope), reason)

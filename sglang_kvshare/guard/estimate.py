@@ -1,0 +1,49 @@
+"""A running mean with a 95 % interval, in constant memory, over one value per verified request.
+
+Why per request and not per position: positions of one answer are strongly
+correlated (one early divergence changes every later token), so treating them
+as independent samples would give intervals far too narrow. The unit of
+evidence is a request; its value is the share (top-1) or the mean (KL) over
+its positions. The interval is the normal one on the mean (Welford's running
+variance), clipped to the metric's range; with fewer than two requests it is
+the whole range.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+Z95 = 1.959963984540054
+
+
+@dataclass
+class RunningEstimate:
+    """Count, mean and variance of the values added so far; ``lo``/``hi`` bound what the metric can be."""
+
+    lo: float = 0.0
+    hi: float = 1.0
+    n: int = 0
+    mean: float = 0.0
+    _m2: float = 0.0
+
+    def add(self, value: float) -> None:
+        self.n += 1
+        delta = value - self.mean
+        self.mean += delta / self.n
+        self._m2 += delta * (value - self.mean)
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(self._m2 / (self.n - 1)) if self.n > 1 else float("inf")
+
+    def interval(self, z: float = Z95) -> tuple[float, float]:
+        """The 95 % interval of the mean (the metric's whole range below two samples)."""
+        if self.n < 2:
+            return self.lo, self.hi
+        half = z * self.std / math.sqrt(self.n)
+        return max(self.lo, self.mean - half), min(self.hi, self.mean + half)
+
+    def as_dict(self) -> dict:
+        low, high = self.interval()
+        return {"n": self.n, "mean": None if self.n == 0 else self.mean, "ci95": [low, high]}

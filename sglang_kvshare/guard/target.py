@@ -1,0 +1,52 @@
+"""The fidelity target a server keeps (``--kvshare-fidelity-target``): ``top1>=0.99`` or ``kl<=0.01``."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from sglang_kvshare.guard.estimate import RunningEstimate
+
+Metric = Literal["top1", "kl"]
+_FORMS = {"top1": ">=", "kl": "<="}
+_SYNTAX = re.compile(r"^\s*(top1|kl)\s*(>=|<=)\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*$")
+
+
+@dataclass(frozen=True)
+class FidelityTarget:
+    """``metric`` must be ``>=`` (top1) or ``<=`` (kl) ``bound``, judged on a scope's 95 % interval."""
+
+    metric: Metric
+    bound: float
+
+    @classmethod
+    def parse(cls, text: str) -> "FidelityTarget":
+        """Raises ``ValueError`` that shows the accepted forms."""
+        match = _SYNTAX.match(text or "")
+        if match is None:
+            raise ValueError(f"fidelity target {text!r}: write top1>=P (0 < P <= 1) or kl<=D (D > 0), e.g. top1>=0.99")
+        metric, op, value = match.group(1), match.group(2), float(match.group(3))
+        if op != _FORMS[metric]:
+            raise ValueError(f"fidelity target {text!r}: {metric} takes {_FORMS[metric]} (write top1>=P or kl<=D)")
+        if metric == "top1" and not 0.0 < value <= 1.0:
+            raise ValueError(f"fidelity target {text!r}: top1 must lie in (0, 1]")
+        if metric == "kl" and not (value > 0.0 and math.isfinite(value)):
+            raise ValueError(f"fidelity target {text!r}: kl must be positive")
+        return cls(metric, value)
+
+    def __str__(self) -> str:
+        return f"{self.metric}{_FORMS[self.metric]}{self.bound:g}"
+
+    def missed(self, est: RunningEstimate) -> bool:
+        """The whole interval is on the wrong side: the scope misses the target."""
+        low, high = est.interval()
+        return high < self.bound if self.metric == "top1" else low > self.bound
+
+    def met_with_margin(self, est: RunningEstimate, margin: float) -> bool:
+        """The whole interval is on the right side by ``margin`` (of the distance to the metric's ideal)."""
+        low, high = est.interval()
+        if self.metric == "top1":
+            return low >= self.bound + margin * (1.0 - self.bound)
+        return high <= self.bound * (1.0 - margin)

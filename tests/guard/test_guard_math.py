@@ -1,0 +1,103 @@
+"""The guard's math: per-request fidelity, running intervals, targets and the controller (no server)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from sglang_kvshare.guard.controller import DENSE, Controller, ladder
+from sglang_kvshare.guard.estimate import RunningEstimate
+from sglang_kvshare.guard.measure import RequestFidelity, compare
+from sglang_kvshare.guard.target import FidelityTarget
+
+
+def _dist(*pairs):
+    return [(math.log(p), t) for p, t in pairs]
+
+
+def test_compare_counts_top1_and_a_topk_kl():
+    same = [_dist((0.7, 1), (0.2, 2)), _dist((0.6, 3), (0.3, 4))]
+    assert compare(same, same) == RequestFidelity(2, 1.0, 0.0)
+    served = [_dist((0.7, 1), (0.2, 2)), _dist((0.3, 3), (0.6, 4))]  # the second position's top-1 flipped
+    fid = compare(served, same)
+    assert fid.positions == 2 and fid.top1 == 0.5 and fid.kl > 0
+    missing = [_dist((0.9, 5), (0.05, 1))]  # the reference's top token 3 is absent: the served floor is used
+    assert compare(missing, [_dist((0.6, 3), (0.3, 1))]).kl > 0
+    assert compare([], same) is None
+
+
+def test_the_running_interval_covers_the_mean_as_often_as_it_says():
+    rng = random.Random(7)
+    covered = 0
+    for trial in range(400):
+        est = RunningEstimate(0.0, 1.0)
+        for _ in range(30):
+            est.add(min(1.0, max(0.0, rng.gauss(0.9, 0.05))))
+        low, high = est.interval()
+        covered += low <= 0.9 <= high
+    assert 0.9 <= covered / 400 <= 0.99  # a 95 % interval, within sampling noise
+    assert RunningEstimate().interval() == (0.0, 1.0)  # no evidence: the whole range
+
+
+@pytest.mark.parametrize("text, metric, bound", [("top1>=0.99", "top1", 0.99), (" kl <= 0.01 ", "kl", 0.01),
+                                                 ("top1>=1", "top1", 1.0), ("kl<=2e-3", "kl", 0.002)])
+def test_targets_parse(text, metric, bound):
+    target = FidelityTarget.parse(text)
+    assert (target.metric, target.bound) == (metric, bound)
+
+
+@pytest.mark.parametrize("text", ["top1<=0.99", "kl>=0.1", "top1>=1.5", "top1>=0", "kl<=0", "accuracy>=0.9", "",
+                                  "top1>=abc"])
+def test_bad_targets_say_what_is_accepted(text):
+    with pytest.raises(ValueError, match="top1>=|kl"):
+        FidelityTarget.parse(text)
+
+
+def _feed(ctl, scope, top1, n, seed=0, sd=0.01):
+    rng = random.Random(seed)
+    actions = []
+    for _ in range(n):
+        value = min(1.0, max(0.0, rng.gauss(top1, sd)))
+        action = ctl.observe(scope, ctl.setting(scope), RequestFidelity(32, value, 0.01))
+        if action is not None:
+            actions.append(action)
+    return actions
+
+
+def test_a_scope_below_target_tightens_step_by_step_to_dense_and_others_keep_theirs():
+    ctl = Controller(FidelityTarget.parse("top1>=0.99"), ladder(0), min_samples=10)
+    assert ctl.settings == (0, 8, 16, 32, 64, DENSE)
+    actions = _feed(ctl, "bad", 0.90, 200)
+    assert [a.after for a in actions] == [8, 16, 32, 64, DENSE] and all(a.reason == "target_missed" for a in actions)
+    assert len(actions) == 5 and ctl.setting("bad") == DENSE
+    assert _feed(ctl, "good", 0.999, 200) == [] and ctl.setting("good") == 0
+    assert ctl.counters["target_missed"] == 5
+
+
+def test_a_scope_relaxes_only_with_margin_and_twice_the_evidence():
+    ctl = Controller(FidelityTarget.parse("top1>=0.99"), ladder(0), min_samples=10)
+    _feed(ctl, "s", 0.90, 10)
+    assert ctl.setting("s") == 8
+    assert _feed(ctl, "s", 0.993, 60, seed=1, sd=0.001) == []  # met, but not by the margin: it stays
+    actions = _feed(ctl, "s", 0.9999, 120, seed=2, sd=0.0005)
+    assert actions and actions[0].reason == "met_with_margin" and ctl.setting("s") == 0
+
+
+def test_samples_of_a_setting_the_scope_has_left_are_dropped():
+    ctl = Controller(FidelityTarget.parse("top1>=0.99"), ladder(0), min_samples=2)
+    ctl.pin("s", 16)
+    assert ctl.observe("s", 0, RequestFidelity(8, 0.1, 1.0)) is None  # served before the pin
+    assert ctl.counters["stale_samples"] == 1 and ctl.scopes()["s"]["samples"] == 0
+    for _ in range(50):
+        assert ctl.observe("s", 16, RequestFidelity(8, 0.1, 1.0)) is None  # pinned: measured, never moved
+    assert ctl.setting("s") == 16
+    assert ctl.pin("s", None).reason == "unpinned" and ctl.setting("s") == 0
+
+
+def test_scopes_are_bounded():
+    ctl = Controller(None, ladder(0), max_scopes=3)
+    for i in range(10):
+        ctl.observe(f"s{i}", 0, RequestFidelity(4, 1.0, 0.0))
+    assert len(ctl.scopes()) == 3 and ctl.counters["scopes_dropped"] == 7
