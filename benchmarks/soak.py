@@ -2,8 +2,9 @@
 
 ``python -m benchmarks.soak`` starts its own kvshare server on 127.0.0.1 (mode
 ``kvcmas`` with ``--kvshare-tau 1`` by default, so that corrections really happen,
-and a small KV pool, ``--max-total-tokens 3072``, so that the tree evicts), runs N
-client threads for M minutes against it, stops by itself and writes a JSON verdict.
+a small KV pool, ``--max-total-tokens 3072``, so that the tree evicts and SGLang
+retracts, ``--kvshare-auto true`` and ``--enable-metrics``), runs N client threads
+for M minutes against it, stops by itself and writes a JSON verdict.
 
 The clients mix (``TRAFFIC``): valid multi-agent team rounds (four agents with their
 own system prompts read the same GSM8K text, chained); plain requests (no
@@ -13,21 +14,35 @@ and reuse across ``cache_salt`` (content seen only under salt A, asked under sal
 malformed and adversarial annotations (a fixed catalogue and fuzzed JSON, see
 ``soak_faults``); requests with thousands of distinct slot names; streams closed
 early; client-chosen ``rid`` reused (after completion, after an abort, twice at
-once); and admin calls (reset, config, a switch to ``off`` and back, calls without
-the key).
+once); admin calls (reset, config, a switch to ``off`` and back, calls without
+the key). On ``/v1/chat/completions``: chained agents of four tenants (two OpenAI
+``user``s, two ``cache_salt``s, each with its own system prompts) reading the same
+documents, automatic and explicit (``kvshare`` field), streamed and not, 40-message
+conversations, opt-outs (``"kvshare": false``); hostile chats (the chat layer's
+sentinel text, list-valued content, tool calls, ``n > 1``, logprobs, explicit fields
+to refuse); scope probes (a document only tenant A sent, then read by tenant B; also
+``/generate`` annotations of two workflows); estimate probes (an assembled prompt
+repeated, ``POST /kvshare/reset`` or ``/kvshare/config``, repeated again); and bursts
+of concurrent decodes of staggered lengths that over-commit the KV pool, so that
+SGLang retracts requests (counted from its log, not required).
 
 Checks (``verdicts`` in the JSON): the server stayed up and its log holds no
-traceback or leak message; no 5xx and no request lost; every malformed annotation
-got a 4xx and every valid one a 200; the allocator is back where it started once
-idle and flushed (``kv_pool_tokens``); kvshare memory within its limits
-(``stats["limits"]`` vs ``stats["usage"]``); zero aligned or corrected tokens across
-salts; and every plain request served from exact KV only, structurally
-(``counters["plain_tokens_from_estimates"] == 0``) and by output: a sample of plain
-requests is replayed one at a time on a fresh server in mode ``off`` (or on the
-running one ``--reference-url`` names, flushed before each replay) and must give
-the same greedy tokens (divergences whose first differing token was a near-tie in
-the ``off`` run are listed apart). A check the server cannot answer yet (a missing
-field) is reported as ``"not checked"`` and does not fail the run.
+traceback or leak message; no 5xx and no request lost (chat streams included);
+every malformed annotation got a 4xx and every valid one a 200; the allocator is
+back where it started once idle and flushed (``kv_pool_tokens``); kvshare memory
+within its limits (``stats["limits"]`` vs ``stats["usage"]``, the read workspace
+and the chat answer memory included); zero aligned or corrected tokens across
+salts, users and workflows; no report names another scope's agent; hostile chats
+answered like stock or refused with a message naming the fix; chat reports where
+they belong; no estimate hit after a reset or a config change; ``/metrics``
+serving ``sglang_kvshare_*``; and every plain request served from exact KV only,
+structurally (``counters["plain_tokens_from_estimates"] == 0``) and by output: a
+sample of plain requests is replayed one at a time on a fresh server in mode
+``off`` (or on the running one ``--reference-url`` names, flushed before each
+replay) and must give the same greedy tokens (divergences whose first differing
+token was a near-tie in the ``off`` run are listed apart). A check the server
+cannot answer yet (a missing field) is reported as ``"not checked"`` and does not
+fail the run.
 
 Every request has a timeout, the run has a deadline, and nothing leaves loopback.
 """
@@ -37,6 +52,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import secrets
 import threading
 import time
@@ -50,7 +66,9 @@ import requests
 from tqdm import tqdm
 
 from benchmarks.harness import RESULTS, machine, run_meta, write_json
-from benchmarks.soak_faults import Case, adversarial_name, catalogue, expected_status, fuzzed, many_slots
+from benchmarks.soak_faults import (Case, ChatCase, adversarial_name, catalogue, chat_hostile, cross_scope_signs,
+                                    expected_status, foreign_sources, fuzzed, many_slots, parse_stream,
+                                    source_found)
 from sglang_kvshare.protocol import DEFAULT_MAX_SEGMENTS, MAX_NAME_CHARS
 from sglang_kvshare.frontend.builder import build_request, private_part, shared_part
 from devtools.server_process import ServerProcess
@@ -71,9 +89,86 @@ TOP_LOGPROBS = 5
 
 # Traffic kinds and their weights after each client's first tour through all of them.
 TRAFFIC = {"team": 5, "plain": 4, "leak_probe": 3, "salt_probe": 3, "malformed": 4, "fuzzed": 3,
-           "slot_flood": 2, "abort": 2, "rid_reuse": 2, "admin": 2, "bad_sampling": 1}
+           "slot_flood": 2, "abort": 2, "rid_reuse": 2, "admin": 2, "bad_sampling": 1,
+           "chat": 6, "chat_hostile": 2, "scope_probe": 2, "reset_probe": 1, "retract_burst": 1}
+EARLY = ("leak_probe", "reset_probe", "scope_probe", "retract_burst")  # first in the tours: even a short run has them
 ESTIMATE_TAGS = ("leak_probe", "leak_probe_off", "plain_after_estimate")  # plain prompts assembled before
 ADMIN_CALLS = ("mode_off_and_back", "reset", "no_key", "tau", "reset_slot", "pools", "mode_switch", "bad_config")
+
+# The chat tenants: two OpenAI users and two cache salts, each with its own system prompts, all reading
+# the same documents. A tenant is a reuse scope: (cache_salt, workflow), the workflow being the user.
+CHAT_TENANTS = {
+    "alice": {"user": "alice", "who": "Alice's study group"},
+    "bob": {"user": "bob", "who": "Bob's tutoring service"},
+    "salt-x": {"cache_salt": "chat-x", "who": "school X"},
+    "salt-y": {"cache_salt": "chat-y", "who": "school Y"},
+}
+CHAT_ROLES = {"planner": "You plan how to solve the problem, step by step.",
+              "checker": "You check every number in the problem and say which ones matter.",
+              "writer": "You write the final answer in one sentence."}
+# op_chat's variants in turn (shared counter): (mode, streamed, 40-message conversation)
+CHAT_VARIANTS = (("auto", False, False), ("explicit", True, False), ("auto", True, True), ("opt_out", False, False),
+                 ("explicit", False, True), ("auto", True, False), ("opt_out", True, False), ("auto", False, True))
+LONG_CHAT_MESSAGES = 40
+CHAT_MAX_TOKENS = 8
+HOSTILE_PER_OP = 8
+SCOPE_VARIANTS = ("user", "salt", "workflow")
+# Retraction bursts: N concurrent decodes of about BURST_PROMPT prompt tokens (plus system prompt and
+# template), 3 in 4 decoding BURST_LONG tokens and the others BURST_SHORT (min = max new tokens, so EOS ends
+# none early; ignore_eos would make SGLang reserve every remaining token). SGLang admits a new request against
+# the running ones' remaining tokens times its new-token ratio (0.7 after idle) and tries again only when one
+# finishes: when a short one does, queued ones fill that estimate, the long ones then outgrow it and the
+# scheduler retracts ("KV cache pool is full. Retract requests."). Sized for the 3072-token pool: 15 to 30 s
+# here beside the other client; whether it retracts depends on that client's traffic, so it is counted,
+# not required.
+BURST_PROMPT, BURST_LONG, BURST_SHORT = 90, 48, 4
+RETRACT_LOG = re.compile(r"KV cache pool is full\. Retract requests\. #retracted_reqs: (\d+)")
+RETRACTED_METRIC = "sglang:num_retracted_requests_total"
+METRICS_PREFIX = "sglang_kvshare_"
+
+
+def burst_lengths(n: int) -> list[int]:
+    """New tokens of a burst's requests, in the order they are sent (see ``BURST_PROMPT``)."""
+    return [BURST_SHORT if i % 4 == 1 else BURST_LONG for i in range(n)]
+
+
+def chat_system(tenant: str, role: str) -> str:
+    return f"You work for {CHAT_TENANTS[tenant]['who']}. {CHAT_ROLES[role]}"
+
+
+def tenant_fields(tenant: str) -> dict:
+    return {k: v for k, v in CHAT_TENANTS[tenant].items() if k in ("user", "cache_salt")}
+
+
+def scope_of(salt: Optional[str], workflow: Optional[str]) -> str:
+    """A reuse scope's name in the JSON: its cache salt and workflow (the chat API's user by default)."""
+    return f"salt={salt or '-'} workflow={workflow or '-'}"
+
+
+def chat_scope(body: dict) -> str:
+    field_ = body.get("kvshare")
+    workflow = field_.get("workflow") if isinstance(field_, dict) else None
+    salt = body.get("cache_salt")
+    return scope_of(salt if isinstance(salt, str) else None, workflow or body.get("user"))
+
+
+def with_workflow(custom_params: dict, workflow: str) -> dict:
+    """``custom_params`` of ``build_request`` with the annotation's ``workflow`` set."""
+    ann = json.loads(custom_params["kvshare"])
+    return {"kvshare": json.dumps({**ann, "workflow": workflow})}
+
+
+def chat_report(out: "Outcome") -> Optional[dict]:
+    """The ``kvshare`` report of a chat answer (top level, or the final chunk's for a stream)."""
+    rep = out.body.get("kvshare") if isinstance(out.body, dict) else None
+    return rep if isinstance(rep, dict) else None
+
+
+def error_message(body: Any) -> str:
+    if isinstance(body, dict):
+        err = body.get("error")
+        return str(body.get("message") or (err.get("message") if isinstance(err, dict) else err) or "")
+    return str(body or "")
 
 
 def system_part(agent: str) -> str:
@@ -115,6 +210,22 @@ class Recorder:
         self.fallbacks: Counter = Counter()
         self.slot_names: set[str] = set()
         self.admin: Counter = Counter()
+        # the chat side
+        self.chat: Counter = Counter()  # chat requests by variant (mode, streamed, long, tenant)
+        self.chat_reports: list[dict] = []  # {"scope", "agent", "sources", "label"} per chat report
+        self.hostile: list[dict] = []  # one row per hostile chat sent
+        self.scope_probes: list[dict] = []
+        self.reset_probes: list[dict] = []
+        self.bursts: list[dict] = []
+
+    def chat_answer(self, label: str, body: dict, report: Optional[dict]) -> None:
+        """Keep what the scope checks need from one chat report: its scope, agent and source agents."""
+        if not report:
+            return
+        sources = [seg["source_agent"] for seg in report.get("segments") or [] if seg.get("source_agent")]
+        with self.lock:
+            self.chat_reports.append({"scope": chat_scope(body), "agent": report.get("agent"), "sources": sources,
+                                      "label": label})
 
     def http(self, label: str, out: Outcome) -> None:
         with self.lock:
@@ -156,6 +267,14 @@ class Recorder:
 
 
 # ------------------------------------------------------------ the HTTP side
+def _payload(r: requests.Response) -> Any:
+    """The answer's JSON, or its text when it is not JSON."""
+    try:
+        return r.json()
+    except ValueError:
+        return r.text
+
+
 @dataclass
 class Endpoint:
     """The soak server's URL and admin key; every call has a timeout and stays on loopback."""
@@ -177,11 +296,7 @@ class Endpoint:
         try:
             r = requests.request(method, self.url + path, json=body, headers=self._headers(admin),
                                  timeout=self.timeout)
-            try:
-                payload = r.json()
-            except ValueError:
-                payload = r.text
-            out = Outcome(r.status_code, payload, time.perf_counter() - t0)
+            out = Outcome(r.status_code, _payload(r), time.perf_counter() - t0)
         except requests.RequestException as exc:
             out = Outcome(0, None, time.perf_counter() - t0, f"{type(exc).__name__}: {exc}")
         if record:
@@ -210,6 +325,20 @@ class Endpoint:
                             if got >= chunks:
                                 break
             out = Outcome(status, {"chunks_read": got}, time.perf_counter() - t0)
+        except requests.RequestException as exc:
+            out = Outcome(0, None, time.perf_counter() - t0, f"{type(exc).__name__}: {exc}")
+        self.recorder.http(label, out)
+        return out
+
+    def chat(self, label: str, body: dict) -> Outcome:
+        """``POST /v1/chat/completions``; a stream is read to its end (``soak_faults.parse_stream``)."""
+        t0 = time.perf_counter()
+        stream = bool(body.get("stream"))
+        try:
+            with requests.post(self.url + "/v1/chat/completions", json=body, stream=stream,
+                               timeout=self.timeout) as r:
+                payload = parse_stream(r.iter_lines()) if stream and r.status_code == 200 else _payload(r)
+                out = Outcome(r.status_code, payload, time.perf_counter() - t0)
         except requests.RequestException as exc:
             out = Outcome(0, None, time.perf_counter() - t0, f"{type(exc).__name__}: {exc}")
         self.recorder.http(label, out)
@@ -268,10 +397,26 @@ class Shared:
     next_admin: int = 0
     counter_lock: threading.Lock = field(default_factory=threading.Lock)
     monitor: Optional["Monitor"] = None
+    burst_size: int = 32  # requests per retraction burst (0: none)
+    burst_lock: threading.Lock = field(default_factory=threading.Lock)
+    recent_chats: deque = field(default_factory=lambda: deque(maxlen=16))  # automatic chat bodies, for opt-outs
+    turns: Counter = field(default_factory=Counter)  # per chat op family: how many ran (variants in turn)
 
     @property
     def rec(self) -> Recorder:
         return self.endpoint.recorder
+
+    def turn(self, family: str) -> int:
+        """The next turn of ``family`` (shared by the clients): each family's variants come in turn."""
+        with self.counter_lock:
+            n = self.turns[family]
+            self.turns[family] += 1
+        return n
+
+    def clip(self, text: str, tokens: int) -> str:
+        """``text`` cut to about ``tokens`` tokens."""
+        ids = self.tokenizer(text, add_special_tokens=False).input_ids
+        return text if len(ids) <= tokens else self.tokenizer.decode(ids[:tokens])
 
     def _text(self, i: int, probe: bool) -> str:
         half = len(self.texts) // 2
@@ -626,23 +771,333 @@ class Client:
                     self.s.rec.find("admin_answers", {"path": "/kvshare/pools", "status": out.status})
 
 
+    # --- chat -------------------------------------------------------------------
+    def _chat(self, label: str, body: dict, *, report: Optional[bool]) -> Outcome:
+        """One valid chat request. ``report``: True, it must carry a kvshare report (a stream: on its chunk
+        with the finish reason) with at most ``max_segments`` segments; False, none (an opt-out)."""
+        out = self.s.endpoint.chat(label, body)
+        rep = chat_report(out)
+        self.s.rec.chat_answer(label, body, rep)
+        where = {"request": label, "status": out.status, "stream": bool(body.get("stream")),
+                 "explicit": isinstance(body.get("kvshare"), dict), "messages": len(body["messages"]),
+                 "scope": chat_scope(body)}
+        if out.status != 200:
+            if out.status and out.status < 500:
+                self.s.rec.find("valid_requests_served", {**where, "body": str(out.body)[:300]})
+            return out
+        if body.get("stream"):
+            got = out.body
+            if got["errors"]:
+                self.s.rec.find("valid_requests_served", {**where, "stream_errors": got["errors"][:3]})
+            if not got["done"] or not got["finish_reasons"]:
+                self.s.rec.find("nothing_lost", {**where, "incomplete_stream": {
+                    k: got[k] for k in ("chunks", "done", "finish_reasons")}})
+        if report is True:
+            if rep is None:
+                self.s.rec.find("chat_reports_carried", {**where, "missing": "no kvshare report"})
+            elif body.get("stream") and not out.body["report_on_final_chunk"]:
+                self.s.rec.find("chat_reports_carried", {**where, "reports": out.body["reports"],
+                                                         "misplaced": "not on the chunk with the finish reason"})
+            elif len(rep.get("segments") or []) > self.s.max_segments:
+                self.s.rec.find("chat_reports_carried", {**where, "segments": len(rep["segments"])})
+        elif report is False and rep is not None:
+            self.s.rec.find("chat_reports_carried", {**where, "opt_out": "an opted-out request carried a report"})
+        return out
+
+    @staticmethod
+    def _answer_text(out: Outcome) -> str:
+        if out.status != 200 or not isinstance(out.body, dict):
+            return ""
+        if out.body.get("stream"):
+            return str(out.body.get("text") or "")
+        choices = out.body.get("choices") or [{}]
+        return str(((choices[0] or {}).get("message") or {}).get("content") or "")
+
+    def _history(self, n: int) -> list[dict]:
+        """``n`` earlier turns of a long conversation: GSM8K snippets, user and assistant in turn."""
+        turns = []
+        for j in range(n):
+            snippet = self.s.texts[self.rng.randrange(len(self.s.texts))][:90]
+            turns.append({"role": "user" if j % 2 == 0 else "assistant", "content": f"Earlier note {j}: {snippet}"})
+        return turns
+
+    def op_chat(self) -> None:
+        """Agents of one tenant in a chain on a working document (a later agent reads the previous answer),
+        the variant in turn: automatic, explicit or opted out; streamed or not; 40 messages or a few."""
+        turn = self.s.turn("chat")
+        mode, stream, long = CHAT_VARIANTS[turn % len(CHAT_VARIANTS)]
+        tenant = list(CHAT_TENANTS)[(turn + turn // len(CHAT_VARIANTS)) % len(CHAT_TENANTS)]
+        with self.s.rec.lock:
+            self.s.rec.chat[f"{mode}{' streamed' if stream else ''}{' long' if long else ''}"] += 1
+            self.s.rec.chat[f"tenant {tenant}"] += 1
+        if mode == "opt_out":
+            return self._chat_opt_out(tenant, stream)
+        text = self.s.working_text(self.rng)
+        history = self._history(LONG_CHAT_MESSAGES - 4) if long else []
+        prev: Optional[tuple[str, str]] = None  # (role, answer)
+        for role in self.rng.sample(list(CHAT_ROLES), 1 if long else self.rng.randint(2, 3)):
+            messages = [{"role": "system", "content": chat_system(tenant, role)}, *history,
+                        {"role": "user", "content": f"Context:\n{text}"}]
+            if prev:
+                messages.append({"role": "assistant", "content": prev[1]})
+            messages.append({"role": "user", "content": "Answer briefly."})
+            body = {"model": "default", "messages": messages, "max_tokens": CHAT_MAX_TOKENS, "temperature": 0.0,
+                    "stream": stream, **tenant_fields(tenant)}
+            if mode == "explicit":
+                ctx = 1 + len(history)
+                shared = [{"message": 1 + j, "slot": "history"} for j in range(0, len(history), 4)]
+                shared.append({"message": ctx, "slot": "query"})
+                if prev:
+                    shared.append({"message": ctx + 1, "slot": f"out:{prev[0]}"})
+                body["kvshare"] = {"agent": f"{role}@{tenant}", "shared": shared, "output_slot": f"out:{role}"}
+            out = self._chat("chat", body, report=True)
+            if mode == "auto" and out.status == 200:
+                self.s.recent_chats.append(body)
+            answer = self._answer_text(out)
+            prev = (role, answer) if answer.strip() else None
+
+    def _chat_opt_out(self, tenant: str, stream: bool) -> None:
+        """``"kvshare": false``: an earlier automatic chat repeated word for word (its prompt was assembled),
+        which must be served as stock: no report, and no estimate among its cached tokens."""
+        recent = list(self.s.recent_chats)
+        if recent:
+            body = dict(self.rng.choice(recent))
+        else:
+            role = self.rng.choice(list(CHAT_ROLES))
+            body = {"model": "default", "max_tokens": CHAT_MAX_TOKENS, "temperature": 0.0, **tenant_fields(tenant),
+                    "messages": [{"role": "system", "content": chat_system(tenant, role)},
+                                 {"role": "user", "content": f"Context:\n{self.s.working_text(self.rng)}"},
+                                 {"role": "user", "content": "Answer briefly."}]}
+        body.update(stream=stream, kvshare=False)
+        self._chat("chat", body, report=False)
+
+    def op_chat_hostile(self) -> None:
+        """The next ``HOSTILE_PER_OP`` cases of the hostile chat catalogue (in turn over the run) for one tenant."""
+        turn = self.s.turn("chat_hostile")
+        tenant = list(CHAT_TENANTS)[turn % len(CHAT_TENANTS)]
+        role = self.rng.choice(list(CHAT_ROLES))
+        cases = chat_hostile(chat_system(tenant, role), self.s.clip(self.s.working_text(self.rng), 80), self.rng)
+        for k in range(HOSTILE_PER_OP):
+            case: ChatCase = cases[(turn * HOSTILE_PER_OP + k) % len(cases)]
+            body = {"model": "default", "max_tokens": 4, "temperature": 0.0, **tenant_fields(tenant), **case.body}
+            out = self.s.endpoint.chat("chat_hostile", body)
+            rep = chat_report(out)
+            self.s.rec.chat_answer("chat_hostile", body, rep)
+            streamed = out.status == 200 and isinstance(out.body, dict) and out.body.get("stream") is True
+            row = {"kind": case.kind, "auto": case.auto, "fix": case.fix, "refuse": case.refuse, "status": out.status,
+                   "message": error_message(out.body)[:300] if out.status != 200 else "",
+                   "stream_errors": out.body["errors"][:3] if streamed else [], "report": rep is not None}
+            if out.status != 200 and case.auto:
+                row["body"] = body  # replayed on the off reference: does stock SGLang answer the same?
+            with self.s.rec.lock:
+                self.s.rec.hostile.append(row)
+                self.s.rec.faults[f"chat_{case.kind}"] += 1
+
+    def op_scope_probe(self) -> None:
+        """Content only tenant A has sent (a fresh document and a nonce): a second agent of A reads it (the
+        control: it finds A's copy), then an agent of tenant B, another user or another cache salt, reads it
+        (automatic or explicit); or the same on ``/generate`` with annotations of two workflows. Nothing of
+        B's request may be aligned, corrected, or even find a copy of A's."""
+        turn = self.s.turn("scope_probe")
+        variant = SCOPE_VARIANTS[turn % len(SCOPE_VARIANTS)]
+        doc = self.s.clip(self.s.probe_text(), 120)
+        nonce = f"{self.rng.getrandbits(32):x}"
+        explicit = variant == "workflow" or self.rng.random() < 0.5
+        with self.s.admin_lock:  # no mode switch in the middle
+            if variant == "workflow":
+                scopes = [f"wf-{nonce}-a", f"wf-{nonce}-a", f"wf-{nonce}-b"]
+                reps = self._workflow_probe(doc, nonce, scopes)
+            else:
+                pair = ["alice", "bob"] if variant == "user" else ["salt-x", "salt-y"]
+                self.rng.shuffle(pair)
+                scopes = [pair[0], pair[0], pair[1]]
+                reps = []
+                for tenant, role in zip(scopes, self.rng.sample(list(CHAT_ROLES), 3)):
+                    messages = [{"role": "system", "content": chat_system(tenant, role)},
+                                {"role": "user", "content": f"Context:\n{doc}"},
+                                {"role": "assistant", "content": f"Noted (case {nonce})."},
+                                {"role": "user", "content": f"Answer briefly (case {nonce})."}]
+                    body = {"model": "default", "messages": messages, "max_tokens": 2, "temperature": 0.0,
+                            **tenant_fields(tenant)}
+                    if explicit:
+                        body["kvshare"] = {"agent": f"{role}@{tenant}", "shared": [{"message": 1, "slot": "query"}]}
+                    out = self._chat("scope_probe", body, report=True)
+                    reps.append(chat_report(out) if out.status == 200 else None)
+        if reps[2] is None:
+            return  # the failed request is a finding already
+        signs = cross_scope_signs(reps[2])
+        probe = {"variant": variant, "explicit": explicit, "scopes": [scopes[0], scopes[2]],
+                 "control_found_a_copy": source_found(reps[1]), "reached": signs["reached"] > 0,
+                 "reused_tokens": signs["reused_tokens"], "found": signs["found"],
+                 "tokens_aligned": int(reps[2].get("tokens_aligned") or 0),
+                 "tokens_corrected": int(reps[2].get("tokens_corrected") or 0)}
+        with self.s.rec.lock:
+            self.s.rec.scope_probes.append(probe)
+        if signs["reused_tokens"] or signs["found"]:
+            self.s.rec.find("zero_cross_scope_reuse", probe)
+
+    def _workflow_probe(self, doc: str, nonce: str, workflows: list[str]) -> list[Optional[dict]]:
+        """solver and analyst of workflow A, then coder of workflow B, on ``/generate`` (no salt)."""
+        suffix = SUFFIX.replace("briefly", f"briefly (case {nonce})")
+        reps: list[Optional[dict]] = []
+        for i, (agent, wf) in enumerate(zip(("solver", "analyst", "coder"), workflows)):
+            if i:  # its private prefix in the tree, so that the cache reaches the shared text
+                head, cp = build_request(self.s.tokenizer, agent, [private_part(system_part(agent))])
+                self.s.endpoint.generate("scope_probe", head, custom_params=with_workflow(cp, wf), max_new_tokens=1)
+            ids, cp = self.s.request(agent, doc, suffix=suffix)
+            out = self.s.endpoint.generate("scope_probe", ids, custom_params=with_workflow(cp, wf), max_new_tokens=2)
+            if out.status == 200:
+                self.s.rec.annotated(out)
+            elif out.status and out.status < 500:
+                self.s.rec.find("valid_requests_served", {"request": "scope_probe", "status": out.status,
+                                                          "body": str(out.body)[:300]})
+            reps.append(out.report if out.status == 200 else None)
+        return reps
+
+    def op_reset_probe(self) -> None:
+        """An assembled prompt repeated (its estimate is hit), then ``POST /kvshare/reset`` or a
+        ``/kvshare/config`` write (in turn), then repeated again: that repeat must hit no estimate."""
+        variant = ("reset", "config")[self.s.turn("reset_probe") % 2]
+        text = self.s.probe_text()
+        suffix = SUFFIX.replace("briefly", f"briefly (case {self.rng.getrandbits(32):x})")
+        ep = self.s.endpoint
+        with self.s.admin_lock:
+            if self.s.monitor is not None:  # a reset may zero the counters: read them first
+                self.s.monitor.observe(ep.call("stats", "GET", "/kvshare/stats"))
+            switched = self.s.mode != "fullshared"
+            if switched:  # fullshared aligns whenever a source exists: the analyst is assembled
+                self._admin_write("/kvshare/config", {"mode": "fullshared"})
+            head, cp = build_request(self.s.tokenizer, "analyst", [private_part(system_part("analyst"))])
+            ep.generate("reset_probe", head, custom_params=cp, max_new_tokens=1)
+            self._annotated("reset_probe", "solver", text, None, suffix=suffix)
+            _, first = self._annotated("reset_probe", "analyst", text, None, suffix=suffix)
+            _, before = self._annotated("reset_probe", "analyst", text, None, suffix=suffix)
+            if variant == "reset":
+                self._admin_write("/kvshare/reset")
+                _, after = self._annotated("reset_probe", "analyst", text, None, suffix=suffix)
+                if switched:
+                    self._admin_write("/kvshare/config", {"mode": self.s.mode, "tau": self.s.tau})
+            else:
+                self._admin_write("/kvshare/config", {"mode": self.s.mode, "tau": self.s.tau})
+                _, after = self._annotated("reset_probe", "analyst", text, None, suffix=suffix)
+        hit_before = int(before.report.get("tokens_estimate_hit") or 0) if before.status == 200 else 0
+        hit_after = int(after.report.get("tokens_estimate_hit") or 0) if after.status == 200 else None
+        keys = ("tokens_exact_hit", "tokens_estimate_hit", "tokens_aligned", "tokens_corrected", "tokens_prefilled")
+        probe = {"variant": variant, "assembled_tokens": estimated_tokens(first.report) if first.status == 200 else 0,
+                 "estimate_hit_before": hit_before, "armed": hit_before > 0, "estimate_hit_after": hit_after,
+                 "after_report": {k: after.report.get(k) for k in keys} if after.status == 200 else None}
+        with self.s.rec.lock:
+            self.s.rec.reset_probes.append(probe)
+        if hit_before > 0 and hit_after:
+            self.s.rec.find("no_estimates_after_reset", probe)
+
+    def op_retract_burst(self) -> None:
+        """``burst_size`` concurrent decodes of staggered lengths (annotated and plain ``/generate``, automatic
+        chats streamed and not) over-committing the KV pool, so that SGLang retracts some; every one must
+        still come back whole (min = max new tokens). One burst at a time; else a chat round."""
+        if self.s.burst_size <= 0 or not self.s.burst_lock.acquire(blocking=False):
+            return self.op_chat()
+        try:
+            self._burst()
+        finally:
+            self.s.burst_lock.release()
+
+    def _burst(self) -> None:
+        n = self.s.burst_size
+        docs = [self.s.clip(self.s.probe_text(), BURST_PROMPT) for _ in range((n + 1) // 2)]
+        kinds = ("annotated", "chat", "plain", "chat_stream")
+        lengths = burst_lengths(n)
+        results: dict[int, dict] = {}
+        ep = self.s.endpoint
+
+        def one(i: int) -> None:
+            m = lengths[i]
+            kind = kinds[(i + i // 4) % 4]
+            doc = docs[i // 2]
+            got = None
+            if kind in ("annotated", "plain"):
+                ids, cp = self.s.request(TEAM[i % len(TEAM)], doc)
+                out = ep.generate("retract_burst", ids, custom_params=cp if kind == "annotated" else None,
+                                  max_new_tokens=m, sampling={"min_new_tokens": m})
+                if out.status == 200:
+                    got = out.body.get("meta_info", {}).get("completion_tokens")
+                    if kind == "annotated":
+                        self.s.rec.annotated(out)
+                elif out.status and out.status < 500:
+                    self.s.rec.find("valid_requests_served", {"request": "retract_burst", "status": out.status,
+                                                              "body": str(out.body)[:300]})
+            else:
+                tenant = list(CHAT_TENANTS)[i % len(CHAT_TENANTS)]
+                role = list(CHAT_ROLES)[i % len(CHAT_ROLES)]
+                body = {"model": "default", "max_tokens": m, "min_tokens": m, "temperature": 0.0,
+                        "stream": kind == "chat_stream", **tenant_fields(tenant),
+                        "messages": [{"role": "system", "content": chat_system(tenant, role)},
+                                     {"role": "user", "content": f"Context:\n{doc}"},
+                                     {"role": "assistant", "content": "Noted."},
+                                     {"role": "user", "content": "Answer briefly."}]}
+                if body["stream"]:
+                    body["stream_options"] = {"include_usage": True}
+                out = self._chat("retract_burst", body, report=True)
+                if out.status == 200 and isinstance(out.body, dict):
+                    got = (out.body.get("usage") or {}).get("completion_tokens")
+            results[i] = {"kind": kind, "max_new_tokens": m, "status": out.status, "completion_tokens": got}
+
+        t0 = time.monotonic()
+        threads = []
+        for i in range(n):  # in order: the long and short ones interleave in the queue as planned
+            threads.append(threading.Thread(target=one, args=(i,), daemon=True))
+            threads[-1].start()
+            time.sleep(0.01)
+        for t in threads:
+            t.join(REQUEST_TIMEOUT_S + 30)
+        rows = [results.get(i, {"status": None}) for i in range(n)]
+        short = [r for r in rows if r.get("status") == 200 and r.get("completion_tokens") != r.get("max_new_tokens")]
+        for r in short:
+            self.s.rec.find("nothing_lost", {"request": "retract_burst", "cut_short": r})
+        with self.s.rec.lock:
+            self.s.rec.bursts.append({"requests": n, "seconds": round(time.monotonic() - t0, 1),
+                                      "answered_200": sum(r.get("status") == 200 for r in rows),
+                                      "complete": sum(r.get("status") == 200 and r not in short for r in rows),
+                                      "by_kind": dict(Counter(r.get("kind") for r in rows))})
+
+
 # ------------------------------------------------------------ the run
 class Monitor:
-    """Polls ``/kvshare/stats`` every ``period`` s: answers, bounds, the plain-estimate counter."""
+    """Polls ``/kvshare/stats`` every ``period`` s (answers, bounds, the plain-estimate counter), the chat
+    layer's answer memory (``GET /kvshare/chat``) every ``chat_every`` polls and ``/metrics`` every
+    ``metrics_every`` polls."""
 
-    def __init__(self, endpoint: Endpoint, period: float = 2.0) -> None:
+    def __init__(self, endpoint: Endpoint, period: float = 2.0, chat_every: int = 3, metrics_every: int = 5) -> None:
         self.endpoint = endpoint
         self.period = period
+        self.chat_every = chat_every
+        self.metrics_every = metrics_every
         self.stop = threading.Event()
         self.polls = 0
         self.over_limit: dict[str, dict] = {}
         self.limit_keys: Optional[set] = None
         self.plain_from_estimates: list[int] = []
+        self.workspace_polls = 0  # stats polls whose limits and usage both had read_workspace_bytes
+        self.over_memory_bound: list[dict] = []
+        self.chat_polls = 0
+        self.chat_outputs_max_bytes = 0
+        self.chat_over: list[dict] = []
+        self.metrics_polls = 0
+        self.metrics_ok = 0
+        self.metrics_bad: list[dict] = []
+        self.metrics_kvshare_lines = 0
+        self.retracted_metric: list[float] = []
         self.thread = threading.Thread(target=self._loop, daemon=True)
 
     def _loop(self) -> None:
+        n = 0
         while not self.stop.wait(self.period):
+            n += 1
             self.observe(self.endpoint.call("stats", "GET", "/kvshare/stats"))
+            if n % self.chat_every == 0:
+                self.observe_chat(self.endpoint.call("chat_stats", "GET", "/kvshare/chat"))
+            if n % self.metrics_every == 0:
+                self.observe_metrics(self.endpoint.call("metrics", "GET", "/metrics"))
 
     def observe(self, out: Outcome) -> None:
         """Record one stats answer (called from the poll thread and before admin resets)."""
@@ -655,9 +1110,42 @@ class Monitor:
             self.limit_keys = set(bounds["keys"])
             for key, row in bounds["over"].items():
                 self.over_limit.setdefault(key, row)
+            if "read_workspace_bytes" in bounds["keys"]:
+                self.workspace_polls += 1
+            bound, usage = stats.get("memory_bound_bytes"), stats["usage"]
+            held = sum(int(usage.get(k) or 0) for k in ("anchor_bytes", "learn_queue_bytes", "read_workspace_bytes"))
+            if isinstance(bound, (int, float)) and held > bound and len(self.over_memory_bound) < 10:
+                self.over_memory_bound.append({"held_bytes": held, "memory_bound_bytes": bound})
         counter = (stats.get("counters") or {}).get("plain_tokens_from_estimates")
         if counter is not None:
             self.plain_from_estimates.append(int(counter))
+
+    def observe_chat(self, out: Outcome) -> None:
+        """The chat answer memory is bounded in bytes (and answers): ``outputs.bytes <= outputs.max_bytes``."""
+        outputs = out.body.get("outputs") if out.status == 200 and isinstance(out.body, dict) else None
+        if not isinstance(outputs, dict) or "bytes" not in outputs:
+            return
+        self.chat_polls += 1
+        self.chat_outputs_max_bytes = max(self.chat_outputs_max_bytes, int(outputs["bytes"]))
+        over = outputs["bytes"] > outputs.get("max_bytes", float("inf")) or \
+            outputs.get("size", 0) > outputs.get("capacity", float("inf"))
+        if over and len(self.chat_over) < 10:
+            self.chat_over.append({k: outputs.get(k) for k in ("bytes", "max_bytes", "size", "capacity")})
+
+    def observe_metrics(self, out: Outcome) -> None:
+        """``/metrics`` answers 200 and carries ``sglang_kvshare_*`` lines; SGLang's retraction counter."""
+        self.metrics_polls += 1
+        text = out.body if isinstance(out.body, str) else ""
+        lines = text.splitlines()
+        kvshare = sum(ln.startswith(METRICS_PREFIX) for ln in lines)
+        if out.status == 200 and kvshare:
+            self.metrics_ok += 1
+            self.metrics_kvshare_lines = kvshare
+        elif len(self.metrics_bad) < 10:
+            self.metrics_bad.append({"status": out.status, "kvshare_lines": kvshare, "head": text[:200]})
+        if out.status == 200:  # the counter appears once SGLang first retracts: absent is 0
+            self.retracted_metric.append(sum(float(ln.rsplit(" ", 1)[-1]) for ln in lines
+                                             if ln.startswith(RETRACTED_METRIC)))
 
 
 def check_bounds(stats: dict) -> dict:
@@ -719,6 +1207,13 @@ def warm_up(s: Shared, rounds: int) -> None:
             s.endpoint.generate("warmup", ids, custom_params=cp, max_new_tokens=1)
 
 
+def retractions(text: str) -> dict:
+    """SGLang's decode retractions in a server log: ``KV cache pool is full. Retract requests.``"""
+    counts = [int(m.group(1)) for m in RETRACT_LOG.finditer(text)]
+    return {"events": len(counts), "requests_retracted": sum(counts),
+            "lines": [ln.strip()[-160:] for ln in text.splitlines() if "Retract requests" in ln][:10]}
+
+
 def scan_log(text: str) -> dict:
     after = text.split("fired up")[-1]
     needles = ("Traceback", "memory leak detected", "use-after-free", "double free", "Exception in thread",
@@ -730,8 +1225,9 @@ def scan_log(text: str) -> dict:
 
 def soak_launch_args(mode: str, tau: float, max_total_tokens: int, admin_key: str) -> dict:
     """``ServerProcess`` keyword arguments of the soak's server (``kvshare_args``, ``extra_args``)."""
-    return {"kvshare_args": ("--kvshare-mode", mode, "--kvshare-tau", str(tau)),
-            "extra_args": ("--max-total-tokens", str(max_total_tokens), "--admin-api-key", admin_key)}
+    return {"kvshare_args": ("--kvshare-mode", mode, "--kvshare-tau", str(tau), "--kvshare-auto", "true"),
+            "extra_args": ("--max-total-tokens", str(max_total_tokens), "--admin-api-key", admin_key,
+                           "--enable-metrics")}
 
 
 def run_soak(args, tokenizer, model_path: str, texts: list[str], launched: Optional[ServerProcess] = None,
@@ -749,8 +1245,10 @@ def run_soak(args, tokenizer, model_path: str, texts: list[str], launched: Optio
     result: dict = {}
     with (nullcontext(launched) if launched is not None else ServerProcess(model_path=model_path, **launch)) as server:
         ep = Endpoint(server.url, key, rec)
+        log_start = len(server.log_text())  # a launched server may have served others before
         started = time.monotonic()
-        s = Shared(tokenizer, texts, ep, args.mode, args.tau, args.slot_names, deadline=0.0, started=started)
+        s = Shared(tokenizer, texts, ep, args.mode, args.tau, args.slot_names, deadline=0.0, started=started,
+                   burst_size=args.retract_burst)
         t0 = time.monotonic()
         warm_up(s, args.warm_rounds)
         idle = wait_idle(ep, 120)
@@ -760,16 +1258,16 @@ def run_soak(args, tokenizer, model_path: str, texts: list[str], launched: Optio
                            "limits": start_stats.get("limits"), "usage": start_stats.get("usage")}
         s.started = time.monotonic()
         s.deadline = s.started + args.minutes * 60
-        kinds = list(TRAFFIC)
+        kinds = [k for k in TRAFFIC if k not in EARLY]
         random.Random(args.seed).shuffle(kinds)
-        kinds.remove("leak_probe")
-        kinds.insert(0, "leak_probe")  # the leak needs one probe early, even in the shortest run
+        kinds = [*EARLY, *kinds]  # the probes early, even in the shortest run
         clients = [Client(i, s, args.seed, kinds[i::args.clients] if args.clients > 1 else kinds)
                    for i in range(args.clients)]
         if args.clients > 1:
             clients[1 % args.clients].tour.insert(0, "salt_probe")
         monitor = Monitor(ep)
         s.monitor = monitor
+        monitor.observe_metrics(ep.call("metrics", "GET", "/metrics"))  # the retraction counter before the load
         monitor.thread.start()
         threads = [threading.Thread(target=c.run, daemon=True) for c in clients]
         for t in threads:
@@ -795,10 +1293,15 @@ def run_soak(args, tokenizer, model_path: str, texts: list[str], launched: Optio
         flush_status = flush(ep)
         time.sleep(1.0)
         end_stats = ep.stats() or {}
+        monitor.observe(Outcome(200, end_stats) if end_stats else Outcome(0))
+        monitor.observe_chat(ep.call("chat_stats", "GET", "/kvshare/chat"))
+        monitor.observe_metrics(ep.call("metrics", "GET", "/metrics"))
         alive = server.proc.poll() is None
         health = ep.call("health", "GET", "/health_generate", record=False).status if alive else 0
-        result["server_log"] = scan_log(server.log_text())
+        log = server.log_text()
+        result["server_log"] = scan_log(log)
         result["server_log_path"] = str(server.log_path)
+        result["retraction_log"] = retractions(log[log_start:])
 
     start_pool, end_pool = result["start"]["kv_pool_tokens"], end_stats.get("kv_pool_tokens")
     bounds = check_bounds(end_stats) if end_stats else {"checked": False, "missing": ["stats"], "over": {}}
@@ -866,6 +1369,15 @@ def replay(url: str, samples: list[dict]) -> list[dict]:
     return rows
 
 
+def stock_statuses(url: str, rows: list[dict]) -> None:
+    """Hostile automatic chats the soak server refused: the status stock SGLang (mode ``off``) gives the
+    same body, in ``row["stock_status"]``. The ``off`` reference has no automatic mode: it is stock here."""
+    ep = Endpoint(url, None, Recorder())
+    for row in rows:
+        body = {k: v for k, v in row["body"].items() if k != "kvshare"}
+        row["stock_status"] = ep.chat("stock", body).status
+
+
 # ------------------------------------------------------------ verdicts and output
 def verdicts(res: dict, replay_rows: list[dict]) -> dict:
     rec: Recorder = res["rec"]
@@ -880,7 +1392,8 @@ def verdicts(res: dict, replay_rows: list[dict]) -> dict:
     v = {
         "no_crash": res["alive"] and res["health"] == 200 and not log_found,
         "no_5xx": tot["server_5xx"] == 0,
-        "nothing_lost": tot["lost"] == 0 and res["clients_stuck_at_end"] == 0,
+        "nothing_lost": (tot["lost"] == 0 and res["clients_stuck_at_end"] == 0
+                         and rec.finding_counts["nothing_lost"] == 0),
         "malformed_get_4xx": malformed["sent"] > 0 and malformed["got_4xx"] == malformed["sent"],
         "valid_requests_served": rec.finding_counts["valid_requests_served"] == 0,
         "allocator_restored": res["allocator"]["end_ok"] and res["allocator"]["free_plus_evictable_same_as_start"],
@@ -892,7 +1405,105 @@ def verdicts(res: dict, replay_rows: list[dict]) -> dict:
                                                                          for r in replay_rows),
         "harness_ok": rec.finding_counts["harness_errors"] == 0,
     }
+    counts = verdict_counts(res)
+    v.update({
+        "zero_cross_scope_reuse": ("not checked" if not rec.scope_probes
+                                   else counts["zero_cross_scope_reuse"]["reused_tokens"] == 0
+                                   and counts["zero_cross_scope_reuse"]["found_a_foreign_copy"] == 0),
+        "zero_foreign_agent_names": ("not checked" if not rec.chat_reports
+                                     else counts["zero_foreign_agent_names"]["foreign"] == 0
+                                     and counts["zero_foreign_agent_names"]["unknown"] == 0),
+        "chat_hostile_answered": ("not checked" if not rec.hostile
+                                  else counts["chat_hostile_answered"]["not_ok"] == 0),
+        "chat_reports_carried": ("not checked" if not rec.chat_reports
+                                 else rec.finding_counts["chat_reports_carried"] == 0),
+        "memory_within_bounds": memory_verdict(mon),
+        "no_estimates_after_reset": ("not checked" if not counts["no_estimates_after_reset"]["armed"]
+                                     else counts["no_estimates_after_reset"]["hit_after_reset"] == 0),
+        "metrics_served": ("not checked" if not mon.metrics_polls else mon.metrics_ok == mon.metrics_polls),
+    })
     return v
+
+
+def memory_verdict(mon: "Monitor") -> Any:
+    """Stats usage <= limits at every poll, the read workspace among them; what kvshare holds <=
+    ``memory_bound_bytes``; the chat answer memory within its byte (and answer) bound."""
+    if not mon.workspace_polls and not mon.chat_polls:
+        return "not checked"
+    return not mon.over_limit and not mon.over_memory_bound and not mon.chat_over and mon.workspace_polls > 0 \
+        and mon.chat_polls > 0
+
+
+def hostile_ok(row: dict) -> bool:
+    """A hostile chat: no 5xx; answered (a 200 without an error chunk) when stock answers it, or a 4xx
+    whose message names the fix; a 4xx on one stock SGLang answers the same way is fine too."""
+    status = row["status"]
+    if not status or status >= 500:
+        return False
+    if status == 200:
+        return not row["refuse"] and not row["stream_errors"]
+    if not 400 <= status < 500:
+        return False
+    if row["fix"] is None:
+        return row.get("stock_status") == status
+    return str(row["fix"]).lower() in row["message"].lower()
+
+
+def verdict_counts(res: dict) -> dict:
+    """Per new verdict, the counts behind it (also written to the JSON)."""
+    rec: Recorder = res["rec"]
+    mon: Monitor = res["monitor"]
+    probes = rec.scope_probes
+    resets = rec.reset_probes
+    hostile = rec.hostile
+    agents = foreign_sources(rec.chat_reports)
+    tot = rec.totals()
+    chat_labels = ("chat", "chat_hostile", "scope_probe", "retract_burst")
+    chat_status: Counter = Counter()
+    for label in chat_labels:
+        chat_status.update(rec.statuses.get(label, Counter()))
+    return {
+        "zero_cross_scope_reuse": {
+            "probes": len(probes), "by_variant": dict(Counter(p["variant"] for p in probes)),
+            "explicit": sum(p["explicit"] for p in probes),
+            "control_found_a_copy": sum(p["control_found_a_copy"] for p in probes),
+            "reached_the_shared_text": sum(p["reached"] for p in probes),
+            "sensitive": sum(p["control_found_a_copy"] and p["reached"] for p in probes),
+            "reused_tokens": sum(p["reused_tokens"] for p in probes),
+            "found_a_foreign_copy": sum(bool(p["found"]) for p in probes),
+            "generate_salt_probes": len(rec.salt_probes), "examples": probes[:6]},
+        "zero_foreign_agent_names": {k: agents[k] for k in ("reports", "scopes", "named_sources", "foreign", "unknown",
+                                                             "examples")},
+        "chat_hostile_answered": {
+            "sent": len(hostile), "kinds": len({h["kind"] for h in hostile}),
+            "ok_200": sum(h["status"] == 200 and hostile_ok(h) for h in hostile),
+            "refused_4xx_naming_the_fix": sum(h["status"] != 200 and hostile_ok(h) for h in hostile),
+            "server_5xx": sum(h["status"] >= 500 for h in hostile), "lost": sum(not h["status"] for h in hostile),
+            "not_ok": sum(not hostile_ok(h) for h in hostile),
+            "by_kind": {k: dict(Counter(str(h["status"]) for h in hostile if h["kind"] == k))
+                        for k in sorted({h["kind"] for h in hostile})},
+            "failures": [{k: v for k, v in h.items() if k != "body"} for h in hostile if not hostile_ok(h)][:10]},
+        "chat_reports_carried": {
+            "chat_requests": dict(rec.chat), "reports": len(rec.chat_reports),
+            "findings": rec.finding_counts["chat_reports_carried"]},
+        "memory_within_bounds": {
+            "stats_polls": mon.polls, "polls_with_read_workspace": mon.workspace_polls,
+            "over_limit": mon.over_limit, "over_memory_bound": mon.over_memory_bound,
+            "chat_polls": mon.chat_polls, "chat_outputs_max_bytes_seen": mon.chat_outputs_max_bytes,
+            "chat_over": mon.chat_over},
+        "no_estimates_after_reset": {
+            "probes": len(resets), "armed": sum(p["armed"] for p in resets),
+            "by_variant": dict(Counter(p["variant"] for p in resets)),
+            "hit_after_reset": sum(bool(p["armed"] and p["estimate_hit_after"]) for p in resets),
+            "examples": resets[:6]},
+        "metrics_served": {"polls": mon.metrics_polls, "ok": mon.metrics_ok,
+                           "kvshare_lines": mon.metrics_kvshare_lines, "bad": mon.metrics_bad},
+        "no_5xx": {"server_5xx": tot["server_5xx"], "chat_requests": sum(chat_status.values()),
+                   "chat_server_5xx": sum(v for k, v in chat_status.items() if k >= 500)},
+        "nothing_lost": {"lost": tot["lost"], "chat_lost": chat_status.get(0, 0),
+                         "clients_stuck_at_end": res["clients_stuck_at_end"],
+                         "incomplete": rec.finding_counts["nothing_lost"]},
+    }
 
 
 def summarize(args, res: dict, replay_rows: list[dict], wall: float) -> dict:
@@ -906,7 +1517,7 @@ def summarize(args, res: dict, replay_rows: list[dict], wall: float) -> dict:
         "command": command,
         "machine": machine(),
         "settings": {k: getattr(args, k) for k in ("mode", "tau", "clients", "minutes", "replay", "max_total_tokens",
-                                                   "slot_names", "seed", "warm_rounds")},
+                                                   "slot_names", "seed", "warm_rounds", "retract_burst")},
         "passed": passed,
         "verdicts": v,
         "not_checked": [k for k, x in v.items() if x == "not checked"],
@@ -945,6 +1556,15 @@ def summarize(args, res: dict, replay_rows: list[dict], wall: float) -> dict:
         "server": {"alive_at_end": res["alive"], "health_generate": res["health"], "log": res["server_log"]},
         "findings": {k: {"count": rec.finding_counts[k], "examples": ex} for k, ex in rec.findings.items()},
         "end_counters": res["end"]["counters"],
+        "verdict_counts": verdict_counts(res),
+        "chat": {"requests_by_variant": dict(rec.chat), "reports": len(rec.chat_reports),
+                 "reports_by_scope": dict(Counter(r["scope"] for r in rec.chat_reports)),
+                 "hostile_sent": len(rec.hostile), "scope_probes": len(rec.scope_probes),
+                 "reset_probes": len(rec.reset_probes)},
+        "retraction": {**res["retraction_log"], "bursts": rec.bursts,
+                       "metric_delta": (mon.retracted_metric[-1] - mon.retracted_metric[0]
+                                        if len(mon.retracted_metric) >= 2 else None),
+                       "note": "counted, not required: whether SGLang retracts depends on timing here"},
     }
 
 
@@ -959,6 +1579,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-total-tokens", type=int, default=3072, help="KV pool of the soak server (small: evicts)")
     ap.add_argument("--slot-names", type=int, default=10000, help="distinct slot names to send over the run")
     ap.add_argument("--warm-rounds", type=int, default=3, help="team rounds before the clients start")
+    ap.add_argument("--retract-burst", type=int, default=32,
+                    help="concurrent decodes per retraction burst (0: no bursts)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/soak[_quick].json)")
     ap.add_argument("--reference-url", default=None,
@@ -968,8 +1590,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.argv = list(argv) if argv is not None else __import__("sys").argv[1:]
     if args.quick:
         args.clients, args.minutes, args.replay, args.slot_names = 2, 1.25, 8, 1500
-    if args.clients < 1 or args.minutes <= 0 or args.replay < 0:
-        ap.error("--clients must be >= 1, --minutes > 0 and --replay >= 0")
+    if args.clients < 1 or args.minutes <= 0 or args.replay < 0 or args.retract_burst < 0:
+        ap.error("--clients must be >= 1, --minutes > 0, --replay >= 0 and --retract-burst >= 0")
     return args
 
 
@@ -998,10 +1620,14 @@ def main(argv=None, *, launched: Optional[ServerProcess] = None, admin_key: Opti
         res = run_soak(args, tokenizer, model_path, texts, launched, admin_key)
         samples = pick_replay(res["rec"].plain, args.replay, args.seed)
         rows = []
-        if samples:
+        refused = [h for h in res["rec"].hostile if h.get("body") is not None]
+        if samples or refused:
             if reference is not None:
+                if args.replay == 0:
+                    reference.launch()
                 reference.wait_ready()
-            rows = replay(args.reference_url or reference.url, samples)
+            rows = replay(args.reference_url or reference.url, samples) if samples else []
+            stock_statuses(args.reference_url or reference.url, refused)
     finally:
         if reference is not None:
             reference.stop()

@@ -1,4 +1,4 @@
-"""Malformed and adversarial kvshare annotations for the soak harness, each with its expected status.
+"""Malformed and adversarial kvshare requests for the soak harness, and the soak's pure checks on answers.
 
 Why the project's own parser is the oracle: a fuzzed annotation may come out valid
 (a mutated space, a harmless reorder), so the expected answer of every generated
@@ -8,6 +8,12 @@ annotation, is a finding). The fixed catalogue names the faults a server must su
 (wrong types, huge and negative spans, long and unicode names, too many segments);
 ``mutate`` adds byte-level fuzz of a valid JSON string.
 
+The chat side: ``chat_hostile`` builds hostile ``/v1/chat/completions`` bodies
+(the chat layer's own sentinel text, list-valued content, tool calls, ``n > 1``,
+logprobs, explicit fields that must be refused with a message naming the fix);
+``parse_stream`` reads a streamed answer; ``cross_scope_signs`` and
+``foreign_sources`` read reports for KV or agent names that crossed a reuse scope.
+
 Nothing here talks to a server.
 """
 
@@ -16,8 +22,9 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Optional
 
+from sglang_kvshare.chat.annotation import GLUE_SLOT  # template text between shared contents, in every scope
 from sglang_kvshare.protocol import (CUSTOM_PARAMS_KEY, DEFAULT_MAX_SEGMENTS, MAX_NAME_CHARS, AnnotationError,
                                      parse_annotation)
 
@@ -150,3 +157,202 @@ def many_slots(agent: str, private_len: int, n: int, names: list[str]) -> dict:
         segments.append({"kind": "shared", "start": start, "end": end, "slot": name})
         start = end
     return {"agent": agent, "segments": segments}
+
+
+# ------------------------------------------------------------ hostile chat requests
+SENTINEL = "\ue000kvshare-999\ue001"  # the shape of the chat layer's own cut markers
+TOOLS = [{"type": "function", "function": {
+    "name": "add", "description": "Add two numbers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+                   "required": ["a", "b"]}}}]
+
+
+# The hostile chats a short run sends first (one of each family), then the rest of the catalogue.
+HOSTILE_FIRST = ("sentinel_in_user", "list_content", "tool_messages", "n_2", "logprobs_top", "explicit_n_2",
+                 "explicit_index_out_of_range", "logprobs_stream")
+
+
+@dataclass(frozen=True)
+class ChatCase:
+    """One hostile ``/v1/chat/completions`` body (without ``model``; the soak adds it and ``max_tokens``).
+
+    ``fix`` None: the request must be answered as stock SGLang answers it (a 200 here).
+    Otherwise the server may refuse it, with a 4xx whose message contains ``fix``
+    (the field and what to change); ``refuse``: it must refuse (a 200 is wrong).
+    """
+
+    kind: str
+    body: dict
+    fix: Any = None
+    refuse: bool = False
+
+    @property
+    def auto(self) -> bool:
+        """No ``kvshare`` field (or ``null``): the automatic mode decides."""
+        return self.body.get("kvshare") is None
+
+
+def chat_hostile(system: str, doc: str, rng: random.Random) -> list[ChatCase]:
+    """Hostile chats around one document: content the chat layer must not choke on, and explicit
+    fields it must refuse with a message that names the fix."""
+    sysm = {"role": "system", "content": system}
+    base = [sysm, {"role": "user", "content": doc}, {"role": "assistant", "content": "Noted."},
+            {"role": "user", "content": "Answer briefly."}]
+    tool_chat = [sysm, {"role": "user", "content": doc},
+                 {"role": "assistant", "content": None, "tool_calls": [{
+                     "id": "call_1", "type": "function",
+                     "function": {"name": "add", "arguments": json.dumps({"a": 48, "b": 24})}}]},
+                 {"role": "tool", "tool_call_id": "call_1", "content": "72"}]
+    many = [sysm] + [{"role": "user" if i % 2 == 0 else "assistant", "content": f"Note {i}: {doc[:30]}"}
+                     for i in range(69)]
+    field = {"agent": "hostile", "shared": [{"message": 1, "slot": "query"}]}
+    cases = [
+        ChatCase("sentinel_in_user", {"messages": [sysm, {"role": "user", "content": f"{doc} {SENTINEL} {doc[:40]}"},
+                                                   *base[2:]]}),
+        ChatCase("sentinel_only_message", {"messages": [sysm, {"role": "user", "content": SENTINEL}, *base[1:]]}),
+        ChatCase("sentinel_in_system", {"messages": [{"role": "system", "content": f"{system}{SENTINEL}"},
+                                                     *base[1:]]}),
+        ChatCase("list_content", {"messages": [sysm, {"role": "user", "content": [{"type": "text", "text": doc}]},
+                                               *base[2:]]}),
+        ChatCase("list_content_parts", {"messages": [sysm, {"role": "user", "content": [
+            {"type": "text", "text": doc[:50]}, {"type": "text", "text": doc[50:]}]}, *base[2:]]}),
+        ChatCase("tool_messages", {"messages": tool_chat, "tools": TOOLS}),
+        ChatCase("tool_choice_none", {"messages": base, "tools": TOOLS, "tool_choice": "none"}),
+        ChatCase("n_2", {"messages": base, "n": 2, "temperature": 0.8, "seed": rng.randrange(1000)}),
+        ChatCase("logprobs_top", {"messages": base, "logprobs": True, "top_logprobs": 5}),
+        ChatCase("logprobs_stream", {"messages": base, "logprobs": True, "top_logprobs": 2, "stream": True}),
+        ChatCase("leading_whitespace", {"messages": [sysm, {"role": "user", "content": "\n\n  " + doc}, *base[2:]]}),
+        ChatCase("empty_message", {"messages": [sysm, {"role": "user", "content": ""}, *base[1:]]}),
+        ChatCase("unicode_name", {"messages": [sysm, {"role": "user", "name": "名前🙂../%2F", "content": doc},
+                                               *base[2:]]}),
+        ChatCase("continue_final_message", {"messages": base[:3], "continue_final_message": True,
+                                            "add_generation_prompt": False}),
+        ChatCase("70_messages", {"messages": many}),
+        ChatCase("kvshare_null", {"messages": base, "kvshare": None}),
+        # Explicit fields the server must refuse, saying what to fix.
+        ChatCase("explicit_n_2", {"messages": base, "n": 2, "temperature": 0.8, "kvshare": field},
+                 fix="one request per choice", refuse=True),
+        ChatCase("explicit_n_2_stream", {"messages": base, "n": 2, "temperature": 0.8, "stream": True,
+                                         "kvshare": field}, fix="one request per choice", refuse=True),
+        ChatCase("explicit_index_out_of_range", {"messages": base, "kvshare": {
+            "agent": "hostile", "shared": [{"message": 9, "slot": "query"}]}}, fix="indices start at 0", refuse=True),
+        ChatCase("explicit_listed_twice", {"messages": base, "kvshare": {
+            "agent": "hostile", "shared": [{"message": 1, "slot": "q"}, {"message": 1, "slot": "q"}]}},
+            fix="listed twice", refuse=True),
+        ChatCase("explicit_unknown_key", {"messages": base, "kvshare": {**field, "colour": "blue"}},
+                 fix="kvshare.colour", refuse=True),
+        ChatCase("explicit_not_an_object", {"messages": base, "kvshare": "yes please"}, fix="must be an object",
+                 refuse=True),
+        ChatCase("explicit_too_many_shared", {"messages": many, "kvshare": {
+            "agent": "hostile", "shared": [{"message": i, "slot": "q"} for i in range(1, 69)]}},
+            fix="--kvshare-max-segments", refuse=True),
+        ChatCase("explicit_empty_message", {"messages": [sysm, {"role": "user", "content": ""}, *base[1:]],
+                                            "kvshare": field}, fix="non-empty text", refuse=True),
+        ChatCase("explicit_sentinel_agent", {"messages": base, "kvshare": {**field, "agent": SENTINEL}},
+                 fix="kvshare"),
+        ChatCase("explicit_list_content", {"messages": [sysm, {"role": "user", "content": [
+            {"type": "text", "text": doc}]}, *base[2:]], "kvshare": field}, fix="text"),
+        ChatCase("explicit_tool_message", {"messages": tool_chat, "tools": TOOLS, "kvshare": {
+            "agent": "hostile", "shared": [{"message": 3, "slot": "tool"}]}}, fix="kvshare"),
+    ]
+    first = {kind: i for i, kind in enumerate(HOSTILE_FIRST)}
+    return sorted(cases, key=lambda c: first.get(c.kind, len(first)))  # stable: the rest in catalogue order
+
+
+# ------------------------------------------------------------ reading chat answers and reports
+REUSED_BY = ("alignment", "correction", "estimate_hit")  # approximate KV (an exact "hit" is not)
+NOT_FOUND = (None, "no_source", "not_reached")  # a segment's reason when no copy was even considered
+
+
+def parse_stream(lines: Iterable[bytes]) -> dict:
+    """A streamed chat answer (server-sent ``data:`` lines): chunks, error chunks, finish reasons, the
+    ``kvshare`` report and whether it rode on the chunk with the finish reason, usage, text, ``[DONE]``."""
+    out = {"stream": True, "chunks": 0, "errors": [], "finish_reasons": [], "kvshare": None,
+           "report_on_final_chunk": False, "reports": 0, "usage": None, "text": "", "done": False}
+    text = []
+    for line in lines:
+        if not line.startswith(b"data:"):
+            continue
+        data = line[len(b"data:"):].strip()
+        if data == b"[DONE]":
+            out["done"] = True
+            continue
+        out["chunks"] += 1
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            out["errors"].append(data[:200].decode("utf-8", "replace"))
+            continue
+        if not isinstance(obj, dict):
+            out["errors"].append(str(obj)[:200])
+            continue
+        if "error" in obj or obj.get("object") == "error":
+            out["errors"].append(str(obj.get("error") or obj.get("message"))[:200])
+        finishing = False
+        for choice in obj.get("choices") or []:
+            if not isinstance(choice, dict):
+                continue
+            text.append(str((choice.get("delta") or {}).get("content") or ""))
+            if choice.get("finish_reason"):
+                out["finish_reasons"].append(choice["finish_reason"])
+                finishing = True
+        if "kvshare" in obj:
+            out["reports"] += 1
+            out["kvshare"] = obj["kvshare"]
+            out["report_on_final_chunk"] = finishing
+        if obj.get("usage"):
+            out["usage"] = obj["usage"]
+    out["text"] = "".join(text)
+    return out
+
+
+def cross_scope_signs(report: Optional[dict]) -> dict:
+    """What a report says about content only another scope has sent (every non-glue shared segment of
+    a probe's last request): approximate tokens served from it, segments that found a copy of it at all
+    (a source agent, or a reason other than "no copy"), and segments the cache reached."""
+    reused, found, reached, considered = 0, [], 0, 0
+    for i, seg in enumerate((report or {}).get("segments") or []):
+        if seg.get("kind") != "shared" or seg.get("slot") == GLUE_SLOT:
+            continue
+        considered += 1
+        if seg.get("resolved_by") in REUSED_BY:
+            reused += int(seg.get("resolved_tokens") or seg.get("tokens") or 0)
+        if (seg.get("source_agent") or seg.get("reason") not in NOT_FOUND
+                or seg.get("resolved_by") not in (None, "dense")):
+            found.append({"segment": i, "slot": seg.get("slot"), "resolved_by": seg.get("resolved_by"),
+                          "reason": seg.get("reason"), "source_agent": seg.get("source_agent")})
+        if seg.get("reason") != "not_reached":
+            reached += 1
+    return {"segments": considered, "reused_tokens": reused, "found": found, "reached": reached}
+
+
+def source_found(report: Optional[dict]) -> bool:
+    """A probe's control: some non-glue shared segment of this report found a copy (reused or not)."""
+    return bool(cross_scope_signs(report)["found"])
+
+
+def foreign_sources(reports: list[dict]) -> dict:
+    """``reports``: ``{"scope", "agent", "sources"}`` per report (``sources``: its segments'
+    ``source_agent`` values). A source agent is fine when an agent of the same scope has that name;
+    ``foreign`` when only other scopes' agents have it, ``unknown`` when no recorded request has it."""
+    by_scope: dict[str, set] = {}
+    for r in reports:
+        if r.get("agent"):
+            by_scope.setdefault(r["scope"], set()).add(r["agent"])
+    named = foreign = unknown = 0
+    examples: list[dict] = []
+    for r in reports:
+        for src in r.get("sources") or []:
+            named += 1
+            if src in by_scope.get(r["scope"], ()):
+                continue
+            owners = sorted(s for s, agents in by_scope.items() if src in agents)
+            if owners:
+                foreign += 1
+            else:
+                unknown += 1
+            if len(examples) < 20:
+                examples.append({"scope": r["scope"], "agent": r.get("agent"), "source_agent": src,
+                                 "source_scopes": owners, "label": r.get("label")})
+    return {"reports": len(reports), "scopes": len(by_scope), "named_sources": named, "foreign": foreign,
+            "unknown": unknown, "examples": examples}

@@ -15,8 +15,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+from sglang_kvshare.guard.target import FidelityTarget
+
 Mode = Literal["off", "fullshared", "kvcmas"]
 MODES: tuple[str, ...] = ("off", "fullshared", "kvcmas")
+# What POST /kvshare/config may change on a running server.
+RUNTIME_FIELDS: tuple[str, ...] = ("tau", "capacity", "rank", "mode", "recompute_head", "staged", "verify_rate",
+                                   "fidelity_target", "fidelity_min_samples", "fault_perturb_slot")
 ReuseScope = Literal["workflow", "salt"]
 REUSE_SCOPES: tuple[str, ...] = ("workflow", "salt")
 ENV_VAR = "SGLANG_KVSHARE_CONFIG"
@@ -50,6 +55,8 @@ class KVShareConfig:
     admin_open: bool = _option(False, GROUP_MAIN, "Allow the kvshare admin writes (POST /kvshare/config, /kvshare/reset, /kvshare/pools/{slot}/reset) on a server started without --admin-api-key and --api-key. Off: those writes answer 403 there; with a key they follow SGLang's key rules.")
     tau: float = _option(0.3, GROUP_MAIN, "Gate threshold on the normalized entropy: accept a correction when H <= tau (0 never accepts).")
     staged: bool = _option(True, GROUP_MAIN, "Staged prefill: after a dense stretch (an unseen segment, or a recomputed head) resume reuse for the segments behind it, within the same request. false = stop reusing at the first segment that needs prefill.")
+    verify_rate: float = _option(0.05, GROUP_MAIN, "Share of the requests served approximated KV that the fidelity guard verifies: after the answer, a dense reference of the same prompt and answer is prefilled at low priority (never before or beside the user's request) and the request's own next-token distributions are compared with it (docs/FIDELITY.md); 0 = off.")
+    fidelity_target: Optional[str] = _option(None, GROUP_MAIN, "The fidelity the guard keeps per scope (namespace, agent), e.g. top1>=0.99 or kl<=0.01: a scope whose 95 % interval misses it gets a longer recomputed head, step by step, then dense; met with margin, it relaxes. None = measure only.")
     # --- bounds of what kvshare keeps
     pool_budget_mb: float = _option(512.0, GROUP_LIMITS, "Upper bound on the memory all anchor pools hold together (MiB); past it the least recently used pool's oldest anchors are evicted.")
     max_pools: int = _option(1024, GROUP_LIMITS, "Most anchor pools (one per slot and namespace); past it the least recently used pool is dropped.")
@@ -74,10 +81,22 @@ class KVShareConfig:
     learn_slot_interval_s: float = _option(0.0, GROUP_ADVANCED, "Observe one slot at most once per this many seconds (0 = no limit). Observations of a (content, edge) the pool already holds are always skipped.")
     min_stage_tokens: int = _option(32, GROUP_ADVANCED, "Staged prefill resumes reuse after a dense stretch only for a segment with at least this many reusable tokens: a stage costs one more forward, and a short private tail (the instruction before the answer) is cheaper, and more faithful, prefilled.")
     learn_async: bool = _option(True, GROUP_ADVANCED, "Record anchors from dense prefills on a background thread (keeps the SVD out of the scheduler loop); false records them inside checkpoint, deterministic for tests.")
+    verify_top_k: int = _option(5, GROUP_ADVANCED, "Tokens per position the guard compares (top-k of both distributions); at most 20.")
+    verify_queue_max: int = _option(16, GROUP_ADVANCED, "Most verified requests waiting for their dense reference; a full queue drops new ones (counted).")
+    fidelity_min_samples: int = _option(20, GROUP_ADVANCED, "Verified requests a scope needs before the guard changes its setting (twice as many to relax).")
+    fault_perturb_slot: Optional[str] = _option(None, GROUP_ADVANCED, "Test only: add noise to the KV assembled for this slot, so a test can show the guard catching a bad scope. Never set it on a server users reach.")
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"kvshare mode must be one of {MODES}, got {self.mode!r}")
+        if not 0.0 <= self.verify_rate <= 1.0:
+            raise ValueError(f"verify_rate must lie in [0, 1], got {self.verify_rate}")
+        if self.fidelity_target is not None:
+            FidelityTarget.parse(self.fidelity_target)  # raises ValueError saying the accepted forms
+        if not 1 <= self.verify_top_k <= 20:
+            raise ValueError(f"verify_top_k must lie in [1, 20], got {self.verify_top_k}")
+        if self.verify_queue_max < 1 or self.fidelity_min_samples < 2:
+            raise ValueError("verify_queue_max must be >= 1 and fidelity_min_samples >= 2")
         if self.reuse_scope not in REUSE_SCOPES:
             raise ValueError(f"reuse_scope must be one of {REUSE_SCOPES}, got {self.reuse_scope!r}")
         if not 0.0 <= self.tau <= 1.0:

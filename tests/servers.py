@@ -21,7 +21,10 @@ OFF = ("--kvshare-mode", "off")
 # fullshared with synchronous learning (kvcmas tests switch to it at runtime and need
 # their observations learned before the next request) and automatic chat reuse (only
 # chat completions without a ``kvshare`` field see it).
-SHARED = ("--kvshare-mode", "fullshared", "--kvshare-auto", "true", "--kvshare-learn-async", "false")
+# The fidelity guard is off here (its references would add exact rows to the tree between tests); the guard's
+# tests turn it on at runtime (POST /kvshare/config verify_rate), which ``restore`` undoes.
+SHARED = ("--kvshare-mode", "fullshared", "--kvshare-auto", "true", "--kvshare-learn-async", "false",
+          "--kvshare-verify-rate", "0")
 # The admin tests need metrics and an admin key; the key guards only writes and the pools
 # listing, so the other tests' requests and stats reads are unaffected.
 ADMIN_KEY = "kvshare-test-admin-key"
@@ -50,7 +53,8 @@ _DEFAULTS = KVShareConfig()
 # kvcmas default that ``None`` means; the POST body cannot say ``None``).
 _RESTORE = {"mode": "fullshared", "tau": _DEFAULTS.tau, "rank": _DEFAULTS.rank,
             "capacity": _DEFAULTS.replace(mode="kvcmas").effective_capacity,
-            "recompute_head": _DEFAULTS.recompute_head, "staged": _DEFAULTS.staged}
+            "recompute_head": _DEFAULTS.recompute_head, "staged": _DEFAULTS.staged, "verify_rate": 0.0,
+            "fidelity_target": "", "fidelity_min_samples": _DEFAULTS.fidelity_min_samples, "fault_perturb_slot": ""}
 
 
 def _post(server, path: str, body: dict | None = None, headers: dict = ADMIN_HEADERS) -> dict:

@@ -24,7 +24,8 @@ PACKAGES = {"sglang_kvshare": "sglang_kvshare", "kernels": "sglang_kvshare.kerne
             "frontend": "sglang_kvshare.frontend"}
 # (layer rank, dotted prefixes); a prefix names a package or a single module
 LAYERS: list[tuple[int, tuple[str, ...]]] = [
-    (0, ("sglang_kvshare.config", "sglang_kvshare.protocol", "sglang_kvshare.counters")),
+    (0, ("sglang_kvshare.config", "sglang_kvshare.protocol", "sglang_kvshare.counters",
+         "sglang_kvshare.guard.target")),  # the target syntax: the config validates its flag with it
     (1, ("sglang_kvshare.kernels",)),
     (2, ("sglang_kvshare.correction",)),
     (2, ("sglang_kvshare.guard",)),  # the fidelity guard's math; its serving side ranks with chat and admin

@@ -1,5 +1,5 @@
-"""The soak and fault harness: its fault catalogue and output comparison (fast), and a short soak
-against live servers whose JSON verdicts must all hold (``server``; about 3 minutes here)."""
+"""The soak and fault harness: its fault catalogues, output comparison and report readers (fast), and a
+short soak against live servers, chat traffic included, whose JSON verdicts must all hold (``server``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import random
 import pytest
 
 from benchmarks import soak
-from benchmarks.soak_faults import catalogue, expected_status, fuzzed, many_slots
+from benchmarks.soak_faults import (HOSTILE_FIRST, SENTINEL, catalogue, chat_hostile, cross_scope_signs,
+                                    expected_status, foreign_sources, fuzzed, many_slots, parse_stream)
 from sglang_kvshare.protocol import DEFAULT_MAX_SEGMENTS, MAX_NAME_CHARS
 from tests.servers import OFF, SOAK_KEY, soak_pool
 
@@ -53,6 +54,44 @@ def test_bounds_check_reports_missing_fields_and_overruns():
     assert res["checked"] and res["keys"] == ["queue", "slots"] and set(res["over"]) == {"slots"}
 
 
+def test_hostile_chats_cover_every_family_and_refusals_name_a_fix():
+    cases = chat_hostile("You solve problems.", "Problem 1: Natalia sold 48 clips in April.", random.Random(0))
+    kinds = [c.kind for c in cases]
+    assert len(set(kinds)) == len(kinds) >= 25 and kinds[:len(HOSTILE_FIRST)] == list(HOSTILE_FIRST)
+    assert any(SENTINEL in json.dumps(c.body, ensure_ascii=False) for c in cases)
+    assert {"tool_messages", "list_content", "n_2", "logprobs_top"} <= set(kinds)
+    assert all(c.fix for c in cases if c.refuse) and all(not c.auto for c in cases if c.fix)
+
+
+def test_parse_stream_finds_the_report_on_the_final_chunk_and_errors():
+    lines = [b'data: {"choices":[{"delta":{"content":"4"},"finish_reason":null}]}', b"",
+             b'data: {"choices":[{"delta":{},"finish_reason":"stop"}],"kvshare":{"agent":"a"}}',
+             b'data: {"choices":[],"usage":{"completion_tokens":1}}', b"data: [DONE]"]
+    got = parse_stream(lines)
+    assert got["kvshare"] == {"agent": "a"} and got["report_on_final_chunk"] and got["done"]
+    assert got["text"] == "4" and got["finish_reasons"] == ["stop"] and got["usage"]["completion_tokens"] == 1
+    bad = parse_stream([b'data: {"error": {"message": "boom"}}', b"data: [DONE]"])
+    assert bad["errors"] and not bad["finish_reasons"] and bad["kvshare"] is None
+
+
+def test_cross_scope_signs_ignore_glue_and_count_found_copies():
+    def seg(slot, by="dense", reason="no_source", **kw):
+        return {"kind": "shared", "slot": slot, "tokens": 10, "resolved_by": by, "reason": reason, **kw}
+    clean = {"segments": [{"kind": "private", "resolved_by": "hit"}, seg("query"),
+                          seg("chat:glue", "alignment", None, resolved_tokens=5), seg("query", reason="not_reached")]}
+    got = cross_scope_signs(clean)
+    assert got == {"segments": 2, "reused_tokens": 0, "found": [], "reached": 1}
+    assert cross_scope_signs({"segments": [seg("query", "alignment", None, resolved_tokens=7)]})["reused_tokens"] == 7
+    assert cross_scope_signs({"segments": [seg("query", reason="too_few_anchors")]})["found"]
+
+
+def test_foreign_sources_tells_foreign_from_unknown_agents():
+    reports = [{"scope": "A", "agent": "a1", "sources": []}, {"scope": "A", "agent": "a2", "sources": ["a1"]},
+               {"scope": "B", "agent": "b1", "sources": ["a1", "ghost"]}]
+    got = foreign_sources(reports)
+    assert (got["named_sources"], got["foreign"], got["unknown"], got["scopes"]) == (3, 1, 1, 2)
+
+
 @pytest.fixture(scope="module")
 def short_soak(tmp_path_factory, server_pool) -> dict:
     out = tmp_path_factory.mktemp("soak") / "soak.json"
@@ -67,7 +106,8 @@ def short_soak(tmp_path_factory, server_pool) -> dict:
 
 VERDICTS = ["no_crash", "no_5xx", "nothing_lost", "malformed_get_4xx", "valid_requests_served", "allocator_restored",
             "kvshare_within_bounds", "zero_cross_salt_reuse", "plain_exact_structural", "plain_exact_by_output",
-            "harness_ok"]
+            "harness_ok", "zero_cross_scope_reuse", "zero_foreign_agent_names", "chat_hostile_answered",
+            "chat_reports_carried", "memory_within_bounds", "no_estimates_after_reset", "metrics_served"]
 
 
 @pytest.mark.server
@@ -75,6 +115,7 @@ VERDICTS = ["no_crash", "no_5xx", "nothing_lost", "malformed_get_4xx", "valid_re
 def test_short_soak_verdict_holds(short_soak, verdict):
     value = short_soak["verdicts"][verdict]
     assert value is True or value == "not checked", (verdict, value, short_soak["findings"].get(verdict),
+                                                     short_soak["verdict_counts"].get(verdict),
                                                      short_soak["replay"], short_soak["salt_probes"])
 
 
@@ -85,3 +126,18 @@ def test_short_soak_injected_every_fault_family(short_soak):
     assert short_soak["malformed"]["sent"] >= 1 and short_soak["salt_probes"]["n"] >= 1
     assert short_soak["replay"]["n"] >= 1 and short_soak["totals"]["requests"] >= 30
 
+
+@pytest.mark.server
+def test_short_soak_sent_chat_traffic_and_its_probes(short_soak):
+    counts = short_soak["verdict_counts"]
+    # How sensitive each probe was (its control found a copy; its reset probe was armed) is in the JSON:
+    # a busy pool may evict a copy before the probe reads it, so the short run does not require it.
+    assert counts["zero_cross_scope_reuse"]["probes"] >= 1 and counts["no_estimates_after_reset"]["probes"] >= 1
+    assert counts["zero_foreign_agent_names"]["reports"] >= 10 and counts["zero_foreign_agent_names"]["scopes"] >= 2
+    assert counts["chat_hostile_answered"]["sent"] >= 1 and counts["no_5xx"]["chat_requests"] >= 10
+    assert counts["metrics_served"]["ok"] >= 1 and counts["memory_within_bounds"]["chat_polls"] >= 1
+    for verdict in ("metrics_served", "memory_within_bounds", "zero_cross_scope_reuse", "zero_foreign_agent_names",
+                    "chat_hostile_answered"):
+        assert short_soak["verdicts"][verdict] != "not checked", verdict
+    retraction = short_soak["retraction"]  # counted, not required
+    assert retraction["bursts"] and retraction["events"] >= 0

@@ -80,13 +80,11 @@ class Reply:
                    result=dict(data.get("result") or {}), rid=data.get("rid"))
 
 
-def execute(view: Any, op: str, *, slot: Optional[str] = None, tau: Optional[float] = None,
-            capacity: Optional[int] = None, rank: Optional[int] = None, mode: Optional[str] = None,
-            recompute_head: Optional[int] = None, staged: Optional[bool] = None) -> Reply:
+def execute(view: Any, op: str, *, slot: Optional[str] = None, **changes: Any) -> Reply:
     """Run one write on the cache's admin view (None: not a kvshare cache); never raises for bad input
     (it becomes a 4xx ``Reply``).
 
-    * ``configure``: ``view.configure`` (all or nothing; ``ValueError`` -> 422);
+    * ``configure``: ``view.configure(**changes)`` (all or nothing; ``ValueError`` -> 422);
       the result is the new config.
     * ``reset``: empties the anchor pools and materialization records of ``slot``
       (404 when the cache does not know it) or of every slot; the result is the
@@ -99,11 +97,12 @@ def execute(view: Any, op: str, *, slot: Optional[str] = None, tau: Optional[flo
                           "(start the server with --radix-cache-backend kvshare)")
     if op == "configure":
         try:
-            new = view.configure(tau=tau, capacity=capacity, rank=rank, mode=mode,
-                                          recompute_head=recompute_head, staged=staged)
+            new = view.configure(**changes)
         except (TypeError, ValueError) as exc:
             return Reply(422, str(exc))
         return Reply(200, "config applied", {"config": _plain(dataclasses.asdict(new))})
+    if changes:
+        return Reply(400, f"kvshare admin op {op!r} takes no {sorted(changes)}")
     if op == "pools":
         try:
             pools = view.pools(slot) if slot is not None else view.pools()

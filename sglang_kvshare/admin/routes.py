@@ -40,7 +40,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from sglang_kvshare.admin.channel import AdminChannel, ChannelError
-from sglang_kvshare.config import KVShareConfig, live_config, set_live_config
+from sglang_kvshare.config import RUNTIME_FIELDS, KVShareConfig, live_config, set_live_config
+from sglang_kvshare.guard.target import FidelityTarget
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ _CONFIG_FIELDS = {f.name for f in dataclasses.fields(KVShareConfig)}
 _channel: Optional[AdminChannel] = None
 _dp_size = 1  # the server's --dp-size, set by ``mount``
 _keyed = True  # the server has --admin-api-key or --api-key (set by ``mount``)
+_summaries: dict[str, Any] = {}  # name -> callable: more of the HTTP process's state in /kvshare/stats
 
 
 class ConfigUpdate(BaseModel):
@@ -71,19 +73,28 @@ class ConfigUpdate(BaseModel):
     recompute_head: Optional[int] = Field(None, ge=0, le=MAX_HEAD, strict=True,
                                           description=_HELP["recompute_head"])
     staged: Optional[bool] = Field(None, strict=True, description=_HELP["staged"])
+    verify_rate: Optional[float] = Field(None, ge=0.0, le=1.0, strict=True, allow_inf_nan=False,
+                                         description=_HELP["verify_rate"])
+    fidelity_target: Optional[str] = Field(None, max_length=64, description=_HELP["fidelity_target"]
+                                           + " An empty string clears it.")
+    fidelity_min_samples: Optional[int] = Field(None, ge=2, le=100000, strict=True,
+                                                description=_HELP["fidelity_min_samples"])
+    fault_perturb_slot: Optional[str] = Field(None, max_length=128, description=_HELP["fault_perturb_slot"]
+                                              + " An empty string clears it.")
 
     @model_validator(mode="after")
     def _not_empty(self) -> "ConfigUpdate":
         if not self.changes():
-            raise ValueError("nothing to change: give at least one of tau, capacity, rank, mode, "
-                             "recompute_head, staged")
+            raise ValueError(f"nothing to change: give at least one of {', '.join(RUNTIME_FIELDS)}")
+        if self.fidelity_target:
+            FidelityTarget.parse(self.fidelity_target)
         return self
 
     def changes(self) -> dict[str, Any]:
         return {k: v for k, v in self.model_dump().items() if v is not None}
 
 
-def _error(status: int, message: str, **extra: Any) -> JSONResponse:
+def error(status: int, message: str, **extra: Any) -> JSONResponse:
     """SGLang's error shape (``ErrorResponse``): object, message, type, code."""
     body = {"object": "error", "message": message, "type": HTTPStatus(status).phrase, "code": status, **extra}
     return JSONResponse(body, status_code=status)
@@ -100,7 +111,7 @@ async def _read() -> dict:
     return snaps[0]  # NOTE: dp_size 1; with several DP ranks the first one answers
 
 
-def _admin_auth(func):
+def admin_auth(func):
     """SGLang's ``ADMIN_OPTIONAL`` level: the admin key when set, else the API key, else open."""
     from sglang.srt.utils.auth import AuthLevel, auth_level
 
@@ -111,7 +122,7 @@ def _single_rank_error(what: str) -> Optional[JSONResponse]:
     """A 501 when the server runs several DP ranks (the RPC would reach one of them only)."""
     if _dp_size <= 1:
         return None
-    return _error(501, f"{what} is not available with --dp-size {_dp_size}: SGLang's RPC channel reaches one "
+    return error(501, f"{what} is not available with --dp-size {_dp_size}: SGLang's RPC channel reaches one "
                        f"data-parallel rank only, so the other {_dp_size - 1} would keep their old state. "
                        "Run one server per rank (--dp-size 1) to use the kvshare admin routes.",
                   dp_size=_dp_size)
@@ -130,18 +141,19 @@ async def get_stats():
     try:
         snap = await _read()
     except ChannelError as exc:
-        return _error(exc.status, str(exc))
-    return {"config": snap["config"], **snap["stats"]}
+        return error(exc.status, str(exc))
+    extra = {name: provider() for name, provider in _summaries.items()}
+    return {"config": snap["config"], **snap["stats"], **extra}
 
 
 _SINGLE_RANK = {501: {"description": "the server runs --dp-size > 1 (the call would reach one rank only)"}}
 
 
-def _unkeyed_write_error(op: str) -> Optional[JSONResponse]:
+def unkeyed_write_error(op: str) -> Optional[JSONResponse]:
     """A 403 for a write on a server without keys, unless the operator opened the writes."""
     if op == "pools" or _keyed or live_config().admin_open:
         return None
-    return _error(403, f"kvshare admin op {op!r} needs a key: start the server with --admin-api-key KEY (or "
+    return error(403, f"kvshare admin op {op!r} needs a key: start the server with --admin-api-key KEY (or "
                        "--api-key KEY) and send it as 'Authorization: Bearer KEY', or allow writes without a key "
                        "with --kvshare-admin-open true")
 
@@ -149,15 +161,15 @@ def _unkeyed_write_error(op: str) -> Optional[JSONResponse]:
 async def _call(op: str, **params: Any) -> JSONResponse:
     """Run one op in the scheduler over the RPC channel; a 501 with several DP ranks, a 403 for an
     unkeyed write unless writes are open."""
-    refused = _unkeyed_write_error(op) or _single_rank_error(f"kvshare admin op {op!r}")
+    refused = unkeyed_write_error(op) or _single_rank_error(f"kvshare admin op {op!r}")
     if refused is not None:
         return refused
     try:
         reply = await _channel_or_error().call(op, **{k: v for k, v in params.items() if v is not None})
     except ChannelError as exc:
-        return _error(exc.status, str(exc))
+        return error(exc.status, str(exc))
     if not reply.ok:
-        return _error(reply.status, reply.message)
+        return error(reply.status, reply.message)
     if op == "configure" and "config" in reply.result:
         # The HTTP process follows the switch (the chat layer and validation read live_config()).
         set_live_config(KVShareConfig(**{k: v for k, v in reply.result["config"].items()
@@ -166,7 +178,7 @@ async def _call(op: str, **params: Any) -> JSONResponse:
 
 
 @router.get("/pools", responses={**_ERRORS, **_SINGLE_RANK}, summary="Anchor pools of every slot")
-@_admin_auth
+@admin_auth
 async def get_pools():
     """Per slot, each anchor: id, length, age, activations, consumers/edges, rank, bytes."""
     response = await _call("pools")
@@ -177,7 +189,7 @@ async def get_pools():
 
 @router.get("/pools/{slot:path}", responses={**_ERRORS, **_SINGLE_RANK, 404: {"description": "unknown slot"}},
             summary="Anchor pool of one slot")
-@_admin_auth
+@admin_auth
 async def get_pool(slot: str):
     response = await _call("pools", slot=slot)
     if response.status_code == 200:
@@ -192,7 +204,7 @@ _CONFIG_BODY = {"requestBody": {"required": True, "content": {
 @router.post("/config", openapi_extra=_CONFIG_BODY,
              responses={**_ERRORS, **_SINGLE_RANK, 422: {"description": "invalid body; `message` says what to fix"}},
              summary="Change tau, capacity, rank or mode, atomically")
-@_admin_auth
+@admin_auth
 async def post_config(request: Request):
     """Validate and apply the change in the scheduler between two batches (all or
     nothing); answers the new config. The next request runs under it."""
@@ -200,38 +212,41 @@ async def post_config(request: Request):
     try:
         data = json.loads(raw) if raw.strip() else None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        return _error(422, f"body is not valid JSON: {exc}")
+        return error(422, f"body is not valid JSON: {exc}")
     if not isinstance(data, dict):
-        return _error(422, "body must be a JSON object with at least one of tau, capacity, rank, mode")
+        return error(422, "body must be a JSON object with at least one of tau, capacity, rank, mode")
     try:
         update = ConfigUpdate.model_validate(data)
     except ValidationError as exc:
         errors = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
         message = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in errors[:5])
-        return _error(422, f"invalid kvshare config: {message}", errors=errors)
+        return error(422, f"invalid kvshare config: {message}", errors=errors)
     return await _call("configure", **update.changes())
 
 
 @router.post("/pools/{slot:path}/reset", responses={**_ERRORS, **_SINGLE_RANK, 404: {"description": "unknown slot"}},
              summary="Empty one slot's anchor pool and records")
-@_admin_auth
+@admin_auth
 async def reset_pool(slot: str):
     return await _call("reset", slot=slot)
 
 
 @router.post("/reset", responses={**_ERRORS, **_SINGLE_RANK}, summary="Empty every anchor pool and record")
-@_admin_auth
+@admin_auth
 async def reset_all():
     return await _call("reset")
 
 
 # ------------------------------------------------------------ mounting
-def mount(app: Any, tokenizer_manager: Any, rpc_endpoint: str, *, dp_size: int = 1, keyed: bool = True) -> None:
+def mount(app: Any, tokenizer_manager: Any, rpc_endpoint: str, *, dp_size: int = 1, keyed: bool = True,
+          summaries: Optional[dict[str, Any]] = None) -> None:
     """Add the routes to ``app`` and open the channel (idempotent).
 
     ``dp_size`` is the server's ``--dp-size``: above 1 the RPC routes answer 501.
     ``keyed``: the server has an API or admin key; without one the writes answer
     403 unless ``--kvshare-admin-open`` (``KVShareConfig.admin_open``).
+    ``summaries``: name -> callable returning a dict that ``GET /kvshare/stats``
+    adds under that name (the fidelity guard's summary).
 
     NOTE: each route is added to the app itself, not through
     ``app.include_router``: FastAPI >= 0.165 keeps an included router as one
@@ -243,6 +258,8 @@ def mount(app: Any, tokenizer_manager: Any, rpc_endpoint: str, *, dp_size: int =
     _channel = AdminChannel(tokenizer_manager, rpc_endpoint)
     _dp_size = int(dp_size or 1)
     _keyed = keyed
+    _summaries.clear()
+    _summaries.update(summaries or {})
     mounted = {getattr(r, "path", None) for r in app.router.routes}
     for route in router.routes:
         if route.path in mounted:

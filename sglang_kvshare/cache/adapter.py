@@ -202,12 +202,13 @@ class KVShareRadixCache(RadixCache):
         config = self.state.config
         records = self.registry.namespace(plan.namespace)
         generation = self.registry.generation
-        head = config.recompute_head
+        head = max(config.recompute_head, plan.annotation.recompute_head or 0)
         locks = [node]
         self.inc_lock_ref(node)
         try:
             pieces = resolve_segments(self.resolver, records, plan, m, limit, locks, generation, head)
-            last = write_and_insert(self, self.state.spec, self.counters, plan, node, m, pieces) if pieces else node
+            last = (write_and_insert(self, self.state.spec, self.counters, plan, node, m, pieces,
+                                     config.fault_perturb_slot) if pieces else node)
         finally:
             for held in locks:
                 self.dec_lock_ref(held)

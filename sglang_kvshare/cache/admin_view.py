@@ -17,7 +17,7 @@ import dataclasses
 from typing import Any, Hashable, Optional
 
 from sglang_kvshare.cache.parts import CacheParts
-from sglang_kvshare.config import KVShareConfig
+from sglang_kvshare.config import RUNTIME_FIELDS, KVShareConfig
 
 DEFAULT_NAMESPACE = (None, None, None)
 
@@ -105,19 +105,21 @@ class AdminView:
         return {name: pools.get(name, []) for name in sorted(known)}
 
     # ------------------------------------------------------------ writes
-    def configure(self, *, tau: Optional[float] = None, capacity: Optional[int] = None,
-                  rank: Optional[int] = None, mode: Optional[str] = None,
-                  recompute_head: Optional[int] = None, staged: Optional[bool] = None) -> KVShareConfig:
+    def configure(self, **changes: Any) -> KVShareConfig:
         """Apply a validated change atomically (all or nothing); returns the new config.
 
+        The names are ``RUNTIME_FIELDS``; None keeps a value, and an empty string
+        clears an optional text setting (``fidelity_target``, ``fault_perturb_slot``).
         ``recompute_head`` and ``staged`` apply to requests admitted from now on.
         ``mode`` may switch among ``off``, ``fullshared`` and ``kvcmas`` at runtime,
         under the same checks as the launch (page size 1; kvcmas needs TP 1);
         switching between fullshared and kvcmas starts with empty pools.
         Raises ``ValueError`` with what to change.
         """
-        changes = {k: v for k, v in dict(tau=tau, capacity=capacity, rank=rank, mode=mode,
-                                         recompute_head=recompute_head, staged=staged).items() if v is not None}
+        unknown = sorted(set(changes) - set(RUNTIME_FIELDS))
+        if unknown:
+            raise ValueError(f"not settable at runtime: {unknown}; settable: {list(RUNTIME_FIELDS)}")
+        changes = {k: (None if v == "" else v) for k, v in changes.items() if v is not None}
         new = self.parts.state.config.replace(**changes)  # validates; raises ValueError
         with self.parts.state.lock:
             if self.parts.state.apply(new):

@@ -19,11 +19,10 @@ installs them. Why these hooks (all on ``OpenAIServingChat`` unless named):
   warm the agent's private prefix once (a ``max_new_tokens=0`` request, as the
   frontend does: the cache places shared segments only behind a prefix it
   holds), then add the report to the response (top-level ``kvshare``; for a
-  stream one extra chunk with no choices before ``[DONE]``, explicit mode only)
-  and remember the answer's generated ids (``chat.outputs``).
-* AROUND ``TokenizerManager.generate_request``: for our requests only, taps the
-  outputs (meta_info report, output ids, text) as they pass; every other
-  request gets SGLang's generator untouched.
+  stream, its final chunk) and remember the answer's generated ids (``chat.outputs``).
+* The outputs of our requests (report, output ids, text) are read as they pass
+  by ``_Track.observe``, called from the one ``generate_request`` hook
+  (``server/outputs.py``).
 
 What is never changed: requests without the field when ``--kvshare-auto`` is
 off; ``lora_path``, ``extra_key`` and ``cache_salt`` (passed through, also to the
@@ -487,18 +486,13 @@ def _with_report_chunk(chunk: str, report: dict) -> str:
     return f"data: {with_field(_chunk_payload(chunk), REQUEST_KEY, report)}\n\n"
 
 
-def around_generate(original, self, obj, request=None):
-    """Tap the outputs of annotated requests (chat and ``/generate``); every other request gets SGLang's
-    generator itself."""
-    track = _tracks.get(id(obj))
-    if track is None and not _annotated(obj):
-        return original(self, obj, request)
-    # NOTE: SGLang sends deltas only for streams on a server with incremental streaming output.
-    incremental = bool(getattr(self, "incremental_streaming_output", False)) and bool(getattr(obj, "stream", False))
-    return _tap(original(self, obj, request), track, incremental)
+def track_for(obj: Any) -> Optional[_Track]:
+    """The chat layer's track of an internal request it annotated, else None."""
+    return _tracks.get(id(obj))
 
 
-def _annotated(obj: Any) -> bool:
+def annotated(obj: Any) -> bool:
+    """The request carries a kvshare annotation (a chat request kvshare annotated, or an annotated ``/generate``)."""
     sampling = getattr(obj, "sampling_params", None)
     custom = sampling.get("custom_params") if isinstance(sampling, dict) else None
     return isinstance(custom, dict) and CUSTOM_PARAMS_KEY in custom
@@ -520,18 +514,6 @@ def exact_cached_tokens(meta: dict) -> None:
     report = reports[0]
     approx = sum(int(report.get(k) or 0) for k in ("tokens_aligned", "tokens_corrected", "tokens_estimate_hit"))
     meta["cached_tokens"] = max(0, cached - approx)
-
-
-async def _tap(generator, track: Optional[_Track], incremental: bool):
-    try:
-        async for out in generator:
-            if isinstance(out, dict):
-                exact_cached_tokens(out.get("meta_info") or {})
-                if track is not None:
-                    track.observe(out, incremental)
-            yield out
-    finally:
-        await generator.aclose()
 
 
 # ---------------------------------------------------------------- stats route

@@ -8,12 +8,18 @@ settings, from the server's own (its ``--kvshare-recompute-head``) through
 longer heads to ``dense`` (no reuse at all):
 
 * tighten one step when the 95 % interval of the scope's estimate lies wholly
-  on the wrong side of the target (``FidelityTarget.missed``);
+  on the wrong side of the target (``FidelityTarget.missed``), straight to
+  ``dense`` when it misses by far (``severe``: a broken scope, which no head
+  fixes, is caught within ``min_samples`` verified requests);
 * relax one step when it lies wholly on the right side by a margin
   (``met_with_margin``) and at least twice the minimum samples back it;
 * otherwise stay. Every change starts the scope's estimates afresh (they
   measured the old setting), and samples of requests served under another
   setting than the current one are dropped as stale.
+
+A ``dense`` scope serves no approximation, so it has nothing to measure: the
+guard serves a small share of its requests under the next looser setting as
+probes (``probe_setting``), and those samples decide whether it relaxes.
 
 So a scope moves only on evidence (``min_samples`` verified requests at the
 least), never back and forth on noise (a relax needs more evidence and a
@@ -65,6 +71,9 @@ class ScopeState:
         self.top1 = RunningEstimate(0.0, 1.0)
         self.kl = RunningEstimate(0.0, float("inf"))
 
+    def estimate(self, metric: str) -> RunningEstimate:
+        return self.top1 if metric == "top1" else self.kl
+
 
 class Controller:
     """Per-scope estimates and settings; not thread-safe (one owner: the guard's worker)."""
@@ -111,11 +120,20 @@ class Controller:
         self._scopes.move_to_end(scope)
         return state
 
+    def probe_setting(self, scope: Hashable) -> Optional[int]:
+        """For a ``dense`` scope the controller moved there: the setting its probes are served under."""
+        state = self._scopes.get(scope)
+        if state is None or state.pinned is not None or self.settings[state.level] != DENSE or state.level == 0:
+            return None
+        return self.settings[state.level - 1]
+
     def observe(self, scope: Hashable, served_under: int, fidelity: RequestFidelity) -> Optional[Action]:
         """Add one verified request of ``scope`` served under ``served_under``; the setting change it causes."""
         state = self._state(scope)
-        if served_under != self.setting(scope):
-            self.counters["stale_samples"] += 1  # measured a setting the scope has left
+        probe = self.probe_setting(scope)
+        if served_under != (probe if probe is not None else self.setting(scope)):
+            # Measured a setting the scope has left (or dense itself, whose probes decide instead).
+            self.counters["stale_samples"] += 1
             return None
         state.samples += 1
         state.top1.add(fidelity.top1)
@@ -123,11 +141,13 @@ class Controller:
         self.counters["samples"] += 1
         if self.target is None or state.pinned is not None or state.top1.n < self.min_samples:
             return None
-        est = state.top1 if self.target.metric == "top1" else state.kl
-        if self.target.missed(est) and state.level < len(self.settings) - 1:
-            return self._move(scope, state, +1, "target_missed")
-        if (state.level > 0 and est.n >= 2 * self.min_samples
-                and self.target.met_with_margin(est, self.margin)):
+        interval = state.estimate(self.target.metric).interval()
+        last = len(self.settings) - 1
+        if self.target.missed(interval) and state.level < last:
+            step = last - state.level if self.target.severe(interval) else 1
+            return self._move(scope, state, step, "target_missed")
+        if (state.level > 0 and state.top1.n >= 2 * self.min_samples
+                and self.target.met_with_margin(interval, self.margin)):
             return self._move(scope, state, -1, "met_with_margin")
         return None
 

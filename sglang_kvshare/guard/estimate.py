@@ -45,5 +45,7 @@ class RunningEstimate:
         return max(self.lo, self.mean - half), min(self.hi, self.mean + half)
 
     def as_dict(self) -> dict:
+        """Plain JSON: an unbounded end of the interval is null."""
         low, high = self.interval()
-        return {"n": self.n, "mean": None if self.n == 0 else self.mean, "ci95": [low, high]}
+        return {"n": self.n, "mean": None if self.n == 0 else self.mean,
+                "ci95": [v if math.isfinite(v) else None for v in (low, high)]}

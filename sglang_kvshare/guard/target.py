@@ -1,4 +1,7 @@
-"""The fidelity target a server keeps (``--kvshare-fidelity-target``): ``top1>=0.99`` or ``kl<=0.01``."""
+"""The fidelity target a server keeps (``--kvshare-fidelity-target``): ``top1>=0.99`` or ``kl<=0.01``.
+
+No imports of the rest: the config validates the flag with it at launch.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +9,6 @@ import math
 import re
 from dataclasses import dataclass
 from typing import Literal
-
-from sglang_kvshare.guard.estimate import RunningEstimate
 
 Metric = Literal["top1", "kl"]
 _FORMS = {"top1": ">=", "kl": "<="}
@@ -39,14 +40,19 @@ class FidelityTarget:
     def __str__(self) -> str:
         return f"{self.metric}{_FORMS[self.metric]}{self.bound:g}"
 
-    def missed(self, est: RunningEstimate) -> bool:
-        """The whole interval is on the wrong side: the scope misses the target."""
-        low, high = est.interval()
+    def missed(self, interval: tuple[float, float]) -> bool:
+        """The whole 95 % interval ``(low, high)`` is on the wrong side: the scope misses the target."""
+        low, high = interval
         return high < self.bound if self.metric == "top1" else low > self.bound
 
-    def met_with_margin(self, est: RunningEstimate, margin: float) -> bool:
+    def severe(self, interval: tuple[float, float]) -> bool:
+        """Missed by far (top-1 below 90 % of the bound, or KL above twice it): no head will fix it."""
+        low, high = interval
+        return high < 0.9 * self.bound if self.metric == "top1" else low > 2.0 * self.bound
+
+    def met_with_margin(self, interval: tuple[float, float], margin: float) -> bool:
         """The whole interval is on the right side by ``margin`` (of the distance to the metric's ideal)."""
-        low, high = est.interval()
+        low, high = interval
         if self.metric == "top1":
             return low >= self.bound + margin * (1.0 - self.bound)
         return high <= self.bound * (1.0 - margin)

@@ -70,6 +70,8 @@ def add_kvshare_args(parser: argparse.ArgumentParser) -> None:
                                help=f"{help_text} (default: {str(default).lower()})")
         elif "int" in kind:
             group.add_argument(flag, type=int, default=default, help=f"{help_text} (default: {default})")
+        elif "str" in kind:
+            group.add_argument(flag, type=str, default=default, help=f"{help_text} (default: {default})")
         else:
             group.add_argument(flag, type=float, default=default, help=f"{help_text} (default: {default})")
 

@@ -96,9 +96,10 @@ HTTP_HOOKS: tuple[Hook, ...] = (
     Hook(Target(f"{_SERVING}._handle_streaming_request", "warm-up and the report chunk of a stream",
                 params=("self", "adapted_request", "request", "raw_request")),
          "around", "sglang_kvshare.chat.hooks:around_streaming", "http"),
-    Hook(Target(f"{_TOKENIZER}.generate_request", "taps the outputs of annotated chat requests",
+    Hook(Target(f"{_TOKENIZER}.generate_request", "the outputs of annotated requests: the fidelity guard, "
+                "cached_tokens, the chat layer's answers",
                 params=("self", "obj", "request")),
-         "around", "sglang_kvshare.chat.hooks:around_generate", "http"),
+         "around", "sglang_kvshare.server.outputs:around_generate", "http"),
     Hook(SETUP_HTTP_SERVER, "before", "sglang_kvshare.server.http_routes:before_setup_http_server", "http"),
 )
 
@@ -191,6 +192,10 @@ CALLS: tuple[Target, ...] = (
     Target("sglang.srt.managers.schedule_policy.AddReqResult", "a staged request waits a round",
            attrs=("CONTINUE",)),
     Target(f"{_TOKENIZER}.get_internal_state", "the admin read channel", params=("self",)),
+    Target(_TOKENIZER, "the fidelity guard sends its references only while no request is in flight, and "
+           "exports its metrics where SGLang does", attrs=("rid_to_state", "enable_metrics")),
+    Target("sglang.srt.managers.io_struct.GenerateReqInput", "the guard's reference and its logprobs",
+           attrs=("return_logprob", "logprob_start_len", "top_logprobs_num")),
     Target("sglang.srt.managers.io_struct.RpcReqInput", "the admin write channel",
            attrs=("method", "parameters", "rid")),
     Target("sglang.srt.managers.io_struct.RpcReqOutput", "its answer", attrs=("success", "message", "rid")),
@@ -240,8 +245,8 @@ def _has_attr(cls: type, name: str) -> bool:
         return True
     if hasattr(cls, name):
         return True
-    try:  # an attribute set in __init__ (a plain class such as TreeNode)
-        return re.search(rf"self\.{re.escape(name)}\s*[:=]", inspect.getsource(cls.__init__)) is not None
+    try:  # an attribute a method of the class sets (TreeNode in __init__, TokenizerManager in its init helpers)
+        return re.search(rf"self\.{re.escape(name)}\s*[:=]", inspect.getsource(cls)) is not None
     except (OSError, TypeError):
         return False
 

@@ -81,6 +81,7 @@ def test_the_mount_hook_reads_dp_size_from_the_server_args(monkeypatch):
         r = TestClient(app).post("/kvshare/reset")
         assert r.status_code == 501 and "--dp-size 3" in r.json()["message"]
         assert TestClient(app).get("/kvshare/chat").status_code == 200  # the chat layer's stats route too
+        assert "per_scope" in TestClient(app).get("/kvshare/fidelity").json()  # and the fidelity guard's
         http_routes.before_setup_http_server(SimpleNamespace(radix_cache_backend=None), object(), None, port_args)
     finally:
         routes.mount(FastAPI(), tokenizer_manager=None, rpc_endpoint="ipc:///nonexistent")
@@ -114,7 +115,7 @@ def test_writes_on_a_server_without_keys_need_the_operator_to_open_them(method, 
         body = {"tau": 0.5} if path.endswith("/config") else None
         r = TestClient(app).request(method, path, json=body)
         assert r.status_code == 403 and "--kvshare-admin-open" in r.json()["message"], r.text
-        assert admin_routes._unkeyed_write_error("pools") is None  # reads follow SGLang's key rules only
+        assert admin_routes.unkeyed_write_error("pools") is None  # reads follow SGLang's key rules only
         from sglang_kvshare.admin.ops import Reply
 
         class Channel:  # stands for the scheduler: answers every op

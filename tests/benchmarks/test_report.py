@@ -42,7 +42,7 @@ def test_the_report_is_deterministic():
 
 
 def test_every_canonical_file_records_command_machine_date_and_revision():
-    for entry in report.REGISTRY:
+    for entry in report.present():
         meta = report.load(entry)["meta"]
         assert isinstance(meta["command"], str) and meta["command"].startswith("python -m "), entry.file
         assert meta["machine"], entry.file
@@ -63,7 +63,7 @@ def test_the_report_holds_no_process_words():
 def _copy_of_results(tmp_path: Path, without: str = "") -> Path:
     folder = tmp_path / "results"
     folder.mkdir()
-    for entry in report.REGISTRY:
+    for entry in report.present():
         if entry.file != without:
             (folder / entry.file).symlink_to(report.RESULTS / entry.file)
     return folder
@@ -74,6 +74,16 @@ def test_a_missing_canonical_file_is_an_error_naming_it(tmp_path):
     with pytest.raises(report.ReportError, match=r"serving\.json.*missing"):
         report.render(folder)
     assert report.main(["--check", "--results", str(folder)]) == 2
+
+
+def test_an_optional_entry_is_left_out_while_its_file_is_missing(tmp_path):
+    optional = [entry for entry in report.REGISTRY if entry.optional]
+    assert optional, "the registry has no optional entry to check"
+    folder = _copy_of_results(tmp_path, without=optional[0].file)
+    (folder / optional[0].file).unlink(missing_ok=True)
+    text = report.render(folder)
+    assert f"## {optional[0].name}\n" not in text and f"[{optional[0].name}](#" not in text
+    assert optional[0].file not in report.canonical_files(folder)
 
 
 def test_a_malformed_canonical_file_is_an_error_naming_it(tmp_path):

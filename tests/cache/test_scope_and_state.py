@@ -137,3 +137,29 @@ def test_memory_budgets_shrink_to_what_the_device_has_free():
     fitted = fit_memory_budget(config, free_bytes=1 * 2**30)  # 1 GiB free: at most half of it
     assert fitted.pool_budget_mb + fitted.learn_queue_mb <= 512.0 + 1e-6
     assert fitted.pool_budget_mb / fitted.learn_queue_mb == config.pool_budget_mb / config.learn_queue_mb
+
+
+def test_the_fault_switch_perturbs_only_its_slot_and_a_request_may_ask_for_a_longer_head():
+    from tests.cache.fakes import LAYERS
+
+    sched = MiniScheduler(make_cache("fullshared"))
+    cache = sched.cache
+    sched.run(annotated("A"))
+    warm(sched, "B")
+    clean = annotated("B")
+    sched.run(clean)
+    cache.kvshare_admin.configure(fault_perturb_slot="query")  # a new epoch: assembled afresh below
+    warm(sched, "C")
+    bad = annotated("C")
+    sched.run(bad)
+    assert cache.counters.get("fault_perturbed_tokens") == len(QUERY)
+    cache.kvshare_admin.configure(fault_perturb_slot="")  # cleared
+    assert cache.kvshare_config.fault_perturb_slot is None
+    req = annotated("B")
+    ann = json.loads(req.custom_params["kvshare"])
+    ann["recompute_head"] = 6  # the guard asks for more fidelity for this request only
+    asked = FakeReq(req.origin_input_ids, custom_params={"kvshare": json.dumps(ann)})
+    sched.run(asked)
+    seg = asked.report()["segments"][1]
+    assert seg["head_recomputed"] == 6 and seg["resolved_tokens"] == len(QUERY) - 6
+    assert LAYERS

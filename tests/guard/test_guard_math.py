@@ -101,3 +101,27 @@ def test_scopes_are_bounded():
     for i in range(10):
         ctl.observe(f"s{i}", 0, RequestFidelity(4, 1.0, 0.0))
     assert len(ctl.scopes()) == 3 and ctl.counters["scopes_dropped"] == 7
+
+
+def test_a_broken_scope_goes_dense_within_the_minimum_samples_and_probes_to_come_back():
+    ctl = Controller(FidelityTarget.parse("top1>=0.9"), ladder(0), min_samples=20)
+    actions = _feed(ctl, "broken", 0.3, 20)
+    assert [a.after for a in actions] == [DENSE] and ctl.setting("broken") == DENSE  # one step, 20 samples
+    assert ctl.probe_setting("broken") == 64
+    assert ctl.observe("broken", DENSE, RequestFidelity(8, 1.0, 0.0)) is None  # dense serves nothing to measure
+    assert ctl.counters["stale_samples"] == 1
+    relaxed = []
+    for _ in range(40):  # fixed since: the probes under the next looser setting are good
+        action = ctl.observe("broken", 64, RequestFidelity(16, 1.0, 0.0))
+        relaxed += [action] if action else []
+    assert relaxed and relaxed[0].reason == "met_with_margin" and ctl.setting("broken") == 64
+
+
+def test_estimates_serialize_as_plain_json():
+    import json
+
+    est = RunningEstimate(0.0, float("inf"))
+    json.dumps(est.as_dict(), allow_nan=False)  # no sample yet: the open end is null, not Infinity
+    est.add(0.1)
+    est.add(0.3)
+    assert json.loads(json.dumps(est.as_dict(), allow_nan=False))["n"] == 2

@@ -1,0 +1,358 @@
+"""The fidelity guard in the HTTP process: sample, verify against a dense reference, keep each scope on target.
+
+For an annotated request (``/generate`` with an annotation, or a chat request
+kvshare annotated), ``Guard.prepare`` runs before SGLang sees it:
+
+* it applies the request's scope setting (``controller``): a longer recomputed
+  head (``recompute_head`` in the annotation) or ``dense`` (every shared
+  segment ``reuse: false``);
+* with probability ``--kvshare-verify-rate`` it asks SGLang for the request's
+  own top-k next-token distributions (``return_logprob``, ``top_logprobs_num``),
+  which the response does not carry unless the client asked for them.
+
+The returned ``Collector`` watches the outputs as they pass, adds the guard's
+part to the report (``kvshare.guard``: scope, setting, whether verified) and,
+once the answer is finished and was served approximated KV, queues a job. A
+single worker takes the jobs one at a time, waits until no user request is in
+flight (at most ``IDLE_WAIT_S``), and sends the reference: the same prompt
+plus the generated tokens, as a plain request (exact KV only: an unannotated
+request never meets an estimate) with ``max_new_tokens=0`` and the input
+top-k logprobs from the last prompt token on. ``measure.compare`` scores the
+served distributions against it; the controller updates the scope's estimates
+and may change its setting. The reference never delays a user's response, is
+never an estimate, and waits in a bounded queue (a full one drops, counted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import random
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Optional
+
+from sglang_kvshare.config import KVShareConfig, live_config
+from sglang_kvshare.guard.controller import DENSE, Action, Controller, ladder, setting_name
+from sglang_kvshare.guard.measure import compare
+from sglang_kvshare.guard.target import FidelityTarget
+from sglang_kvshare.protocol import CUSTOM_PARAMS_KEY, AnnotationError, parse_annotation
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 30.0  # a reference waits at most this long for no user request to be in flight
+LOGPROB_KEYS = ("output_token_logprobs", "output_top_logprobs", "input_token_logprobs", "input_top_logprobs",
+                "output_token_ids_logprobs", "input_token_ids_logprobs")
+TOKEN_BYTES = 36  # a token id in a Python list: the int object and its pointer
+ROW_BYTES = 160  # one (logprob, token id, text) entry of a top-k row
+APPROXIMATED = ("tokens_aligned", "tokens_corrected", "tokens_estimate_hit")
+
+
+@dataclass
+class Job:
+    """One verified request: what it was served and what the reference needs."""
+
+    scope: Hashable
+    setting: int
+    prompt: list[int]
+    output: list[int]
+    served: list
+    manager: Any  # SGLang's TokenizerManager, which sends the reference
+    lora_path: Any = None
+    extra_key: Optional[str] = None
+    cache_salt: Optional[str] = None
+
+    @property
+    def approx_bytes(self) -> int:
+        """What the job holds in Python objects, roughly: token ids and the served top-k rows."""
+        return TOKEN_BYTES * (len(self.prompt) + len(self.output)) + ROW_BYTES * sum(len(r or ()) for r in self.served)
+
+
+@dataclass
+class Collector:
+    """One annotated request's outputs as they pass; see the module docstring."""
+
+    guard: "Guard"
+    scope: Hashable
+    display: str
+    setting: int
+    prompt: Optional[list[int]]
+    sampled: bool
+    strip: bool
+    obj: Any
+    manager: Any
+    probe: bool = False  # a request of a dense scope served under the next looser setting
+    finished: bool = False
+    approximated: int = 0
+    _dists: list = field(default_factory=list)
+    _ids: list = field(default_factory=list)
+
+    def observe(self, out: dict, incremental: bool) -> None:
+        meta = out.get("meta_info") or {}
+        reports = meta.get("kvshare")
+        if reports and isinstance(reports[0], dict):
+            report = reports[0]
+            report["guard"] = {"scope": self.display, "setting": setting_name(self.setting),
+                               "verified": self.sampled, "probe": self.probe}
+            self.approximated = sum(int(report.get(k) or 0) for k in APPROXIMATED)
+        if self.sampled:
+            for parts, value in ((self._dists, meta.get("output_top_logprobs")), (self._ids, out.get("output_ids"))):
+                if value is not None:
+                    if incremental:
+                        parts.append(list(value))
+                    else:
+                        parts[:] = [value]
+        if self.strip:
+            for key in LOGPROB_KEYS:
+                meta.pop(key, None)
+        if meta.get("finish_reason") is not None:
+            self.finished = True
+
+    def finish(self) -> None:
+        """Queue the verification when the answer is complete and was served approximated KV."""
+        if not (self.sampled and self.finished and self.approximated and self.prompt):
+            return
+        output = [int(t) for part in self._ids for t in part]
+        served = [row for part in self._dists for row in part]
+        if not output or len(served) < len(output):
+            self.guard.counters["verify_incomplete"] += 1
+            return
+        obj = self.obj
+        self.guard.enqueue(Job(self.scope, self.setting, list(self.prompt), output, served[:len(output)],
+                               self.manager, getattr(obj, "lora_path", None), getattr(obj, "extra_key", None),
+                               getattr(obj, "cache_salt", None)))
+
+
+class Guard:
+    """The HTTP process's guard: the controller, the sampler, the queue and its worker."""
+
+    def __init__(self, seed: Optional[int] = None) -> None:
+        self.counters: dict[str, int] = defaultdict(int)
+        self._rng = random.Random(seed)
+        self._key = os.urandom(16)
+        self._built_for: Optional[tuple] = None
+        self.controller: Optional[Controller] = None
+        self._queue: Optional[asyncio.Queue] = None
+        self._worker: Optional[asyncio.Task] = None
+        self._displays: dict[Hashable, str] = {}
+        self.last_actions: list[dict] = []
+        self._queued_bytes = 0
+        self._metrics: Any = None  # GuardMetrics where SGLang runs with --enable-metrics; False where not
+
+    # ------------------------------------------------------------ configuration
+    def _refresh(self, config: KVShareConfig) -> Controller:
+        """The controller for the settings in force (a change of head, target or samples starts afresh)."""
+        key = (config.recompute_head, config.fidelity_target)
+        if self.controller is not None and key == self._built_for:
+            self.controller.min_samples = config.fidelity_min_samples
+            return self.controller
+        if self.controller is None or key != self._built_for:
+            target = FidelityTarget.parse(config.fidelity_target) if config.fidelity_target else None
+            self.controller = Controller(target, ladder(config.recompute_head),
+                                         min_samples=config.fidelity_min_samples)
+            self._built_for = key
+        return self.controller
+
+    def _scope(self, obj: Any, agent: str) -> tuple[Hashable, str]:
+        namespace = (getattr(obj, "cache_salt", None), getattr(obj, "extra_key", None),
+                     json.dumps(getattr(obj, "lora_path", None), default=str))
+        scope = (namespace, agent)
+        display = self._displays.get(scope)
+        if display is None:
+            if namespace == (None, None, "null"):
+                display = agent
+            else:  # a keyed digest: the admin view tells namespaces apart without showing a salt
+                digest = hashlib.blake2b(repr(namespace).encode(), digest_size=4, key=self._key).hexdigest()
+                display = f"{agent}@{digest}"
+            self._displays[scope] = display
+            if len(self._displays) > 4 * (self.controller.max_scopes if self.controller else 256):
+                self._displays.clear()
+        return scope, display
+
+    # ------------------------------------------------------------ per request
+    def prepare(self, obj: Any, manager: Any) -> Optional[Collector]:
+        """Apply the scope's setting to an annotated request and decide whether to verify it; None to pass."""
+        config = live_config()
+        if config.mode == "off":
+            return None
+        sampling = getattr(obj, "sampling_params", None)
+        ids = getattr(obj, "input_ids", None)
+        if not isinstance(sampling, dict) or not isinstance(ids, list) or (ids and isinstance(ids[0], list)):
+            return None  # batches and text prompts: a token-span annotation needs its ids (validation answers)
+        custom = sampling.get("custom_params")
+        try:
+            ann = parse_annotation(custom, len(ids), config.max_segments)
+        except AnnotationError:
+            return None  # the validation hook answers with a 400
+        if ann is None:
+            return None
+        controller = self._refresh(config)
+        scope, display = self._scope(obj, ann.agent)
+        setting = controller.setting(scope)
+        draw = config.verify_rate > 0 and self._rng.random() < config.verify_rate
+        probe = controller.probe_setting(scope) if draw else None
+        if probe is not None:  # a dense scope: this request probes the next looser setting
+            setting = probe
+            self.counters["probes"] += 1
+        if setting != controller.settings[0]:
+            custom[CUSTOM_PARAMS_KEY] = _with_setting(ann, setting).to_custom_params()[CUSTOM_PARAMS_KEY]
+            self.counters[f"served_{'dense' if setting == DENSE else 'longer_head'}"] += 1
+        sampled, strip = False, False
+        if draw:
+            sampled, strip = _ask_logprobs(obj, config.verify_top_k)
+            self.counters["sampled" if sampled else "not_sampled_logprobs_taken"] += 1
+        return Collector(self, scope, display, setting, list(ids), sampled, strip, obj, manager,
+                         probe=probe is not None)
+
+    # ------------------------------------------------------------ the worker
+    def enqueue(self, job: Job) -> None:
+        if self._queue is None:
+            self._queue = asyncio.Queue()
+        if self._queue.qsize() >= live_config().verify_queue_max:
+            self.counters["dropped_queue_full"] += 1
+            return
+        self._queue.put_nowait(job)
+        self._queued_bytes += job.approx_bytes
+        self.counters["queued"] += 1
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while self._queue is not None and not self._queue.empty():
+            job = self._queue.get_nowait()
+            self._queued_bytes -= job.approx_bytes
+            try:
+                await self._verify(job.manager, job)
+            except Exception:  # noqa: BLE001 - a failed reference only costs one sample
+                logger.exception("sglang-kvshare: a fidelity reference failed")
+                self.counters["verify_errors"] += 1
+
+    async def _verify(self, manager: Any, job: Job) -> None:
+        from sglang.srt.managers.io_struct import GenerateReqInput
+
+        deadline = time.monotonic() + IDLE_WAIT_S
+        while getattr(manager, "rid_to_state", None) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # never beside a user's request while one is in flight
+        k = live_config().verify_top_k
+        obj = GenerateReqInput(input_ids=job.prompt + job.output, sampling_params={"max_new_tokens": 0},
+                               return_logprob=True, logprob_start_len=len(job.prompt) - 1, top_logprobs_num=k,
+                               lora_path=job.lora_path, extra_key=job.extra_key, cache_salt=job.cache_salt)
+        meta: dict = {}
+        async for out in manager.generate_request(obj, None):
+            meta = out.get("meta_info") or meta
+        reference = (meta.get("input_top_logprobs") or [])[1:]  # from the first generated token on
+        fidelity = compare(_pairs(job.served), _pairs(reference))
+        if fidelity is None:
+            self.counters["verify_empty"] += 1
+            return
+        self.counters["verified"] += 1
+        action = self.controller.observe(job.scope, job.setting, fidelity) if self.controller else None
+        if action is not None:
+            self._record(action)
+        if self._metrics is None:
+            self._metrics = _metrics_if_enabled(manager)
+        self._export()
+
+    def _export(self) -> None:
+        """Bring the Prometheus series up to date (after a verification or a pin; never per request)."""
+        if not self._metrics or self.controller is None:
+            return
+        controller = self.controller
+        per_scope = {self._displays.get(s, str(s)): v for s, v in controller.scopes().items()}
+        heads = {self._displays.get(s, str(s)): controller.setting(s) for s in controller.scopes()}
+        self._metrics.update(per_scope, heads, dict(self.counters), dict(controller.counters),
+                             0 if self._queue is None else self._queue.qsize())
+
+    def _record(self, action: Action) -> None:
+        self.counters[f"action_{action.reason}"] += 1
+        entry = {"scope": self._displays.get(action.scope, str(action.scope)), "from": setting_name(action.before),
+                 "to": setting_name(action.after), "reason": action.reason, "at": round(time.time(), 3)}
+        self.last_actions = (self.last_actions + [entry])[-32:]
+        logger.info("sglang-kvshare: fidelity guard: %s %s -> %s (%s)", entry["scope"], entry["from"], entry["to"],
+                    action.reason)
+
+    # ------------------------------------------------------------ admin
+    def snapshot(self) -> dict:
+        """``GET /kvshare/fidelity``: settings, per-scope estimates with 95 % intervals, actions, queue."""
+        config = live_config()
+        controller = self._refresh(config)
+        scopes = {self._displays.get(s, str(s)): v for s, v in controller.scopes().items()}
+        return {"verify_rate": config.verify_rate, "target": config.fidelity_target,
+                "settings": [setting_name(h) for h in controller.settings], **controller.snapshot(),
+                "queue": {"jobs": 0 if self._queue is None else self._queue.qsize(),
+                          "max": config.verify_queue_max, "approx_bytes": self._queued_bytes},
+                "counters": dict(self.counters), "recent_actions": list(self.last_actions), "per_scope": scopes}
+
+    def summary(self) -> dict:
+        """What ``/kvshare/stats`` shows of the guard."""
+        snap = self.snapshot()
+        out = {k: snap[k] for k in ("verify_rate", "target", "scopes", "actions", "queue", "counters")}
+        out["limits"] = {"queue_jobs": snap["queue"]["max"], "scopes": snap["max_scopes"]}
+        out["usage"] = {"queue_jobs": snap["queue"]["jobs"], "scopes": snap["scopes"]}
+        return out
+
+    def pin(self, display: str, setting: Optional[str]) -> dict:
+        """Pin the scope shown as ``display`` to ``setting`` (``dense``, ``headK``) or unpin it (None).
+
+        Raises ``KeyError`` for an unknown scope, ``ValueError`` for a bad setting.
+        """
+        controller = self._refresh(live_config())
+        scope = next((s for s, d in self._displays.items() if d == display and s in controller.scopes()), None)
+        if scope is None:
+            raise KeyError(display)
+        head = _parse_setting(setting)
+        action = controller.pin(scope, head)
+        self._record(action)
+        self._export()
+        return controller.scopes()[scope]
+
+
+def _metrics_if_enabled(manager: Any) -> Any:
+    """The guard's exporter where SGLang exports metrics (``--enable-metrics``), else False."""
+    if not getattr(manager, "enable_metrics", False):
+        return False
+    from sglang_kvshare.guard.metrics import GuardMetrics
+
+    return GuardMetrics()
+
+
+def _with_setting(ann: Any, setting: int) -> Any:
+    """The annotation served under ``setting``: every shared segment prefilled, or a longer head."""
+    if setting == DENSE:
+        segments = tuple(s.model_copy(update={"reuse": False}) if s.kind == "shared" else s for s in ann.segments)
+        return ann.model_copy(update={"segments": segments})
+    return ann.model_copy(update={"recompute_head": max(ann.recompute_head or 0, setting)})
+
+
+def _ask_logprobs(obj: Any, k: int) -> tuple[bool, bool]:
+    """Make SGLang return the request's top-k distributions; (can verify, strip them from the response)."""
+    if getattr(obj, "return_logprob", False):
+        if (getattr(obj, "top_logprobs_num", 0) or 0) < 1:
+            return False, False  # the client asked for logprobs without distributions: do not change its answer
+        return True, False
+    obj.return_logprob = True
+    obj.top_logprobs_num = k
+    obj.logprob_start_len = -1
+    return True, True
+
+
+def _pairs(rows: list) -> list:
+    """SGLang's top-logprob rows ``[(logprob, token_id, text), ...]`` as ``[(logprob, token_id), ...]``."""
+    return [[(row[0], row[1]) for row in pos] if pos else [] for pos in rows]
+
+
+def _parse_setting(setting: Optional[str]) -> Optional[int]:
+    if setting is None:
+        return None
+    if setting == "dense":
+        return DENSE
+    if setting.startswith("head") and setting[4:].isdigit():
+        return int(setting[4:])
+    raise ValueError(f"setting {setting!r}: use dense, headK (e.g. head16) or null to unpin")
+
+
+guard = Guard()

@@ -1,0 +1,113 @@
+"""The fidelity guard on the suite's real server: a perturbed scope is caught and made dense, the others keep
+their reuse, and the guard's state is visible and steerable through its routes."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import requests
+
+from sglang_kvshare.frontend.builder import build_request, private_part, shared_part
+from tests.servers import ADMIN_HEADERS, reconfigured, shared_server
+
+pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
+
+MIN_SAMPLES = 6
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+def _ask(server, tokenizer, agent, doc, slot):
+    system = f"<|im_start|>system\nYou are the {agent}; summarize the record in one line.<|im_end|>\n<|im_start|>user\n"
+    ids, custom = build_request(tokenizer, agent, [private_part(system), shared_part(doc, slot=slot),
+                                                   private_part("<|im_end|>\n<|im_start|>assistant\n")])
+    return server.generate(input_ids=ids, custom_params=custom, max_new_tokens=8)["meta_info"]["kvshare"][0]
+
+
+def _fidelity(server):
+    return requests.get(server.url + "/kvshare/fidelity", timeout=60, headers=ADMIN_HEADERS).json()
+
+
+def _drain(server, timeout=180.0):
+    """Wait until the guard's queue is empty and its verified count has settled."""
+    deadline, last = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        snap = _fidelity(server)
+        now = snap["counters"].get("verified", 0)
+        if snap["queue"]["jobs"] == 0 and now == last:
+            return snap
+        last = now
+        time.sleep(1.0)
+    return _fidelity(server)
+
+
+def _doc(kind: str, i: int) -> str:
+    return (f"Record {kind}-{i}: " + " ".join(f"station {kind}{i}-{j} measured {(i * 31 + j * 7) % 90} units."
+                                              for j in range(12)))
+
+
+def test_a_perturbed_scope_goes_dense_within_the_minimum_samples_and_the_others_keep_reuse(server_pool, tokenizer):
+    server = shared_server(server_pool)
+    with reconfigured(server, verify_rate=1.0, fidelity_target="top1>=0.8", fidelity_min_samples=MIN_SAMPLES,
+                      fault_perturb_slot="guard-bad"):
+        for i in range(MIN_SAMPLES + 2):
+            _ask(server, tokenizer, "guard-writer", _doc("bad", i), "guard-bad")  # dense: the first copy
+            victim = _ask(server, tokenizer, "guard-victim", _doc("bad", i), "guard-bad")  # aligned, then perturbed
+            _ask(server, tokenizer, "guard-writer", _doc("good", i), "guard-good")
+            reader = _ask(server, tokenizer, "guard-reader", _doc("good", i), "guard-good")  # aligned, intact
+            _drain(server)
+        snap = _drain(server)
+        scopes = snap["per_scope"]
+        assert scopes["guard-victim"]["setting"] == "dense", snap
+        assert scopes["guard-victim"]["samples"] <= 20  # caught within 20 verified requests
+        assert any(a["scope"] == "guard-victim" and a["to"] == "dense" and a["reason"] == "target_missed"
+                   for a in snap["recent_actions"])
+        assert scopes["guard-reader"]["setting"] == "head0"  # an intact scope keeps its reuse
+        # A verified request of a dense scope is a probe of the next looser setting, and its report says so.
+        probe = _ask(server, tokenizer, "guard-victim", _doc("bad", 98), "guard-bad")
+        assert probe["guard"]["probe"] and probe["guard"]["setting"] == "head64", probe
+        # Unverified, the victim is served dense, the reader still reuses; the reports say under which setting.
+        assert requests.post(server.url + "/kvshare/config", json={"verify_rate": 0.0}, timeout=60,
+                             headers=ADMIN_HEADERS).status_code == 200
+        victim = _ask(server, tokenizer, "guard-victim", _doc("bad", 99), "guard-bad")
+        _ask(server, tokenizer, "guard-writer", _doc("good", 99), "guard-good")
+        reader = _ask(server, tokenizer, "guard-reader", _doc("good", 99), "guard-good")
+        assert victim["guard"]["setting"] == "dense" and not victim["guard"]["probe"], victim
+        assert victim["tokens_aligned"] == 0
+        assert reader["guard"]["setting"] == "head0" and reader["shared_tokens_reused"] > 0
+        stats = requests.get(server.url + "/kvshare/stats", timeout=60).json()
+        assert stats["fidelity"]["actions"].get("target_missed", 0) >= 1  # counted, with its reason
+        # An operator can pin a scope (and undo it); bad input is a clear 4xx.
+        pin = requests.post(server.url + "/kvshare/fidelity/pin", json={"scope": "guard-victim", "setting": "head32"},
+                            timeout=60, headers=ADMIN_HEADERS)
+        assert pin.status_code == 200 and pin.json()["setting"] == "head32" and pin.json()["pinned"]
+        bad = requests.post(server.url + "/kvshare/fidelity/pin", json={"scope": "guard-victim", "setting": "fast"},
+                            timeout=60, headers=ADMIN_HEADERS)
+        assert bad.status_code == 422 and "head16" in bad.text
+        unknown = requests.post(server.url + "/kvshare/fidelity/pin", json={"scope": "nobody", "setting": None},
+                                timeout=60, headers=ADMIN_HEADERS)
+        assert unknown.status_code == 404
+        # Prometheus shows the scopes' settings and estimates (the HTTP process's series, merged by SGLang).
+        metrics = requests.get(server.url + "/metrics", timeout=60).text
+        assert 'sglang_kvshare_guard_setting_head{scope="guard-victim"} 32.0' in metrics
+        assert 'sglang_kvshare_guard_top1{bound="mean",scope="guard-reader"}' in metrics
+        assert 'sglang_kvshare_guard_actions_total{reason="target_missed"}' in metrics
+
+
+@pytest.mark.parametrize("change, fix", [({"verify_rate": 1.5}, "verify_rate"),
+                                         ({"fidelity_target": "top1>0.99"}, "top1>="),
+                                         ({"fidelity_min_samples": 1}, "fidelity_min_samples")])
+def test_bad_guard_settings_are_refused_and_change_nothing(server_pool, change, fix):
+    server = shared_server(server_pool)
+    before = requests.get(server.url + "/kvshare/fidelity", timeout=60, headers=ADMIN_HEADERS).json()
+    r = requests.post(server.url + "/kvshare/config", json=change, timeout=60, headers=ADMIN_HEADERS)
+    assert r.status_code == 422 and fix in r.text, r.text
+    after = requests.get(server.url + "/kvshare/fidelity", timeout=60, headers=ADMIN_HEADERS).json()
+    assert (after["verify_rate"], after["target"], after["min_samples"]) == \
+        (before["verify_rate"], before["target"], before["min_samples"])
