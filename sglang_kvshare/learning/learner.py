@@ -189,7 +189,8 @@ class Learner:
         return True
 
     def _fits_locked(self, nbytes: int) -> bool:
-        return self._queue.qsize() < self.max_jobs and self._bytes + nbytes <= self.max_bytes
+        # Jobs and bytes both count the observation being learned now: it still holds its copies.
+        return self._queue.unfinished_tasks < self.max_jobs and self._bytes + nbytes <= self.max_bytes
 
     def _fits(self, nbytes: int) -> bool:
         with self._bytes_lock:

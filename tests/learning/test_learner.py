@@ -176,3 +176,15 @@ def test_an_observation_that_would_not_fit_the_queue_is_dropped_before_it_is_cop
     assert learner.admit("query", "c1", "A", "B", nbytes=1000)
     assert not learner.admit("query", "c2", "A", "B", nbytes=4096)  # a 32K-token segment on a big model, say
     assert counters.get("observations_dropped_queue_full") == 1
+
+
+def test_the_job_bound_counts_the_observation_being_learned():
+    estimator = _SlowEstimator(busy=1.0)
+    learner, counters = _learner(estimator, asynchronous=True)
+    assert learner.submit(Observation("query", _cache(0, 0, "A"), _cache(0, 5, "B"), "c0"))
+    _wait_for(lambda: len(estimator.starts) == 1)  # the worker holds the first one now
+    accepted = sum(learner.submit(Observation("query", _cache(i, 0, "A"), _cache(i, 5, "B"), f"c{i}"))
+                   for i in range(1, 8))
+    assert accepted == learner.max_jobs - 1  # 4 held in all, what stats report as learn_queue_jobs
+    assert learner.pending() == learner.max_jobs
+    assert counters.get("observations_dropped_queue_full") == 7 - accepted
