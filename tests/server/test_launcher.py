@@ -30,6 +30,16 @@ def test_bad_kvshare_value_is_a_clear_cli_error():
         parse_kvshare(["--kvshare-mode", "kvcomm"])  # an offline baseline, never served
 
 
+@pytest.mark.parametrize("flag, value, says", [("--kvshare-verify-rate", "1.5", "verify_rate"),
+                                               ("--kvshare-fidelity-target", "top1>0.99", "top1>="),
+                                               ("--kvshare-fidelity-min-samples", "1", "fidelity_min_samples"),
+                                               ("--kvshare-verify-top-k", "50", "verify_top_k")])
+def test_bad_guard_flags_are_clear_cli_errors(capsys, flag, value, says):
+    with pytest.raises(SystemExit):
+        parse_kvshare([flag, value])
+    assert says in capsys.readouterr().err
+
+
 def test_the_launcher_serves_the_kvshare_backend_only():
     with pytest.raises(SystemExit, match="kvshare backend only"):
         main(["--model-path", "m", "--radix-cache-backend", "radix"])
