@@ -18,7 +18,8 @@ reader cannot tell which run a number came from. The output is deterministic
 (same JSON in, byte-identical markdown out: stable order, fixed float formats,
 no generation time), so ``--check`` and the test suite can hold docs/RESULTS.md
 to the committed JSON. A missing or malformed canonical file raises
-``ReportError`` naming the file.
+``ReportError`` naming the file; an entry marked ``optional`` (a benchmark not
+measured yet) is left out of the document while its file is missing.
 """
 
 from __future__ import annotations
@@ -114,6 +115,7 @@ class Benchmark:
     render: Callable[[Any], str]
     plot: Optional[Callable[[Any, Path], None]] = None
     results_png: bool = False  # the benchmark itself draws ``<file stem>.png`` beside its JSON
+    optional: bool = False  # not measured yet: the report leaves it out while its file is missing
 
     @property
     def is_json(self) -> bool:
@@ -272,6 +274,54 @@ def render_frontier(d: dict) -> str:
             f"warm-up samples per server), {off.get('teacher_forced_positions')} teacher-forced positions per arm, "
             f"{d['max_tokens']} tokens per answer, concurrency {d['concurrency']}, seed {d['seed']}. "
             f"Complete: {'yes' if d.get('complete') else 'no'}.\n\n" + table(header, rows) + parts)
+
+
+def _guard_row(name: str, t: dict) -> list[str]:
+    cal, det, ctl = t["calibration"], t["detection"], t["controlled"]
+    best = "-" if t.get("best_global_k") is None else (
+        f"K={t['best_global_k']}: {num(t['best_global_k_reuse'])} / {num(t['best_global_k_top1'], '.4f')}")
+    kept = {True: "yes", False: "no", None: "-"}
+    moved = len(ctl.get("actions_in_warmup") or []) + len(ctl.get("actions_in_scored") or [])
+    return [name, f"{num(t['calibration_within_ci'])} ({cal['scopes_judged']} of {cal['scopes']} scopes judged, "
+                  f"{cal['approximated_requests']} requests)",
+            str(t["min_samples"]["chosen"]),
+            f"{num(t['controlled_reuse'])} / {num(t['controlled_top1'], '.4f')} ({moved} setting changes)",
+            " / ".join(num((t["arms"].get(a) or {}).get("ttft_agents_2_4_s", {}).get("median"), ".2f")
+                       for a in ("guarded", "fullshared_k0", "off")) + " s", best,
+            f"{num(t['detection_samples'], 'd')} ({det['victims_dense']} of {det['victims']} victim scopes dense; "
+            f"min_samples {det['min_samples']}, rate {det['verify_rate']:g})",
+            kept[det.get("others_kept_reuse")]]
+
+
+def render_guard(d: dict) -> str:
+    header = ["task", "truth inside the guard's 95 % interval (share of scopes)", "min_samples (warm data)",
+              "guarded: reuse / teacher-forced top-1", "TTFT agents 2-4 median: guarded / K=0 / `off`",
+              "best one global K: reuse / top-1", "perturbed slot caught after (verified samples)",
+              "other scopes kept reuse (not dense, still served reuse)"]
+    rows = [_guard_row(name, t) for name, t in d["tasks"].items()]
+    parts = [f"Verify rate {d['verify_rate']:g}, target `{d['target']}`, fixed heads "
+             f"{', '.join(map(str, d['heads']))}; samples per task: "
+             + ", ".join(f"{n} {t['samples']} scored + {t['warmup_samples']} warm-up, calibration "
+                         f"{t['sizes']['calibration']} + warm-up, guarded arm {t['sizes']['controlled_warmup']} "
+                         f"warm-up" for n, t in d["tasks"].items())
+             + f". Complete: {'yes' if d.get('complete') else 'no'}.", "", table(header, rows)]
+    ov = d.get("overhead")
+    if ov:
+        cells = []
+        for key, label in (("ttft", "TTFT"), ("throughput", "throughput")):
+            v = ov[key]["verdict"]
+            cells.append(f"{label} {num(v['median'], '.3f')} {interval(v['ci95'], '.3f')} ({v['n']} pairs, "
+                         f"{v['verdict']} {v['tolerance']:.0%})")
+        parts += ["", f"Overhead, guard at {ov['verify_rate']:g} against 0 (guarded / plain, median [95 % bootstrap "
+                      f"interval]): {'; '.join(cells)}; {ov['verified_requests']} requests verified; waiting for "
+                      f"the guarded server's queue after its requests (its references, off the request path, and "
+                      f"the polls) took {num(ov['drain_s'], '.1f')} s in all."]
+    q = d.get("guard_queue")
+    if q:
+        limits = q.get("limits") or {}
+        parts += ["", f"Guard queue: peak {q['peak_jobs']} jobs, {q['peak_approx_bytes']} bytes (approx.); limits "
+                      f"{limits.get('queue_jobs', '-')} jobs, {limits.get('scopes', '-')} scopes."]
+    return "\n".join(parts)
 
 
 FIDELITY_COLUMNS = ["arm", "mode", "tau", "rank", "head K", "KL mean", "KL p90", "top-1", "greedy 32 equal", "reuse",
@@ -555,6 +605,17 @@ REGISTRY: list[Benchmark] = [
         "give the same tokens.",
         render_soak),
     Benchmark(
+        "guard", "guard.json", "python -m benchmarks.guard --quick",
+        "Does the fidelity guard's estimate hold the truth, does it keep a target at more reuse than one global "
+        "recomputed head, does it catch a bad scope, and what does it cost?",
+        "Calibration: every request served approximated KV is replayed densely by the benchmark; each agent's mean "
+        "over all of them should lie inside the interval the guard reports from its sample. Guarded: fullshared K=0 "
+        "with the guard keeping the target per agent, against fixed heads for every agent (best: the most reuse "
+        "whose teacher-forced top-1 against `off` meets the bound). Detection: noise in one shared slot's KV; the "
+        "verified samples until its readers were served dense, while renamed twins of the workflow on intact slots "
+        "keep their reuse. Overhead: two servers up, paired requests in ABBA order, roles swapped halfway.",
+        render_guard, _plot_from("benchmarks.guard", "plot"), results_png=True, optional=True),
+    Benchmark(
         "langgraph_reuse", "langgraph_reuse.json", "python -m benchmarks.langgraph_reuse",
         "Pointed at a `--kvshare-auto` server, how much of the text an unchanged LangGraph team sends more than "
         "once is reused, and do its answers stay those of a stock server?",
@@ -601,10 +662,17 @@ REGISTRY: list[Benchmark] = [
 BY_NAME = {b.name: b for b in REGISTRY}
 
 
-def canonical_files() -> set[str]:
-    """Every file ``benchmarks/results/`` may hold: the registry's files and the plots their benchmarks draw."""
-    files = {b.file for b in REGISTRY}
-    files |= {Path(b.file).with_suffix(".png").name for b in REGISTRY if b.results_png}
+def present(results: Path = RESULTS) -> list[Benchmark]:
+    """The entries the report covers: every required one (missing, ``load`` raises) and the optional ones whose
+    file is there."""
+    return [b for b in REGISTRY if not b.optional or (results / b.file).is_file()]
+
+
+def canonical_files(results: Path = RESULTS) -> set[str]:
+    """Every file ``results`` may hold: the covered entries' files and the plots their benchmarks draw."""
+    entries = present(results)
+    files = {b.file for b in entries}
+    files |= {Path(b.file).with_suffix(".png").name for b in entries if b.results_png}
     return files
 
 
@@ -741,9 +809,10 @@ def section(entry: Benchmark, data: Any, results: Path) -> str:
 
 def render(results: Path = RESULTS) -> str:
     """docs/RESULTS.md's text from the canonical files in ``results``."""
-    data = {b.name: load(b, results) for b in REGISTRY}
+    entries = present(results)
+    data = {b.name: load(b, results) for b in entries}
     index = table(["benchmark", "question", "command", "canonical file"],
-                  [[f"[{b.name}](#{b.name})", b.question, f"`{b.command}`", f"`{b.file}`"] for b in REGISTRY])
+                  [[f"[{b.name}](#{b.name})", b.question, f"`{b.command}`", f"`{b.file}`"] for b in entries])
     parts = [
         "# Results",
         "",
@@ -766,14 +835,14 @@ def render(results: Path = RESULTS) -> str:
         headline_markdown(results),
         "",
     ]
-    parts += [section(b, data[b.name], results) for b in REGISTRY]
+    parts += [section(b, data[b.name], results) for b in entries]
     return "\n".join(parts).rstrip("\n") + "\n"
 
 
 def write_plots(results: Path = RESULTS, out_dir: Path = PLOTS) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for b in REGISTRY:
+    for b in present(results):
         if b.plot is None:
             continue
         path = out_dir / f"{b.name}.png"
