@@ -26,6 +26,7 @@ class SegmentOutcome:
     source_agent: Optional[str] = None
     entropy: Optional[float] = None
     pool_anchors: Optional[int] = None
+    gate_fallback: Optional[str] = None  # kvcmas: aligned because the pool could not gate yet (its reason)
 
     def as_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if v is not None}

@@ -6,7 +6,9 @@ agent's own earlier copy of a private segment), locks it, and decides:
 
 * ``alignment``: private segments, and every shared segment in ``fullshared``;
 * ``correction``: ``kvcmas`` asks the estimator (gate on the slot's anchor
-  pool) and gets a correction plan, or a reason to prefill densely.
+  pool) and gets a correction plan, or a reason to prefill densely; while a
+  pool cannot gate yet but the observations it needs are queued, ``alignment``
+  (``Resolver._learning_covers``).
 
 ``resolve_segments`` walks a request's segments in order from the matched
 prefix on and stops at the first it cannot serve; the reason goes into the
@@ -28,6 +30,9 @@ from sglang_kvshare.cache.outcome import SegmentOutcome
 from sglang_kvshare.cache.parts import CacheParts
 from sglang_kvshare.cache.plan import RequestPlan
 from sglang_kvshare.cache.registry import Materialization, NamespaceRecords
+from sglang_kvshare.correction import MIN_GATE_ANCHORS
+
+COLD_REASONS = ("too_few_anchors", "no_edge")  # the gate cannot weigh anchors yet (not: it weighed and refused)
 
 
 @dataclass
@@ -109,6 +114,7 @@ class Resolver:
         self.tree = parts.tree  # SGLang's RadixCache: its locks and KV pool
         self.state = parts.state  # the config and estimator in force
         self.counters = parts.counters
+        self.learner = parts.learner  # what is queued for learning (the cold-pool rule)
         # The gate's copy of a source: read into reused buffers (the estimate keeps no reference).
         self._reads = parts.reads
 
@@ -153,8 +159,27 @@ class Resolver:
         o.pool_anchors = est.pool_anchors
         o.entropy = None if est.entropy is None else float(est.entropy)
         if not est.accepted:
+            if est.reason in COLD_REASONS and self._learning_covers(plan, seg, source, est.edge_anchors):
+                o.gate_fallback = est.reason
+                self.counters.add("cold_pool_aligned")
+                return Resolution("alignment", source, src_idx)
             raise Unresolved(est.reason)
         return Resolution("correction", source, src_idx, est.plan)
+
+    def _learning_covers(self, plan: RequestPlan, seg: Any, source: Materialization, edge_anchors: int) -> bool:
+        """The dense prefills the gate still needs for this edge are already queued for learning.
+
+        Why: the pool learns only from dense prefills, and learning waits for lulls
+        in serving (seconds per observation on a busy CPU). Without this rule every
+        request of the edge that arrives meanwhile is prefilled again, although its
+        observation adds nothing the gate lacks; with it, such a request is aligned
+        (``fullshared`` with the server's head) until the anchors are in.
+        """
+        config = self.state.config
+        if not config.cold_pool_align or config.tau <= 0:
+            return False  # tau 0: the operator wants no correction, and so no stand-in for one
+        queued = self.learner.queued_for((plan.namespace, seg.slot), source.agent, plan.agent_id)
+        return edge_anchors + queued >= MIN_GATE_ANCHORS
 
 
 def resolve_segments(resolver: Resolver, records: NamespaceRecords, plan: RequestPlan, m: int, limit: int,

@@ -16,7 +16,7 @@ from .estimators import (DEFAULT_BUDGET_BYTES, DEFAULT_MAX_SLOTS, ESTIMATORS, An
                          FullShared, SegmentCache, anchor_factory, make_estimator)
 from .gate import top_mass
 from .low_rank import Factors, factor_nbytes, factorize, stack_dense, stack_factors
-from .plan import CorrectionPlan, EstimateResult
+from .plan import MIN_GATE_ANCHORS, CorrectionPlan, EstimateResult
 from .rope import RopeSpec, UnsupportedAttentionError, from_canonical, rotate_keys, to_canonical
 
 __all__ = [
@@ -27,6 +27,6 @@ __all__ = [
     "FullShared", "SegmentCache", "anchor_factory", "make_estimator",
     "top_mass",
     "Factors", "factor_nbytes", "factorize", "stack_dense", "stack_factors",
-    "CorrectionPlan", "EstimateResult",
+    "CorrectionPlan", "EstimateResult", "MIN_GATE_ANCHORS",
     "RopeSpec", "UnsupportedAttentionError", "from_canonical", "rotate_keys", "to_canonical",
 ]

@@ -37,7 +37,7 @@ from sglang_kvshare.kernels import (gate_from_sq_distances, gate_sq_distances_de
 
 from .gate import top_mass
 from .low_rank import Factors, factor_nbytes, factorize, stack_factors, stack_layer_groups
-from .plan import CorrectionPlan, EstimateResult
+from .plan import MIN_GATE_ANCHORS, CorrectionPlan, EstimateResult
 from .rope import RopeSpec, to_canonical
 
 __all__ = ["Anchor", "AnchorPool", "PoolConfig", "PreparedObservation", "prepare_observation", "observation_steps",
@@ -298,9 +298,9 @@ class AnchorPool:
         long_enough = [a for a in self._anchors if a.length >= need]
         eligible = [a for a in long_enough if edge in a.deltas]
         size = len(self._anchors)
-        if len(eligible) < 2:
-            reason = "no_edge" if len(long_enough) >= 2 else "too_few_anchors"
-            return EstimateResult(False, reason, compare_len=k_len, pool_anchors=size)
+        if len(eligible) < MIN_GATE_ANCHORS:
+            reason = "no_edge" if len(long_enough) >= MIN_GATE_ANCHORS else "too_few_anchors"
+            return EstimateResult(False, reason, compare_len=k_len, pool_anchors=size, edge_anchors=len(eligible))
         k_len = min(k_len, min(a.length for a in eligible))  # the common prefix (unchanged by default)
         work = torch.float64 if source_v.dtype == torch.float64 else torch.float32
         nl = source_v.shape[0]

@@ -54,6 +54,9 @@ class CorrectionPlan:
         return len(self.deltas_k)
 
 
+MIN_GATE_ANCHORS = 2  # a gate weighs anchors against each other: it needs two that hold the edge
+
+
 @dataclass
 class EstimateResult:
     """What an estimator decided for one edge.
@@ -72,6 +75,8 @@ class EstimateResult:
     compare_len: int = 0
     pool_anchors: int = 0
     """Anchors in the slot's pool when deciding (0 for modes without pools)."""
+    edge_anchors: int = 0
+    """Of those, anchors long enough that hold a delta for this edge: the gate needs ``MIN_GATE_ANCHORS``."""
     anchor_ids: list[int] = field(default_factory=list)
     """Ids of the anchors the gate compared (the plan's anchors, in order, when accepted)."""
     gate_weights: torch.Tensor | None = None  # [V] fp32

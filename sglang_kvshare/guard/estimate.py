@@ -6,7 +6,10 @@ as independent samples would give intervals far too narrow. The unit of
 evidence is a request; its value is the share (top-1) or the mean (KL) over
 its positions. The interval is the normal one on the mean (Welford's running
 variance), clipped to the metric's range; with fewer than two requests it is
-the whole range.
+the whole range. The variance carries a prior (``prior_std``, worth
+``PRIOR_WEIGHT`` requests): a few identical values (every position agreed in
+each of five answers) must not give a zero-width interval that lets the
+controller act on five requests; as evidence grows the prior fades.
 """
 
 from __future__ import annotations
@@ -15,14 +18,17 @@ import math
 from dataclasses import dataclass
 
 Z95 = 1.959963984540054
+PRIOR_WEIGHT = 2.0  # pseudo-requests behind the prior variance
 
 
 @dataclass
 class RunningEstimate:
-    """Count, mean and variance of the values added so far; ``lo``/``hi`` bound what the metric can be."""
+    """Count, mean and variance of the values added so far; ``lo``/``hi`` bound what the metric can be,
+    ``prior_std`` is the per-request spread assumed before evidence (0: none)."""
 
     lo: float = 0.0
     hi: float = 1.0
+    prior_std: float = 0.0
     n: int = 0
     mean: float = 0.0
     _m2: float = 0.0
@@ -35,7 +41,11 @@ class RunningEstimate:
 
     @property
     def std(self) -> float:
-        return math.sqrt(self._m2 / (self.n - 1)) if self.n > 1 else float("inf")
+        """The sample spread, shrunk towards ``prior_std`` by ``PRIOR_WEIGHT`` pseudo-requests."""
+        if self.n < 2:
+            return float("inf")
+        weight = PRIOR_WEIGHT if self.prior_std > 0 else 0.0
+        return math.sqrt((self._m2 + weight * self.prior_std ** 2) / (self.n - 1 + weight))
 
     def interval(self, z: float = Z95) -> tuple[float, float]:
         """The 95 % interval of the mean (the metric's whole range below two samples)."""

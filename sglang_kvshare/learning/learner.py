@@ -52,7 +52,7 @@ import os
 import queue
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Optional
 
@@ -93,6 +93,10 @@ def _widened(cache: Any, dtype: Any) -> Any:
     return dataclasses.replace(cache, k=k, v=v)
 
 
+def _edge_key(obs: Observation) -> tuple:
+    return obs.slot, obs.source.agent, obs.target.agent
+
+
 class Learner:
     """A bounded queue of observations and the thread that learns from them.
 
@@ -125,7 +129,8 @@ class Learner:
         self._last_admitted: OrderedDict[Hashable, float] = OrderedDict()  # slot -> monotonic time, LRU-bounded
         self._queue: "queue.Queue[Observation]" = queue.Queue()
         self._bytes = 0
-        self._bytes_lock = threading.Lock()
+        self._bytes_lock = threading.Lock()  # guards _bytes and _queued_edges
+        self._queued_edges: Counter = Counter()  # (slot, source agent, target agent) -> observations queued
         self.generation = 0
         self._worker: Optional[threading.Thread] = None
         self.idle_steps: Optional[IdleSteps] = None
@@ -185,6 +190,8 @@ class Learner:
             self._bytes += size
         self._ensure_worker()
         obs.queued_at = time.perf_counter()
+        with self._bytes_lock:
+            self._queued_edges[_edge_key(obs)] += 1
         self._queue.put(obs)
         return True
 
@@ -218,6 +225,15 @@ class Learner:
     def _release(self, obs: Observation) -> None:
         with self._bytes_lock:
             self._bytes -= obs.nbytes
+            key = _edge_key(obs)
+            self._queued_edges[key] -= 1
+            if self._queued_edges[key] <= 0:
+                del self._queued_edges[key]
+
+    def queued_for(self, slot: Hashable, src_agent: Hashable, dst_agent: Hashable) -> int:
+        """Observations of ``slot`` from ``src_agent``'s copy into ``dst_agent``'s context not yet learned."""
+        with self._bytes_lock:
+            return self._queued_edges.get((slot, src_agent, dst_agent), 0)
 
     def _learn(self, obs: Observation, run: Callable[[Callable[[], Any]], Any] = lambda step: step(),
                between: Optional[Callable[[], None]] = None) -> None:

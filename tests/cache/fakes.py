@@ -143,7 +143,7 @@ def make_cache(mode: str = "fullshared", pool_tokens: int = 512, **config) -> KV
                              token_to_kv_pool_allocator=allocator, page_size=1)
     hf = LlamaConfig(hidden_size=HEADS * HEAD_DIM * 2, num_attention_heads=2, num_key_value_heads=HEADS,
                      head_dim=HEAD_DIM, num_hidden_layers=LAYERS, rope_theta=10000.0)
-    cfg = KVShareConfig(mode=mode, learn_async=False, **config)
+    cfg = KVShareConfig(mode=mode, **{"learn_async": False, **config})
     return KVShareRadixCache(params, config=cfg, model_config=SimpleNamespace(hf_config=hf))
 
 

@@ -361,3 +361,27 @@ def test_a_prefill_counts_as_in_flight_from_match_until_its_prompt_is_in(sched, 
     assert sched.cache.activity.open_count() == 1
     sched.cache.on_release(released, checkpointed=False)
     assert sched.cache.activity.open_count() == 0
+
+
+@pytest.mark.parametrize("cold_pool_align", [True, False])
+def test_a_cold_pool_aligns_once_the_observations_it_needs_are_queued(cold_pool_align):
+    """The gate needs two anchors holding the edge; while two observations of it wait to be learned, a third
+    reader is aligned (fullshared with the head) instead of prefilled again, and says why in its report."""
+    sched = MiniScheduler(make_cache("kvcmas", tau=1.0, learn_async=True, cold_pool_align=cold_pool_align))
+    sched.cache.learner._ensure_worker = lambda: None  # learning lags: nothing is learned during the test
+    for agent in ("A", "B"):
+        warm(sched, agent)
+    segments = []
+    for query in _queries(3):
+        sched.run(annotated("A", query=query))
+        b = annotated("B", query=query)
+        sched.run(b)
+        segments.append(b.report()["segments"][1])
+    assert [s["reason"] for s in segments[:2]] == ["too_few_anchors"] * 2  # the observations the gate needs
+    assert sched.cache.learner.pending() == (2 if cold_pool_align else 3)  # an aligned reader adds none
+    if cold_pool_align:
+        assert segments[2]["resolved_by"] == "alignment" and segments[2]["gate_fallback"] == "too_few_anchors"
+        assert sched.cache.counters.get("cold_pool_aligned") == 1
+    else:
+        assert segments[2]["resolved_by"] == "dense" and segments[2]["reason"] == "too_few_anchors"
+        assert sched.cache.counters.get("cold_pool_aligned") == 0

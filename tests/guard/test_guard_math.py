@@ -125,3 +125,18 @@ def test_estimates_serialize_as_plain_json():
     est.add(0.1)
     est.add(0.3)
     assert json.loads(json.dumps(est.as_dict(), allow_nan=False))["n"] == 2
+
+
+def test_identical_values_do_not_give_a_zero_width_interval():
+    est = RunningEstimate(0.0, 1.0, prior_std=0.03)
+    for _ in range(5):
+        est.add(1.0)
+    low, high = est.interval()
+    assert high == 1.0 and low < 0.99  # five perfect answers cannot yet prove top1 >= 0.99 with margin
+    for _ in range(200):
+        est.add(1.0)
+    assert est.interval()[0] > 0.995  # the prior fades with evidence
+    plain = RunningEstimate(0.0, 1.0)
+    for _ in range(5):
+        plain.add(1.0)
+    assert plain.interval() == (1.0, 1.0)  # without the prior: the collapse the prior prevents
