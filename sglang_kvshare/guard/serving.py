@@ -287,6 +287,17 @@ class Guard:
                           "max": config.verify_queue_max, "approx_bytes": self._queued_bytes},
                 "counters": dict(self.counters), "recent_actions": list(self.last_actions), "per_scope": scopes}
 
+    def reset(self) -> None:
+        """Forget every scope (estimates, settings, pins), the counters and the actions; queued jobs are
+        dropped (their samples measured the old state). The exporter keeps its series until the next update."""
+        self.controller, self._built_for = None, None
+        self.counters.clear()
+        self.last_actions = []
+        self._displays.clear()
+        if self._queue is not None:
+            while not self._queue.empty():
+                self._queued_bytes -= self._queue.get_nowait().approx_bytes
+
     def summary(self) -> dict:
         """What ``/kvshare/stats`` shows of the guard."""
         snap = self.snapshot()

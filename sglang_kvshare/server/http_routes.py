@@ -85,12 +85,23 @@ async def post_fidelity_pin(request: Request):
         return routes.error(422, str(exc))
 
 
+async def post_fidelity_reset():
+    """Start the guard afresh: every scope's estimates, settings and pins, its counters and actions (not the
+    launch settings). For a new deployment of the agents, or a benchmark's next arm."""
+    refused = routes.unkeyed_write_error("fidelity_reset")
+    if refused is not None:
+        return refused
+    guard.reset()
+    return {"reset": True}
+
+
 def mount_fidelity_routes(app: Any) -> None:
-    """``GET /kvshare/fidelity`` and ``POST /kvshare/fidelity/pin`` at SGLang's ``ADMIN_OPTIONAL`` level
+    """``GET /kvshare/fidelity``, ``POST /kvshare/fidelity/pin`` and ``/reset`` at SGLang's ``ADMIN_OPTIONAL`` level
     (they name agents), added one by one like the admin routes (idempotent)."""
     mounted = {getattr(r, "path", None) for r in app.router.routes}
     for path, endpoint, methods in (("/kvshare/fidelity", get_fidelity, ["GET"]),
-                                    ("/kvshare/fidelity/pin", post_fidelity_pin, ["POST"])):
+                                    ("/kvshare/fidelity/pin", post_fidelity_pin, ["POST"]),
+                                    ("/kvshare/fidelity/reset", post_fidelity_reset, ["POST"])):
         if path not in mounted:
             app.add_api_route(path, routes.admin_auth(endpoint), methods=methods, tags=["kvshare"],
                               summary=(endpoint.__doc__ or "").split("\n")[0])

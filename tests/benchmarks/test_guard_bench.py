@@ -9,8 +9,10 @@ import pytest
 
 from benchmarks import frontier as fr
 from benchmarks import guard as g
+from benchmarks import guard_metrics as gm
 from benchmarks import report
 from sglang_kvshare.frontend.builder import Piece
+from sglang_kvshare.guard.estimate import Z95
 
 
 def _rec(scope: str, top1: float, kl: float = 0.0, verified: bool = False, phase: str = "scored") -> dict:
@@ -27,7 +29,7 @@ def test_calibration_judges_each_scope_by_its_mean_over_all_requests_against_the
                             "kl": _est(3, 0.1, 0.0, 0.2)},
                  "judge": {"setting": "head0", "samples": 2, "top1": _est(2, 0.95, 0.90, 1.0),  # 0.7: outside
                            "kl": _est(2, 0.1, 0.0, None)}}
-    out = g.score_calibration(records, per_scope)
+    out = gm.score_calibration(records, per_scope)
     assert out["within_ci"] == 0.5 and out["scopes_judged"] == 2 and out["scopes"] == 2
     writer, judge = out["per_scope"]["writer"], out["per_scope"]["judge"]
     assert writer["n_all"] == 4 and writer["top1"]["true_mean"] == pytest.approx(0.875)
@@ -39,7 +41,7 @@ def test_calibration_judges_each_scope_by_its_mean_over_all_requests_against_the
 def test_calibration_leaves_scopes_with_fewer_than_two_verified_requests_unjudged():
     records = [_rec("a", 0.2), _rec("b", 0.9)]
     per_scope = {"a": {"top1": _est(1, 1.0, 0.0, 1.0)}}  # one sample: the whole range
-    out = g.score_calibration(records, per_scope)
+    out = gm.score_calibration(records, per_scope)
     assert out["within_ci"] is None and out["scopes_judged"] == 0
     assert out["per_scope"]["b"]["top1"]["guard_n"] == 0 and out["per_scope"]["b"]["top1"]["inside"] is None
 
@@ -47,20 +49,20 @@ def test_calibration_leaves_scopes_with_fewer_than_two_verified_requests_unjudge
 def test_min_samples_resolves_the_scope_closest_to_the_bound_within_budget_floor_and_ceiling():
     warm = {"far": [0.5, 0.6, 0.55], "near": [0.95, 0.97, 0.93, 0.99]}
     mean, sigma = 0.96, 0.0258198889747161
-    want = math.ceil((g.Z95 * sigma / abs(mean - 0.99)) ** 2)  # 3
-    out = g.choose_min_samples(warm, 0.99, budget=100, floor=2, ceiling=50)
+    want = math.ceil((Z95 * sigma / abs(mean - 0.99)) ** 2)  # 3
+    out = gm.choose_min_samples(warm, 0.99, budget=100, floor=2, ceiling=50)
     assert out["closest_scope"] == "near" and out["n_resolve"] == want and out["chosen"] == want
-    assert g.choose_min_samples(warm, 0.99, budget=100, floor=5, ceiling=50)["chosen"] == 5
+    assert gm.choose_min_samples(warm, 0.99, budget=100, floor=5, ceiling=50)["chosen"] == 5
     noisy = {"s": [1.0, 1.0, 1.0, 0.9]}  # 0.015 from the bound with a spread of 0.05: 43 requests to resolve
-    assert g.choose_min_samples(noisy, 0.99, budget=100, ceiling=100)["n_resolve"] == 43
-    assert g.choose_min_samples(noisy, 0.99, budget=12, ceiling=20)["chosen"] == 12  # the warm-up's budget
-    assert g.choose_min_samples(noisy, 0.99, budget=1000, ceiling=20)["chosen"] == 20
-    assert g.choose_min_samples(noisy, 0.99, budget=0, ceiling=20)["chosen"] == g.MIN_SAMPLES_FLOOR
+    assert gm.choose_min_samples(noisy, 0.99, budget=100, ceiling=100)["n_resolve"] == 43
+    assert gm.choose_min_samples(noisy, 0.99, budget=12, ceiling=20)["chosen"] == 12  # the warm-up's budget
+    assert gm.choose_min_samples(noisy, 0.99, budget=1000, ceiling=20)["chosen"] == 20
+    assert gm.choose_min_samples(noisy, 0.99, budget=0, ceiling=20)["chosen"] == gm.MIN_SAMPLES_FLOOR
 
 
 def test_min_samples_without_two_warm_values_or_at_the_bound_is_conservative():
-    assert g.choose_min_samples({"a": [1.0]}, 0.99, budget=50, ceiling=20)["chosen"] == 20
-    on_bound = g.choose_min_samples({"a": [0.98, 1.0]}, 0.99, budget=50, ceiling=20)
+    assert gm.choose_min_samples({"a": [1.0]}, 0.99, budget=50, ceiling=20)["chosen"] == 20
+    on_bound = gm.choose_min_samples({"a": [0.98, 1.0]}, 0.99, budget=50, ceiling=20)
     assert on_bound["n_resolve"] is None and on_bound["chosen"] == 20
 
 
@@ -69,10 +71,10 @@ def test_best_global_k_is_the_most_reuse_that_meets_the_bound():
              8: {"reuse_ratio": 0.90, "teacher_forced_top1": 0.991},
              32: {"reuse_ratio": 0.70, "teacher_forced_top1": 0.995},
              64: {"reuse_ratio": 0.90, "teacher_forced_top1": 0.999}}
-    assert g.best_global_k(fixed, 0.99) == {"k": 8, "reuse": 0.90, "top1": 0.991}  # tie on reuse: the smaller K
-    assert g.best_global_k(fixed, 0.999)["k"] == 64
-    assert g.best_global_k(fixed, 0.9999) == {"k": None, "reuse": None, "top1": None}
-    assert g.best_global_k({0: {"reuse_ratio": 0.9, "teacher_forced_top1": None}}, 0.5)["k"] is None
+    assert gm.best_global_k(fixed, 0.99) == {"k": 8, "reuse": 0.90, "top1": 0.991}  # tie on reuse: the smaller K
+    assert gm.best_global_k(fixed, 0.999)["k"] == 64
+    assert gm.best_global_k(fixed, 0.9999) == {"k": None, "reuse": None, "top1": None}
+    assert gm.best_global_k({0: {"reuse_ratio": 0.9, "teacher_forced_top1": None}}, 0.5)["k"] is None
 
 
 def test_detection_counts_the_samples_at_the_first_dense_poll_and_checks_the_controls():
@@ -83,16 +85,16 @@ def test_detection_counts_the_samples_at_the_first_dense_poll_and_checks_the_con
              {"v1": {"setting": "dense", "samples": 3}, "v2": {"setting": "dense", "samples": 4},
               "c": {"setting": "head8", "samples": 3}}]
     polls[1]["v2"]["setting"] = "head8"  # v2 first takes a longer head, then goes dense
-    out = g.detection_counts(polls, ["v1", "v2"], ["c"])
+    out = gm.detection_counts(polls, ["v1", "v2"], ["c"])
     assert out["per_victim"] == {"v1": 2, "v2": 4} and out["detection_samples"] == 4
     assert out["first_action"] == {"v1": 2, "v2": 2} and (out["victims_dense"], out["victims"]) == (2, 2)
     assert out["others_not_dense"] is True and out["per_control"] == {"c": "head8"}  # a longer head still reuses
-    missed = g.detection_counts(polls[:2], ["v1", "v2"], ["c"])
+    missed = gm.detection_counts(polls[:2], ["v1", "v2"], ["c"])
     assert missed["per_victim"]["v2"] is None and missed["detection_samples"] is None
     assert missed["first_action"]["v2"] == 2 and missed["victims_dense"] == 1
     polls[-1]["c"]["setting"] = "dense"
-    assert g.detection_counts(polls, ["v1"], ["c"])["others_not_dense"] is False
-    assert g.detection_counts(polls, ["v1"], [])["others_not_dense"] is None
+    assert gm.detection_counts(polls, ["v1"], ["c"])["others_not_dense"] is False
+    assert gm.detection_counts(polls, ["v1"], [])["others_not_dense"] is None
 
 
 def test_the_control_twin_renames_agents_and_slots_and_passes_outputs_through():
@@ -101,7 +103,7 @@ def test_the_control_twin_renames_agents_and_slots_and_passes_outputs_through():
                             output_slot="out:solver")
         yield fr.Call("final", 2, (Piece("shared", "query", [2, 3]), Piece("shared", "out:solver", out)), 4)
 
-    gen = g.twin_program(program())
+    gen = gm.twin_program(program())
     first = next(gen)
     assert first.agent == "solver~control" and first.output_slot == "out:solver~control"
     assert [p.slot for p in first.pieces] == [None, "query~control"] and first.pieces[1].ids == [2, 3]
@@ -114,16 +116,16 @@ def test_the_control_twin_renames_agents_and_slots_and_passes_outputs_through():
 
 
 def test_small_helpers():
-    assert g.approximated({"tokens_aligned": 3, "tokens_corrected": 2, "tokens_estimate_hit": None}) == 5
-    assert g.approximated(None) == 0
-    assert g.pairs([[[-0.1, 5, "a"], [-2.0, 6, "b"]], None]) == [[(-0.1, 5), (-2.0, 6)], []]
+    assert gm.approximated({"tokens_aligned": 3, "tokens_corrected": 2, "tokens_estimate_hit": None}) == 5
+    assert gm.approximated(None) == 0
+    assert gm.pairs([[[-0.1, 5, "a"], [-2.0, 6, "b"]], None]) == [[(-0.1, 5), (-2.0, 6)], []]
     acts = [{"at": 1.0}, {"at": 2.0}, {"at": 3.0}]
-    assert g.actions_since(acts, 2.0) == [{"at": 2.0}, {"at": 3.0}] and g.actions_since(acts, 1.0, 2.0) == [{"at": 1.0}]
+    assert gm.actions_since(acts, 2.0) == [{"at": 2.0}, {"at": 3.0}] and gm.actions_since(acts, 1.0, 2.0) == [{"at": 1.0}]
     assert [list(h) for h in g.halves(5)] == [[0, 1], [2, 3, 4]]
-    assert g.counter_diff({"queued": 3, "verified": 2}, {"queued": 5, "verified": 2, "probes": 1}) == \
+    assert gm.counter_diff({"queued": 3, "verified": 2}, {"queued": 5, "verified": 2, "probes": 1}) == \
         {"probes": 1, "queued": 2}
-    assert g.reuse_ratio([{"shared_tokens": 10, "shared_tokens_reused": 9}, {"shared_tokens": 10}]) == 0.45
-    assert g.reuse_ratio([{}]) is None
+    assert gm.reuse_ratio([{"shared_tokens": 10, "shared_tokens_reused": 9}, {"shared_tokens": 10}]) == 0.45
+    assert gm.reuse_ratio([{}]) is None
     assert [g.overhead_order(i) for i in range(3)] == [("guard", "plain"), ("plain", "guard"), ("guard", "plain")]
     arm = g.GuardedArm("x", "fullshared", 8, verify_rate=0.1, target="top1>=0.99", min_samples=6)
     assert arm.config() == {"mode": "fullshared", "recompute_head": 8, "verify_rate": 0.1,
@@ -135,7 +137,7 @@ def _results() -> dict:
     ttft = {"n": 3, "median": 0.4, "p10": 0.3, "p90": 0.5}
     arms = {f"fullshared_k{k}": {"reuse_ratio": r, "teacher_forced_top1": t, "ttft_agents_2_4_s": ttft}
             for k, r, t in ((0, 0.94, 0.985), (32, 0.7, 0.991))}
-    calibration = g.score_calibration([_rec("a", 0.9), _rec("a", 1.0)], {"a": {"top1": _est(2, 0.95, 0.9, 1.0)}})
+    calibration = gm.score_calibration([_rec("a", 0.9), _rec("a", 1.0)], {"a": {"top1": _est(2, 0.95, 0.9, 1.0)}})
     calibration["approximated_requests"] = 2
     verdict = {"n": 4, "median": 1.01, "ci95": [0.99, 1.03], "min": 0.98, "max": 1.05, "tolerance": 0.02,
                "verdict": "unresolved"}

@@ -98,6 +98,11 @@ def test_a_perturbed_scope_goes_dense_within_the_minimum_samples_and_the_others_
         assert 'sglang_kvshare_guard_setting_head{scope="guard-victim"} 32.0' in metrics
         assert 'sglang_kvshare_guard_top1{bound="mean",scope="guard-reader"}' in metrics
         assert 'sglang_kvshare_guard_actions_total{reason="target_missed"}' in metrics
+        # A reset starts the guard afresh: no scope, no pin, no action.
+        assert requests.post(server.url + "/kvshare/fidelity/reset", timeout=60,
+                             headers=ADMIN_HEADERS).json() == {"reset": True}
+        after = _fidelity(server)
+        assert after["per_scope"] == {} and after["recent_actions"] == [] and after["actions"] == {}
 
 
 @pytest.mark.parametrize("change, fix", [({"verify_rate": 1.5}, "verify_rate"),
