@@ -33,6 +33,7 @@ import math
 import random
 import sys
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +44,7 @@ from devtools.data import gsm8k_path
 from sglang_kvshare.correction import (CorrectionPlan, FullShared, RopeSpec, SegmentCache, factor_nbytes, factorize,
                                        materialize, to_canonical)
 
+from . import selection
 from .baselines import make_estimator
 from .harness import RESULTS, SCRATCH, run_meta
 from .common import KV, load_model, partial_recompute, prefill, set_threads, suffix_eval
@@ -187,6 +189,7 @@ class Arm:
     inst_where: list = field(default_factory=list)  # (slot, consumer, segment tokens)
     head: int = 0  # head recompute: rows [0, head) of every reused segment prefilled densely
     variant: PlanVariant | None = None  # plan transform (keys only, first rows, layers), see fidelity_head
+    select: tuple[str, float] | None = None  # (policy, share of rows recomputed) on the aligned segment, see selection
     err_coarse: list = field(default_factory=list)
 
 
@@ -205,7 +208,7 @@ def _anchor_cfg(mode: str, tau: float, rank: int, gate_len: int) -> dict:
 
 
 def make_arms(spec: RopeSpec, tau: float, rank: int, gate_len: int, sweep_taus, sweep_ranks,
-              head_ks=()) -> list[Arm]:
+              head_ks=(), select_policies=(), select_ratios=()) -> list[Arm]:
     """The six modes at the default operating point, every anchor mode at tau=1
     (accept whenever two anchors exist: the correction's own quality at full
     reuse), a tau grid for kvcmas and kvcomm, a rank grid for kvcmas at tau=1,
@@ -244,6 +247,10 @@ def make_arms(spec: RopeSpec, tau: float, rank: int, gate_len: int, sweep_taus, 
                 conf = getattr(est, "config", None)
                 arms.append(Arm(head_label(mode, k), mode, getattr(conf, "tau", None), getattr(conf, "rank", None),
                                 True, est, head=k))
+    for policy in select_policies:  # selective recompute inside the aligned segment, one forward
+        for r in select_ratios:
+            arms.append(Arm(f"select_{policy}_r{r:g}", "fullshared", None, None, True,
+                            make_estimator("fullshared", spec), select=(policy, r)))
     return arms
 
 
@@ -258,7 +265,8 @@ def run(args, out_path: Path | None = None, arms_fn=None) -> dict:
     parts = {a.name: agent_token_parts(tok, a) for a in AGENTS}
     prefix_kv = {name: prefill(model, pre)[0] for name, (pre, _) in parts.items()}
     arms = (arms_fn(spec) if arms_fn is not None else
-            make_arms(spec, args.tau, args.rank, args.gate_len, args.sweep_taus, args.sweep_ranks, args.head_ks))
+            make_arms(spec, args.tau, args.rank, args.gate_len, args.sweep_taus, args.sweep_ranks, args.head_ks,
+                      getattr(args, "select_policies", ()), getattr(args, "select_ratios", ())))
     if getattr(args, "only", None):  # NOTE: a subset of arms (fullshared is always kept: other rows compare to it)
         arms = [a for a in arms if a.label in set(args.only) | {"fullshared"}]
     warm, held = [], []
@@ -286,7 +294,8 @@ def run(args, out_path: Path | None = None, arms_fn=None) -> dict:
                 ref = SegmentCache(kv.k, kv.v, 0, "ref")
             served = {}
             for arm in arms:
-                served[arm.label] = serve_chain(model, arm, slot, key, ids, exact, ref, prefix_kv, phase)
+                served[arm.label] = serve_chain(model, arm, slot, key, ids, exact, ref, prefix_kv, phase,
+                                                tails={name: tail for name, (_, tail) in parts.items()})
             if phase == "eval":
                 evaluate(model, arms, served, exact, prefix_kv, parts, slot, len(ids), args.greedy_tokens)
                 done += 1
@@ -300,8 +309,9 @@ def run(args, out_path: Path | None = None, arms_fn=None) -> dict:
     return summarize(args, arms, spec, model, dense_secs / max(dense_tokens, 1), len(held), len(warm), wall, str(path))
 
 
-def serve_chain(model, arm: Arm, slot, key, ids, exact, ref, prefix_kv, phase):
-    """Materialize the segment cache of every consumer under ``arm``; returns {agent: (KV, accepted)}."""
+def serve_chain(model, arm: Arm, slot, key, ids, exact, ref, prefix_kv, phase, tails=None):
+    """Materialize the segment cache of every consumer under ``arm``; returns {agent: (KV, accepted)}.
+    ``tails``: each agent's private tail (instruction + assistant header), what a query-aware policy reads."""
     first = exact[CHAIN[0]]
     prev = first
     out = {}
@@ -326,6 +336,10 @@ def serve_chain(model, arm: Arm, slot, key, ids, exact, ref, prefix_kv, phase):
             served = KV(*splice_head(served.k, served.v, target.k, target.v, arm.head))
         if arm.mode == "oracle":
             kv, accepted, reused = served, True, len(ids)
+        elif arm.select is not None:
+            blended, chosen = select_and_recompute(model, arm.select, prefix_kv[name], ids, served,
+                                                   (tails or {}).get(name, []), seed=zlib.crc32(f"{key}|{name}".encode()))
+            kv, accepted, reused = blended, True, len(ids) - len(chosen)
         elif arm.mode == "cacheblend":
             blended, chosen = partial_recompute(model, prefix_kv[name], ids, served,
                                                 arm.est.config.check_layer, arm.est.config.ratio,
@@ -356,6 +370,23 @@ def serve_chain(model, arm: Arm, slot, key, ids, exact, ref, prefix_kv, phase):
         if accepted and arm.greedy:
             _record_errors(arm, kv, target)
     return out
+
+
+def select_and_recompute(model, select: tuple[str, float], prefix: KV, ids: list[int], reused: KV, tail: list[int],
+                         seed: int) -> tuple[KV, torch.Tensor]:
+    """Choose rows of the reused segment by ``select`` = (policy, ratio) and recompute them (``selection``)."""
+    policy, ratio = select
+    if policy == "kv_deviation":  # CacheBlend: its own forward (every row through the first layers)
+        return partial_recompute(model, prefix, ids, reused, 1, ratio, "k")
+    if policy == "head":
+        chosen = selection.select_head(len(ids), ratio)
+    elif policy == "random":
+        chosen = selection.select_random(len(ids), ratio, seed)
+    elif policy == "query_aware":
+        chosen = selection.select_query_aware(model, prefix, reused, tail, ratio)
+    else:
+        raise ValueError(f"unknown selection policy {policy!r}; one of {selection.POLICIES}")
+    return selection.recompute_rows(model, prefix, ids, reused, chosen), chosen
 
 
 def _oracle_plan(arm: Arm, source: SegmentCache, target: SegmentCache) -> CorrectionPlan:
@@ -544,6 +575,9 @@ def summarize(args, arms, spec, model, dense_spt, n_eval, n_warm, wall, path) ->
             out[arm.label] = row
         elif arm.head:
             out.setdefault("head_recompute", {})[arm.label] = row
+        elif arm.select is not None:
+            row["policy"], row["recompute_ratio"] = arm.select
+            out.setdefault("selective_recompute", {})[arm.label] = row
         else:
             out.setdefault("sweep", {})[arm.label] = row
     out["delta_predictability_warm"] = delta_predictability()
@@ -564,6 +598,7 @@ def _rows(result: dict):
     yield from ((m, result[m]) for m in MAIN_MODES if m in result)
     yield from result.get("sweep", {}).items()
     yield from result.get("head_recompute", {}).items()
+    yield from result.get("selective_recompute", {}).items()
 
 
 def plot(result: dict, path: Path) -> None:
@@ -577,7 +612,8 @@ def plot(result: dict, path: Path) -> None:
     markers = dict(zip(MAIN_MODES, "osD^v*"))
     for mode in [m for m in MAIN_MODES if m in result]:
         pts = sorted((r["reuse_ratio"], max(r["kl_mean"], 1e-6), r["tau"], r["rank"], label)
-                     for label, r in _rows(result) if r["mode"] == mode and not r.get("head"))
+                     for label, r in _rows(result) if r["mode"] == mode and not r.get("head")
+                     and not r.get("policy"))
         main_rank = result[mode]["rank"]
         same = [p for p in pts if p[3] == main_rank]
         ax.plot([p[0] for p in same], [p[1] for p in same], color=colors[mode], marker=markers[mode],
@@ -593,6 +629,13 @@ def plot(result: dict, path: Path) -> None:
     ax.plot(xs, [max(x * fs, 1e-6) for x in xs], ls="--", color="C0", lw=0.8,
             label="fullshared + dense prefill on a random (1 - reuse)")
     plot_heads(ax, result)
+    by_policy: dict[str, list] = {}
+    for r in result.get("selective_recompute", {}).values():
+        by_policy.setdefault(r["policy"], []).append((r["reuse_ratio"], max(r["kl_mean"], 1e-6)))
+    for i, (policy, pts) in enumerate(sorted(by_policy.items())):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], color=f"C{6 + i}", marker="1", lw=1, ms=8,
+                label=f"selective recompute: {policy}")
     for label, r in _rows(result):
         if r["mode"] == "oracle":
             ax.scatter([r["reuse_ratio"]], [max(r["kl_mean"], 1e-6)], color="k", marker="P", s=50,
@@ -636,14 +679,18 @@ def main(argv=None) -> None:
     ap.add_argument("--sweep-ranks", type=int, nargs="*", default=None)
     ap.add_argument("--head-ks", type=int, nargs="*", default=HEAD_KS,
                     help="head recompute arms: first K tokens of each reused segment prefilled densely")
+    ap.add_argument("--select-policies", nargs="*", default=list(selection.POLICIES),
+                    help="selective recompute arms: rows chosen by these policies inside the aligned segment")
+    ap.add_argument("--select-ratios", type=float, nargs="*", default=None,
+                    help="shares of the segment's rows recomputed (default 0.1 0.15 0.2 0.3; quick 0.15)")
     ap.add_argument("--only", nargs="*", default=None, help="run only these arm labels (plus fullshared)")
     args = ap.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.quick:
-        defaults = dict(warm=2, eval=1, lengths=[256], sweep_taus=[], sweep_ranks=[])
+        defaults = dict(warm=2, eval=1, lengths=[256], sweep_taus=[], sweep_ranks=[], select_ratios=[0.15])
     else:
         defaults = dict(warm=4, eval=3, lengths=[256, 512, 768, 384], sweep_taus=[0.1, 0.6, 0.9],
-                        sweep_ranks=[8, 64])
+                        sweep_ranks=[8, 64], select_ratios=[0.1, 0.15, 0.2, 0.3])
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)

@@ -1,0 +1,134 @@
+"""Which rows of a reused segment to recompute, offline: the policies ``benchmarks.fidelity`` compares.
+
+A reused segment (aligned, or corrected) differs from the dense prefill most
+where its rows attended to the other context. Recomputing a share ``r`` of its
+rows, in one forward at their true positions (each recomputed row attends to the
+prefix and to every row before it, reused or recomputed: ``recompute_rows``),
+spends ``r`` of the reuse on fidelity. The policies differ in what they look at,
+and only at what a server has when the request arrives (never the dense
+reference):
+
+* ``head``: the first rows (EPIC; the server's ``--kvshare-recompute-head``).
+* ``random``: a seeded random share (the baseline every policy must beat).
+* ``kv_deviation``: CacheBlend; every row recomputed through the first layers, then
+  the rows whose K deviates most at ``check_layer`` (``common.partial_recompute``).
+* ``query_aware``: ProphetKV / A3; the request's own private tail (its question,
+  instruction and assistant prompt) is run over the prefix and the reused segment
+  up to the probe layer(s), and the rows its queries attend to most are chosen.
+  Cost: a forward of the tail's tokens (tens) through the probe layers, and one
+  attention row per tail token and head over the context: far below a prefill of
+  the segment.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .common import KV
+
+POLICIES = ("head", "random", "kv_deviation", "query_aware")
+PROBE_LAYERS = (2,)  # an early layer: the tail's attention there already points at the rows it reads
+
+
+def budget(n: int, ratio: float) -> int:
+    """Rows recomputed for a segment of ``n`` rows at share ``ratio`` (at least one)."""
+    if not 0.0 < ratio <= 1.0:
+        raise ValueError(f"ratio must be in (0, 1], got {ratio}")
+    return min(n, max(1, math.ceil(ratio * n)))
+
+
+def select_head(n: int, ratio: float) -> torch.Tensor:
+    return torch.arange(budget(n, ratio))
+
+
+def select_random(n: int, ratio: float, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randperm(n, generator=g)[:budget(n, ratio)].sort().values
+
+
+def top_rows(scores: torch.Tensor, ratio: float) -> torch.Tensor:
+    """Indices (ascending) of the ``budget`` highest ``scores``."""
+    return torch.topk(scores, budget(scores.numel(), ratio)).indices.sort().values
+
+
+def tail_attention(model, prefix: KV, reused: KV, tail: Sequence[int],
+                   probe_layers: Sequence[int] = PROBE_LAYERS) -> torch.Tensor:
+    """Attention mass ``[S]`` the tail's queries put on each reused row, averaged over heads, tail tokens and the
+    probe layers; the tail runs over ``prefix + reused`` as it would in the request (causally among itself)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    lm = model.model
+    p, s, t = prefix.length, reused.length, len(tail)
+    h = lm.embed_tokens(torch.tensor([list(tail)]))
+    pos = torch.arange(p + s, p + s + t)
+    cos, sin = lm.rotary_emb(h, pos[None])
+    ctx = prefix.cat(reused)
+    scores = torch.zeros(s)
+    last = max(probe_layers)
+    for li, layer in enumerate(lm.layers[:last + 1]):
+        attn = layer.self_attn
+        hd = attn.head_dim
+        x = layer.input_layernorm(h)
+        q = attn.q_proj(x).view(1, t, -1, hd).transpose(1, 2)
+        k = attn.k_proj(x).view(1, t, -1, hd).transpose(1, 2)
+        v = attn.v_proj(x).view(1, t, -1, hd).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        full_k = torch.cat([ctx.k[li].transpose(0, 1)[None], k], 2)  # [1, kvh, P+S+T, hd]
+        full_v = torch.cat([ctx.v[li].transpose(0, 1)[None], v], 2)
+        rep = q.shape[1] // full_k.shape[1]
+        full_k, full_v = full_k.repeat_interleave(rep, 1), full_v.repeat_interleave(rep, 1)
+        mask = torch.ones(t, p + s + t, dtype=torch.bool)
+        mask[:, p + s:] = torch.ones(t, t, dtype=torch.bool).tril()
+        logits = (q @ full_k.transpose(-1, -2)) * attn.scaling
+        probs = logits.masked_fill(~mask[None, None], float("-inf")).softmax(-1)  # [1, H, T, P+S+T]
+        if li in probe_layers:
+            scores += probs[0, :, :, p:p + s].float().mean(dim=(0, 1))
+        o = F.scaled_dot_product_attention(q, full_k, full_v, attn_mask=mask[None, None], scale=attn.scaling)
+        h = h + attn.o_proj(o.transpose(1, 2).reshape(1, t, -1))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return scores / len(probe_layers)
+
+
+def select_query_aware(model, prefix: KV, reused: KV, tail: Sequence[int], ratio: float,
+                       probe_layers: Sequence[int] = PROBE_LAYERS) -> torch.Tensor:
+    return top_rows(tail_attention(model, prefix, reused, tail, probe_layers), ratio)
+
+
+def recompute_rows(model, prefix: KV, ids: list[int], reused: KV, chosen: torch.Tensor) -> KV:
+    """The segment's KV with rows ``chosen`` recomputed through every layer, in one forward: each chosen row
+    attends to the prefix and to the segment rows at or before it (reused ones as they are, chosen ones as
+    recomputed in this layer); the other rows stay as reused. ``chosen`` = every row gives the dense KV."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    lm = model.model
+    p, s = prefix.length, len(ids)
+    chosen = chosen.sort().values
+    h = lm.embed_tokens(torch.tensor([ids]))[:, chosen]
+    pos = torch.arange(p, p + s)[chosen]
+    cos, sin = lm.rotary_emb(h, pos[None])
+    out_k, out_v = reused.k.clone(), reused.v.clone()
+    key_pos = torch.arange(p + s)
+    mask = key_pos[None, :] <= pos[:, None]  # [n, P+S]
+    for li, layer in enumerate(lm.layers):
+        attn = layer.self_attn
+        hd = attn.head_dim
+        x = layer.input_layernorm(h)
+        n = x.shape[1]
+        q = attn.q_proj(x).view(1, n, -1, hd).transpose(1, 2)
+        k = attn.k_proj(x).view(1, n, -1, hd).transpose(1, 2)
+        v = attn.v_proj(x).view(1, n, -1, hd).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        out_k[li, chosen] = k[0].transpose(0, 1).to(out_k.dtype)
+        out_v[li, chosen] = v[0].transpose(0, 1).to(out_v.dtype)
+        full_k = torch.cat([prefix.k[li], out_k[li]], 0).transpose(0, 1)[None]  # [1, kvh, P+S, hd]
+        full_v = torch.cat([prefix.v[li], out_v[li]], 0).transpose(0, 1)[None]
+        rep = q.shape[1] // full_k.shape[1]
+        full_k, full_v = full_k.repeat_interleave(rep, 1), full_v.repeat_interleave(rep, 1)
+        o = F.scaled_dot_product_attention(q, full_k, full_v, attn_mask=mask[None, None], scale=attn.scaling)
+        h = h + attn.o_proj(o.transpose(1, 2).reshape(1, n, -1))
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return KV(out_k, out_v)

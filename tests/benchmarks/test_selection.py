@@ -1,0 +1,86 @@
+"""The offline selection policies and the one-forward sparse recompute (tiny random Llama, no server)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks import selection as sel
+from benchmarks.common import KV, prefill
+from sglang_kvshare.correction import RopeSpec, materialize
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, attn_implementation="eager")
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # NOTE: random init gives tiny weights; larger ones make contexts matter
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(8.0)
+    return model
+
+
+def _setup(tiny, seed: int = 1):
+    """A prefix, a segment's ids, its exact KV there, and the KV another context gave it, re-aligned."""
+    g = torch.Generator().manual_seed(seed)
+    prefix_ids = torch.randint(0, 128, (13,), generator=g).tolist()
+    seg = torch.randint(0, 128, (40,), generator=g).tolist()
+    prefix, _ = prefill(tiny, prefix_ids)
+    exact, _ = prefill(tiny, seg, prefix)
+    other, _ = prefill(tiny, torch.randint(0, 128, (21,), generator=g).tolist())
+    src, _ = prefill(tiny, seg, other)
+    k, v = materialize(src.k, src.v, other.length, prefix.length, None, RopeSpec.from_hf_config(tiny.config))
+    return prefix_ids, prefix, seg, exact, KV(k, v)
+
+
+@torch.no_grad()
+def test_recomputing_every_row_gives_the_dense_kv(tiny):
+    _, prefix, seg, exact, reused = _setup(tiny)
+    out = sel.recompute_rows(tiny, prefix, seg, reused, torch.arange(len(seg)))
+    torch.testing.assert_close(out.k, exact.k, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out.v, exact.v, atol=1e-4, rtol=1e-4)
+
+
+@torch.no_grad()
+def test_a_sparse_recompute_keeps_the_other_rows_and_fixes_what_it_recomputes(tiny):
+    _, prefix, seg, exact, reused = _setup(tiny)
+    chosen = torch.tensor([3, 17, 30])
+    out = sel.recompute_rows(tiny, prefix, seg, reused, chosen)
+    rest = torch.ones(len(seg), dtype=torch.bool)
+    rest[chosen] = False
+    torch.testing.assert_close(out.k[:, rest], reused.k[:, rest])  # untouched
+    torch.testing.assert_close(out.k[0, chosen], exact.k[0, chosen], atol=1e-5, rtol=1e-4)  # layer 0: exact
+    err_before = (reused.v[:, chosen] - exact.v[:, chosen]).norm()
+    err_after = (out.v[:, chosen] - exact.v[:, chosen]).norm()
+    assert err_after < 0.5 * err_before
+
+
+@torch.no_grad()
+def test_tail_attention_is_the_models_own_attention_from_the_tail(tiny):
+    prefix_ids, prefix, seg, exact, _ = _setup(tiny)
+    tail = [5, 9, 77, 3]
+    scores = sel.tail_attention(tiny, prefix, exact, tail, probe_layers=(1,))
+    out = tiny(input_ids=torch.tensor([prefix_ids + seg + tail]), output_attentions=True)
+    p, s = len(prefix_ids), len(seg)
+    want = out.attentions[1][0, :, p + s:, p:p + s].float().mean(dim=(0, 1))
+    torch.testing.assert_close(scores, want, atol=1e-5, rtol=1e-4)
+    chosen = sel.select_query_aware(tiny, prefix, exact, tail, 0.1, probe_layers=(1,))
+    assert set(chosen.tolist()) == set(torch.topk(want, 4).indices.tolist())
+
+
+def test_budgets_and_simple_policies():
+    assert sel.budget(40, 0.15) == 6 and sel.budget(3, 0.01) == 1 and sel.budget(5, 1.0) == 5
+    assert sel.select_head(40, 0.1).tolist() == [0, 1, 2, 3]
+    r = sel.select_random(40, 0.2, seed=3)
+    assert len(r) == 8 and r.tolist() == sorted(set(r.tolist())) and sel.select_random(40, 0.2, 3).equal(r)
+    assert sel.top_rows(torch.tensor([0.1, 0.9, 0.3, 0.8]), 0.5).tolist() == [1, 3]
+    with pytest.raises(ValueError, match="ratio"):
+        sel.budget(10, 0.0)
