@@ -116,6 +116,32 @@ def suffix_eval(model, contexts: list[KV], suffix: list[int], greedy: int = 0, g
 
 
 @torch.no_grad()
+def project_qkv(layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """One decoder layer's Q ``[1, H, n, hd]`` and K, V ``[1, kvh, n, hd]`` of hidden states ``h``, RoPE applied."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    attn = layer.self_attn
+    hd, n = attn.head_dim, h.shape[1]
+    x = layer.input_layernorm(h)
+    q = attn.q_proj(x).view(1, n, -1, hd).transpose(1, 2)
+    k = attn.k_proj(x).view(1, n, -1, hd).transpose(1, 2)
+    v = attn.v_proj(x).view(1, n, -1, hd).transpose(1, 2)
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    return q, k, v
+
+
+def attend_and_mlp(layer, h: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                   mask: torch.Tensor) -> torch.Tensor:
+    """The rest of the layer: ``q`` attends to ``keys``/``values`` ``[1, kvh, K, hd]`` under ``mask`` ``[n, K]``
+    (True = visible), then output projection, residual and MLP; returns the layer's output hidden states."""
+    attn = layer.self_attn
+    rep = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(rep, 1), values.repeat_interleave(rep, 1)
+    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[None, None], scale=attn.scaling)
+    h = h + attn.o_proj(o.transpose(1, 2).reshape(1, h.shape[1], -1))
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
 def partial_recompute(model, prefix: KV, ids: list[int], reused: KV, check_layer: int = 1, ratio: float = 0.15,
                       criterion: str = "k") -> tuple[KV, torch.Tensor]:
     """CacheBlend-style selective recompute of a segment placed after ``prefix``.
@@ -128,8 +154,6 @@ def partial_recompute(model, prefix: KV, ids: list[int], reused: KV, check_layer
     positions. Returns (the blended segment KV, the selected token indices).
     With ``ratio=1`` the result is the exact dense cache.
     """
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
     lm = model.model
     p, s = prefix.length, len(ids)
     h = lm.embed_tokens(torch.tensor([ids]))
@@ -140,26 +164,13 @@ def partial_recompute(model, prefix: KV, ids: list[int], reused: KV, check_layer
     key_pos = torch.arange(p + s)
     chosen = sel
     for li, layer in enumerate(lm.layers):
-        attn = layer.self_attn
-        hd = attn.head_dim
-        x = layer.input_layernorm(h)
-        n = x.shape[1]
-        q = attn.q_proj(x).view(1, n, -1, hd).transpose(1, 2)
-        k = attn.k_proj(x).view(1, n, -1, hd).transpose(1, 2)
-        v = attn.v_proj(x).view(1, n, -1, hd).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        q, k, v = project_qkv(layer, h, cos, sin)
         k_rows, v_rows = k[0].transpose(0, 1), v[0].transpose(0, 1)  # [n, kvh, hd]
         out_k[li] = merge_rows(out_k[li], k_rows, sel)
         out_v[li] = merge_rows(out_v[li], v_rows, sel)
         full_k = torch.cat([prefix.k[li], out_k[li]], 0).transpose(0, 1)[None]  # [1, kvh, P+S, hd]
         full_v = torch.cat([prefix.v[li], out_v[li]], 0).transpose(0, 1)[None]
-        rep = q.shape[1] // full_k.shape[1]
-        full_k, full_v = full_k.repeat_interleave(rep, 1), full_v.repeat_interleave(rep, 1)
-        mask = key_pos[None, :] <= pos[sel][:, None]  # [n, P+S]
-        o = F.scaled_dot_product_attention(q, full_k, full_v, attn_mask=mask[None, None], scale=attn.scaling)
-        o = attn.o_proj(o.transpose(1, 2).reshape(1, n, -1))
-        h = h + o
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = attend_and_mlp(layer, h, q, full_k, full_v, key_pos[None, :] <= pos[sel][:, None])
         if li == check_layer and ratio < 1.0:
             dev = token_deviation(k_rows if criterion == "k" else v_rows,
                                   (reused.k if criterion == "k" else reused.v)[li])

@@ -340,6 +340,7 @@ def render_fidelity(d: dict) -> str:
     rows = [_fidelity_row(m, d[m]) for m in d["modes"] if m in d]
     rows += [_fidelity_row(k, r) for k, r in d.get("sweep", {}).items()]
     rows += [_fidelity_row(k, r) for k, r in d.get("head_recompute", {}).items()]
+    rows += [_fidelity_row(k, r) for k, r in d.get("selective_recompute", {}).items()]
     hf = d.get("head_frontier") or {}
     target = ""
     if hf:
@@ -350,7 +351,10 @@ def render_fidelity(d: dict) -> str:
             f"(pools warmed on {d['n_warm_samples']} other contents); sources {', '.join(d['sources'])}; "
             f"segment lengths {', '.join(map(str, d['content_lengths']))} tokens. Every number is against NonShared "
             f"(exact dense prefill, the reference `off` serves) over the consumer's suffix. Dense prefill cost "
-            f"{d['dense_prefill_seconds_per_token'] * 1e3:.1f} ms per token here.\n\n"
+            f"{d['dense_prefill_seconds_per_token'] * 1e3:.1f} ms per token here."
+            + (" `select_<policy>_r<share>`: `fullshared` plus that share of the segment's rows recomputed in one "
+               "forward, chosen by the policy (`benchmarks/selection.py`)." if d.get("selective_recompute") else "")
+            + "\n\n"
             + table(FIDELITY_COLUMNS, rows) + target)
 
 

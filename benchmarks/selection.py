@@ -26,9 +26,8 @@ import math
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 
-from .common import KV
+from .common import KV, attend_and_mlp, project_qkv
 
 POLICIES = ("head", "random", "kv_deviation", "query_aware")
 PROBE_LAYERS = (2,)  # an early layer: the tail's attention there already points at the rows it reads
@@ -59,37 +58,24 @@ def tail_attention(model, prefix: KV, reused: KV, tail: Sequence[int],
                    probe_layers: Sequence[int] = PROBE_LAYERS) -> torch.Tensor:
     """Attention mass ``[S]`` the tail's queries put on each reused row, averaged over heads, tail tokens and the
     probe layers; the tail runs over ``prefix + reused`` as it would in the request (causally among itself)."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
     lm = model.model
     p, s, t = prefix.length, reused.length, len(tail)
     h = lm.embed_tokens(torch.tensor([list(tail)]))
-    pos = torch.arange(p + s, p + s + t)
-    cos, sin = lm.rotary_emb(h, pos[None])
+    cos, sin = lm.rotary_emb(h, torch.arange(p + s, p + s + t)[None])
     ctx = prefix.cat(reused)
+    mask = torch.ones(t, p + s + t, dtype=torch.bool)
+    mask[:, p + s:] = torch.ones(t, t, dtype=torch.bool).tril()
     scores = torch.zeros(s)
-    last = max(probe_layers)
-    for li, layer in enumerate(lm.layers[:last + 1]):
-        attn = layer.self_attn
-        hd = attn.head_dim
-        x = layer.input_layernorm(h)
-        q = attn.q_proj(x).view(1, t, -1, hd).transpose(1, 2)
-        k = attn.k_proj(x).view(1, t, -1, hd).transpose(1, 2)
-        v = attn.v_proj(x).view(1, t, -1, hd).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        full_k = torch.cat([ctx.k[li].transpose(0, 1)[None], k], 2)  # [1, kvh, P+S+T, hd]
-        full_v = torch.cat([ctx.v[li].transpose(0, 1)[None], v], 2)
-        rep = q.shape[1] // full_k.shape[1]
-        full_k, full_v = full_k.repeat_interleave(rep, 1), full_v.repeat_interleave(rep, 1)
-        mask = torch.ones(t, p + s + t, dtype=torch.bool)
-        mask[:, p + s:] = torch.ones(t, t, dtype=torch.bool).tril()
-        logits = (q @ full_k.transpose(-1, -2)) * attn.scaling
-        probs = logits.masked_fill(~mask[None, None], float("-inf")).softmax(-1)  # [1, H, T, P+S+T]
+    for li, layer in enumerate(lm.layers[:max(probe_layers) + 1]):
+        q, k, v = project_qkv(layer, h, cos, sin)
+        keys = torch.cat([ctx.k[li].transpose(0, 1)[None], k], 2)  # [1, kvh, P+S+T, hd]
+        values = torch.cat([ctx.v[li].transpose(0, 1)[None], v], 2)
         if li in probe_layers:
+            rep = q.shape[1] // keys.shape[1]
+            logits = (q @ keys.repeat_interleave(rep, 1).transpose(-1, -2)) * layer.self_attn.scaling
+            probs = logits.masked_fill(~mask[None, None], float("-inf")).softmax(-1)  # [1, H, T, P+S+T]
             scores += probs[0, :, :, p:p + s].float().mean(dim=(0, 1))
-        o = F.scaled_dot_product_attention(q, full_k, full_v, attn_mask=mask[None, None], scale=attn.scaling)
-        h = h + attn.o_proj(o.transpose(1, 2).reshape(1, t, -1))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = attend_and_mlp(layer, h, q, keys, values, mask)
     return scores / len(probe_layers)
 
 
@@ -102,8 +88,6 @@ def recompute_rows(model, prefix: KV, ids: list[int], reused: KV, chosen: torch.
     """The segment's KV with rows ``chosen`` recomputed through every layer, in one forward: each chosen row
     attends to the prefix and to the segment rows at or before it (reused ones as they are, chosen ones as
     recomputed in this layer); the other rows stay as reused. ``chosen`` = every row gives the dense KV."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
     lm = model.model
     p, s = prefix.length, len(ids)
     chosen = chosen.sort().values
@@ -111,24 +95,12 @@ def recompute_rows(model, prefix: KV, ids: list[int], reused: KV, chosen: torch.
     pos = torch.arange(p, p + s)[chosen]
     cos, sin = lm.rotary_emb(h, pos[None])
     out_k, out_v = reused.k.clone(), reused.v.clone()
-    key_pos = torch.arange(p + s)
-    mask = key_pos[None, :] <= pos[:, None]  # [n, P+S]
+    mask = torch.arange(p + s)[None, :] <= pos[:, None]  # [n, P+S]
     for li, layer in enumerate(lm.layers):
-        attn = layer.self_attn
-        hd = attn.head_dim
-        x = layer.input_layernorm(h)
-        n = x.shape[1]
-        q = attn.q_proj(x).view(1, n, -1, hd).transpose(1, 2)
-        k = attn.k_proj(x).view(1, n, -1, hd).transpose(1, 2)
-        v = attn.v_proj(x).view(1, n, -1, hd).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        q, k, v = project_qkv(layer, h, cos, sin)
         out_k[li, chosen] = k[0].transpose(0, 1).to(out_k.dtype)
         out_v[li, chosen] = v[0].transpose(0, 1).to(out_v.dtype)
-        full_k = torch.cat([prefix.k[li], out_k[li]], 0).transpose(0, 1)[None]  # [1, kvh, P+S, hd]
-        full_v = torch.cat([prefix.v[li], out_v[li]], 0).transpose(0, 1)[None]
-        rep = q.shape[1] // full_k.shape[1]
-        full_k, full_v = full_k.repeat_interleave(rep, 1), full_v.repeat_interleave(rep, 1)
-        o = F.scaled_dot_product_attention(q, full_k, full_v, attn_mask=mask[None, None], scale=attn.scaling)
-        h = h + attn.o_proj(o.transpose(1, 2).reshape(1, n, -1))
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        keys = torch.cat([prefix.k[li], out_k[li]], 0).transpose(0, 1)[None]  # [1, kvh, P+S, hd]
+        values = torch.cat([prefix.v[li], out_v[li]], 0).transpose(0, 1)[None]
+        h = attend_and_mlp(layer, h, q, keys, values, mask)
     return KV(out_k, out_v)

@@ -12,22 +12,6 @@ from sglang_kvshare.correction import CorrectionPlan, RopeSpec, factorize, mater
 torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
-                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # NOTE: random init gives tiny weights; larger ones make contexts matter
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(8.0)
-    return model
-
-
 def test_dense_head_prefill_equals_the_exact_rows_it_replaces(tiny):
     """Why the harness may splice rows: a dense prefill of ids[:K] behind the prefix is the exact cache's head."""
     g = torch.Generator().manual_seed(1)

@@ -12,22 +12,6 @@ from sglang_kvshare.correction import RopeSpec, materialize
 torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
-                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, attn_implementation="eager")
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # NOTE: random init gives tiny weights; larger ones make contexts matter
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(8.0)
-    return model
-
-
 def _setup(tiny, seed: int = 1):
     """A prefix, a segment's ids, its exact KV there, and the KV another context gave it, re-aligned."""
     g = torch.Generator().manual_seed(seed)

@@ -214,16 +214,22 @@ def _queries(n: int, length: int = 60) -> list[list[int]]:
     return [list(range(1000 + 97 * i, 1000 + 97 * i + length)) for i in range(n)]
 
 
-def test_kvcmas_learns_from_dense_prefills_then_corrects():
-    sched = MiniScheduler(make_cache("kvcmas", tau=1.0))
+def _a_then_b(sched: MiniScheduler, contents: int) -> list[dict]:
+    """Agents A and B warmed, then per content A reads it and B reads it after; B's shared segment reports."""
     for agent in ("A", "B"):
         warm(sched, agent)
     reports = []
-    for query in _queries(4):
+    for query in _queries(contents):
         sched.run(annotated("A", query=query))
         b = annotated("B", query=query)
         sched.run(b)
         reports.append(b.report()["segments"][1])
+    return reports
+
+
+def test_kvcmas_learns_from_dense_prefills_then_corrects():
+    sched = MiniScheduler(make_cache("kvcmas", tau=1.0))
+    reports = _a_then_b(sched, 4)
     assert reports[0]["reason"] == "too_few_anchors"  # the pool starts empty: dense, then learned
     assert sched.cache.estimator.pool_size(((None, None, None), "query")) >= 2
     assert reports[-1]["resolved_by"] == "correction", reports
@@ -369,14 +375,7 @@ def test_a_cold_pool_aligns_once_the_observations_it_needs_are_queued(cold_pool_
     reader is aligned (fullshared with the head) instead of prefilled again, and says why in its report."""
     sched = MiniScheduler(make_cache("kvcmas", tau=1.0, learn_async=True, cold_pool_align=cold_pool_align))
     sched.cache.learner._ensure_worker = lambda: None  # learning lags: nothing is learned during the test
-    for agent in ("A", "B"):
-        warm(sched, agent)
-    segments = []
-    for query in _queries(3):
-        sched.run(annotated("A", query=query))
-        b = annotated("B", query=query)
-        sched.run(b)
-        segments.append(b.report()["segments"][1])
+    segments = _a_then_b(sched, 3)
     assert [s["reason"] for s in segments[:2]] == ["too_few_anchors"] * 2  # the observations the gate needs
     assert sched.cache.learner.pending() == (2 if cold_pool_align else 3)  # an aligned reader adds none
     if cold_pool_align:

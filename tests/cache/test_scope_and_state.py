@@ -81,11 +81,17 @@ def test_a_client_extra_key_never_reaches_the_estimate_namespace():
     assert sched.cache.counters.get("plain_tokens_from_estimates") == 0
 
 
-def test_a_retracted_request_is_planned_afresh_and_counted_once():
+def _a_read_and_b_warm() -> MiniScheduler:
+    """A fullshared cache where agent A read the query and agent B's private prefix is warm."""
     sched = MiniScheduler(make_cache("fullshared"))
-    cache = sched.cache
     sched.run(annotated("A"))
     warm(sched, "B")
+    return sched
+
+
+def test_a_retracted_request_is_planned_afresh_and_counted_once():
+    sched = _a_read_and_b_warm()
+    cache = sched.cache
     b = annotated("B")
     sched.match(b)  # admitted: planned, assembled, its prompt prefilled and counted ...
     plan = b.kvshare_plan
@@ -142,10 +148,8 @@ def test_memory_budgets_shrink_to_what_the_device_has_free():
 def test_the_fault_switch_perturbs_only_its_slot_and_a_request_may_ask_for_a_longer_head():
     from tests.cache.fakes import LAYERS
 
-    sched = MiniScheduler(make_cache("fullshared"))
+    sched = _a_read_and_b_warm()
     cache = sched.cache
-    sched.run(annotated("A"))
-    warm(sched, "B")
     clean = annotated("B")
     sched.run(clean)
     cache.kvshare_admin.configure(fault_perturb_slot="query")  # a new epoch: assembled afresh below

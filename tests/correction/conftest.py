@@ -5,30 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.tiny_models import tiny_llama as _tiny_llama
+
 torch.set_num_threads(1)  # NOTE: 2 OpenMP threads on a shared 2-core box spin pathologically
 
 
 @pytest.fixture
 def gen() -> torch.Generator:
     return torch.Generator().manual_seed(1234)
-
-
-def _tiny_llama(**overrides):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    kw = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=8192,
-              rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    kw.update(overrides)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(**kw)
-    model = LlamaForCausalLM(cfg).eval()
-    # NOTE: random init gives tiny weights; larger ones make contexts matter.
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(8.0)
-    return model
 
 
 @pytest.fixture(scope="session")
