@@ -21,9 +21,11 @@ one at a time) and per repeat (a new content each time):
 
 Arms: ``off``, ``fullshared``, ``kvcmas``, ``stock`` (``sglang.launch_server``
 with SGLang's default cache: is ``off`` free?), ``MODE:K`` for
-``--kvshare-recompute-head K`` (one extra stage per reused segment: the stage
-cost is its TTFT minus ``MODE``'s), and ``ARM@name=value,...`` for more
-``--kvshare-name value`` launch flags (``kvcmas@learn-yield-s=0``).
+``--kvshare-recompute-head K`` (recomputed inside the one prefill forward, the
+sparse extend; ``MODE:K@sparse-extend=false`` stages it, one extra forward per
+reused segment: the stage cost is the difference), and ``ARM@name=value,...``
+for more ``--kvshare-name value`` launch flags (``kvcmas@learn-yield-s=0``,
+``fullshared@recompute-ratio=0.15``).
 ``kvcmas`` learns on its background thread (the serving default) from
 ``--warm`` chains; the measured repeats start once that learning is done
 (``wait_learning``, at most 300 s); the probes run before it.

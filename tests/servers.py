@@ -53,7 +53,8 @@ _DEFAULTS = KVShareConfig()
 # kvcmas default that ``None`` means; the POST body cannot say ``None``).
 _RESTORE = {"mode": "fullshared", "tau": _DEFAULTS.tau, "rank": _DEFAULTS.rank,
             "capacity": _DEFAULTS.replace(mode="kvcmas").effective_capacity,
-            "recompute_head": _DEFAULTS.recompute_head, "staged": _DEFAULTS.staged, "verify_rate": 0.0,
+            "recompute_head": _DEFAULTS.recompute_head, "recompute_ratio": _DEFAULTS.recompute_ratio,
+            "sparse_extend": _DEFAULTS.sparse_extend, "staged": _DEFAULTS.staged, "verify_rate": 0.0,
             "fidelity_target": "", "fidelity_min_samples": _DEFAULTS.fidelity_min_samples, "fault_perturb_slot": ""}
 
 

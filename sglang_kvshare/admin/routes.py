@@ -72,6 +72,9 @@ class ConfigUpdate(BaseModel):
                           "fullshared and kvcmas starts with empty pools.")
     recompute_head: Optional[int] = Field(None, ge=0, le=MAX_HEAD, strict=True,
                                           description=_HELP["recompute_head"])
+    recompute_ratio: Optional[float] = Field(None, ge=0.0, le=1.0, strict=True, allow_inf_nan=False,
+                                             description=_HELP["recompute_ratio"])
+    sparse_extend: Optional[bool] = Field(None, strict=True, description=_HELP["sparse_extend"])
     staged: Optional[bool] = Field(None, strict=True, description=_HELP["staged"])
     verify_rate: Optional[float] = Field(None, ge=0.0, le=1.0, strict=True, allow_inf_nan=False,
                                          description=_HELP["verify_rate"])

@@ -36,11 +36,12 @@ from sglang_kvshare.cache.assemble import write_and_insert
 from sglang_kvshare.cache.correction_state import CorrectionState
 from sglang_kvshare.cache.kv_pool_io import ReadWorkspace
 from sglang_kvshare.cache.parts import CacheParts
+from sglang_kvshare.cache.pending_recompute import PendingRecompute, merge_rows
 from sglang_kvshare.cache.plan import RequestPlan, drop_plan, plan_of, plan_request
 from sglang_kvshare.cache.record import Recorder
 from sglang_kvshare.cache.registry import ContentHasher, PlaceholderRegistry, RegistryLimits
-from sglang_kvshare.cache.resolve import (Resolver, candidates, mark_matched, mark_unreached, next_stage,
-                                          resolve_segments)
+from sglang_kvshare.cache.resolve import (HeadRule, Resolver, candidates, mark_matched, mark_unreached,
+                                          next_stage, resolve_segments)
 from sglang_kvshare.config import KVShareConfig
 from sglang_kvshare.counters import Counters
 from sglang_kvshare.learning.learner import Learner
@@ -53,10 +54,13 @@ class KVShareRadixCache(RadixCache):
     """A ``RadixCache`` that reuses shared segments across agents; see the module docstring.
 
     ``tp_size`` is the launch fact a runtime mode switch is checked against again.
+    ``sparse_unsupported``: why this server cannot recompute heads inside the
+    prefill forward (``server.sparse_extend.unsupported_reason``), or None when
+    it can; heads are then staged.
     """
 
     def __init__(self, params: CacheInitParams, *, config: KVShareConfig, model_config: Optional[Any] = None,
-                 tp_size: int = 1) -> None:
+                 tp_size: int = 1, sparse_unsupported: Optional[str] = "not_checked") -> None:
         # NOTE: set before RadixCache.__init__, which calls reset().
         self.state = CorrectionState(config, model_config, page_size=params.page_size, tp_size=tp_size)
         self.hasher = ContentHasher()
@@ -65,6 +69,8 @@ class KVShareRadixCache(RadixCache):
         self.counters = Counters()
         self.counters.add("plain_tokens_from_estimates", 0)  # reported even while it stays 0 (the soak checks it)
         self.activity = ServingActivity()
+        self.sparse_unsupported = sparse_unsupported
+        self.pending_recompute = PendingRecompute()
         self.learner = Learner(lambda: self.state.estimator, self.state.lock, self.counters,
                                max_jobs=config.learn_queue_max, max_bytes=int(config.learn_queue_mb * 2**20),
                                asynchronous=config.learn_async, cpu_share=config.learn_cpu_share,
@@ -92,6 +98,7 @@ class KVShareRadixCache(RadixCache):
     # ------------------------------------------------------------ tree hooks
     def reset(self) -> None:
         super().reset()
+        self.pending_recompute.clear()
         self.registry.reset()
         self.state.new_epoch()
 
@@ -106,6 +113,8 @@ class KVShareRadixCache(RadixCache):
     def _delete_leaf(self, node) -> None:
         super()._delete_leaf(node)
         setattr(node, tree_paths.DEAD_ATTR, True)  # copies ending here are gone
+        if len(self.pending_recompute) and node.value is not None:
+            self.pending_recompute.settle(node.value.tolist())  # its slots go back to the allocator
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
         req = params.req
@@ -130,7 +139,7 @@ class KVShareRadixCache(RadixCache):
         except Exception:  # noqa: BLE001 - never fail a request because of kvshare
             logger.exception("sglang-kvshare: assembly failed; prefilling densely")
             self.counters.add("internal_errors")
-            plan.est_start = None
+            plan.est_start, plan.sparse_rows = None, []
             return super().match_prefix(params)
 
     def checkpoint(self, req, *, up_to: int):
@@ -181,6 +190,13 @@ class KVShareRadixCache(RadixCache):
             if got:
                 plan.est_start, m, node = m, m + got, deeper
                 plan.estimate_len = got
+        # Estimate rows whose recompute another request (or this one, a round ago) still owes: this request's
+        # next forward recomputes them.
+        plan.owed = self.pending_recompute
+        plan.sparse_rows = []
+        if plan.est_start is not None and len(self.pending_recompute):
+            plan.sparse_rows = self.pending_recompute.owed_positions(self.path_device_indices(node)[plan.est_start:m],
+                                                                     plan.est_start)
         # A waiting request is matched again every round: a longer match makes its plan stale.
         advanced = plan.attempted and m > plan.assembled_end
         if not plan.attempted or advanced:
@@ -202,7 +218,7 @@ class KVShareRadixCache(RadixCache):
         config = self.state.config
         records = self.registry.namespace(plan.namespace)
         generation = self.registry.generation
-        head = max(config.recompute_head, plan.annotation.recompute_head or 0)
+        head = self._head_rule(plan)
         locks = [node]
         self.inc_lock_ref(node)
         try:
@@ -223,6 +239,8 @@ class KVShareRadixCache(RadixCache):
             if plan.est_start is None:
                 plan.est_start = m
             self.recorder.assembled(plan, pieces)
+            if head.sparse:
+                self._owe_heads(plan, pieces, last, head)
         plan.assembled_end = max(plan.assembled_end, end)
         plan.next_stage = None
         if config.staged:
@@ -230,6 +248,28 @@ class KVShareRadixCache(RadixCache):
                                          lambda o: bool(candidates(records, plan, o, generation)),
                                          config.min_stage_tokens)
         return end, last
+
+    def _head_rule(self, plan: RequestPlan) -> HeadRule:
+        """The request's head (server setting or its annotation's, the larger) and whether it is sparse."""
+        config = self.state.config
+        rule = HeadRule(max(config.recompute_head, plan.annotation.recompute_head or 0), config.recompute_ratio,
+                        sparse=config.sparse_extend and self.sparse_unsupported is None)
+        if rule.head or rule.ratio:
+            plan.recompute_via = "sparse" if rule.sparse else "staged"
+            plan.sparse_fallback = self.sparse_unsupported if config.sparse_extend and not rule.sparse else None
+        return rule
+
+    def _owe_heads(self, plan: RequestPlan, pieces: list, last: Any, head: HeadRule) -> None:
+        """Register the assembled head rows of ``pieces`` for the request's next forward to recompute."""
+        rows: list[int] = []
+        for p in pieces:
+            seg = plan.annotation.segments[p.index]
+            rows.extend(seg.start + j for j in range(p.lo, min(p.hi, head.rows(seg))))
+        if not rows:
+            return
+        slots = self.path_device_indices(last)
+        self.pending_recompute.owe(slots[rows].tolist())
+        plan.sparse_rows = merge_rows(plan.sparse_rows, rows)
 
     # ------------------------------------------------------------ staged prefill
     def kvshare_stage_end(self, req, prefix_len: int) -> Optional[int]:

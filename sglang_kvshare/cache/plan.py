@@ -51,6 +51,14 @@ class RequestPlan:
     attempted: bool = False  # assembly ran once; a repeat only re-runs if its nodes were evicted
     released: bool = False  # its KV was released unfinished (retraction): the next match plans afresh
     assembly_seconds: float = 0.0
+    # The sparse extend (``server.sparse_extend``): positions of assembled head rows the next prefill forward
+    # recomputes, the registry they are owed in, and what the forwards did.
+    sparse_rows: list[int] = field(default_factory=list)
+    owed: Optional[Any] = None  # pending_recompute.PendingRecompute of the cache
+    sparse_recomputed: int = 0  # rows recomputed inside prefill forwards
+    prefill_forwards: int = 0  # prefill forwards the request took (chunks, stages)
+    recompute_via: Optional[str] = None  # sparse | staged: how its heads were recomputed (None: no head)
+    sparse_fallback: Optional[str] = None  # why the heads were staged although the sparse extend is on
 
     @property
     def agent(self) -> str:

@@ -31,7 +31,12 @@ def build(plan: RequestPlan) -> dict:
         "shared_tokens_reused": sum(o.resolved_tokens for o in plan.outcomes if o.kind == "shared"
                                     and o.resolved_by in ("estimate_hit", "alignment", "correction")),
         "tokens_head_recomputed": sum(o.head_recomputed or 0 for o in plan.outcomes),
+        # Rows recomputed inside the prefill forward (the sparse extend): SGLang counts them as cached.
+        "tokens_sparse_recomputed": plan.sparse_recomputed,
+        "prefill_forwards": plan.prefill_forwards,
         "assembly_seconds": round(plan.assembly_seconds, 6),
+        **({"recompute": plan.recompute_via} if plan.recompute_via else {}),
+        **({"sparse_fallback": plan.sparse_fallback} if plan.sparse_fallback else {}),
         "segments": [o.as_dict() for o in plan.outcomes],
         "fallbacks": [{"segment": o.index, "slot": o.slot, "reason": o.reason}
                       for o in plan.outcomes if o.reason is not None],

@@ -19,6 +19,7 @@ resume reuse after a dense stretch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -80,9 +81,30 @@ def is_private_suffix(plan: RequestPlan, o: SegmentOutcome) -> bool:
     return o.index == len(plan.outcomes) - 1 and plan.annotation.segments[o.index].kind == "private"
 
 
-def head_len(seg: Any, recompute_head: int) -> int:
-    """Rows of ``seg`` prefilled densely before reuse starts (its recomputed head)."""
-    return min(recompute_head, seg.length)
+@dataclass(frozen=True)
+class HeadRule:
+    """How many first rows of a reused segment are recomputed in the request's own context, and how.
+
+    ``head`` rows (``--kvshare-recompute-head``) or ``ratio`` of the segment
+    (``--kvshare-recompute-ratio``), the larger. ``sparse``: the head rows are
+    assembled with the rest of the segment and recomputed inside the request's
+    prefill forward (``server.sparse_extend``); otherwise each head is a dense
+    stage before the segment's reuse resumes.
+    """
+
+    head: int = 0
+    ratio: float = 0.0
+    sparse: bool = False
+
+    def rows(self, seg: Any) -> int:
+        """Rows of ``seg`` recomputed (its head)."""
+        # NOTE: rounded first, so 0.15 x 100 is 15 rows, not the 16 its float product would give.
+        by_ratio = math.ceil(round(self.ratio * seg.length, 6)) if self.ratio > 0 else 0
+        return min(max(self.head, by_ratio), seg.length)
+
+    def stage_rows(self, seg: Any) -> int:
+        """Rows of ``seg`` prefilled as a stage before its reuse resumes (none with the sparse extend)."""
+        return 0 if self.sparse else self.rows(seg)
 
 
 def prefilled_by_request(plan: RequestPlan, o: SegmentOutcome) -> bool:
@@ -183,13 +205,15 @@ class Resolver:
 
 
 def resolve_segments(resolver: Resolver, records: NamespaceRecords, plan: RequestPlan, m: int, limit: int,
-                     locks: list, generation: int, recompute_head: int = 0) -> list[Piece]:
+                     locks: list, generation: int, head: HeadRule = HeadRule()) -> list[Piece]:
     """Resolve segments from position ``m`` on, contiguously; the pieces to write, in order.
 
     Stops at the first segment it cannot resolve (its reason goes into the
-    report), at a segment whose recomputed head (``recompute_head`` rows) has
-    not been prefilled yet, or at ``limit``. Mutates the outcomes of the
-    segments it reaches.
+    report), at a segment whose head must first be prefilled as a stage
+    (``head.stage_rows``), or at ``limit``. With the sparse extend a piece
+    covers its segment's head too: the outcome counts the head's rows in
+    ``head_recomputed`` and only the others as reused. Mutates the outcomes of
+    the segments it reaches.
     """
     pieces: list[Piece] = []
     pos = m
@@ -200,8 +224,7 @@ def resolve_segments(resolver: Resolver, records: NamespaceRecords, plan: Reques
             break
         if prefilled_by_request(plan, o):
             break  # prefilled densely by design (see prefilled_by_request): no fallback
-        head = head_len(seg, recompute_head)
-        if pos < seg.start + head:
+        if pos < seg.start + head.stage_rows(seg):
             break  # the head is prefilled densely first (staged prefill resumes after it)
         try:
             res = resolver.resolve(records, plan, o, locks, generation)
@@ -216,8 +239,10 @@ def resolve_segments(resolver: Resolver, records: NamespaceRecords, plan: Reques
             break
         lo, hi = pos - seg.start, row_end - seg.start
         pieces.append(Piece(o.index, lo, hi, res))
-        o.resolved_by, o.reason, o.resolved_tokens = res.how, None, hi - lo
-        o.head_recomputed = head or None
+        rows = head.rows(seg)
+        recomputed = max(0, min(hi, rows) - lo) if head.sparse else 0  # head rows this piece assembles
+        o.resolved_by, o.reason, o.resolved_tokens = res.how, None, hi - lo - recomputed
+        o.head_recomputed = rows or None
         pos = row_end
         if row_end < seg.end:
             o.reason = "partial" if row_end < limit else None
@@ -225,7 +250,7 @@ def resolve_segments(resolver: Resolver, records: NamespaceRecords, plan: Reques
     return pieces
 
 
-def next_stage(plan: RequestPlan, a: int, limit: int, recompute_head: int,
+def next_stage(plan: RequestPlan, a: int, limit: int, head: HeadRule,
                has_source: Callable[[SegmentOutcome], bool], min_rows: int = 1) -> Optional[int]:
     """Where reuse can resume after a dense stretch starting at ``a``, or None.
 
@@ -239,7 +264,7 @@ def next_stage(plan: RequestPlan, a: int, limit: int, recompute_head: int,
     for o, seg in zip(plan.outcomes, plan.annotation.segments):
         if seg.end <= a:
             continue
-        resume = seg.start + head_len(seg, recompute_head)
+        resume = seg.start + head.stage_rows(seg)
         if resume <= a or min(seg.end, limit) - resume < min_rows or prefilled_by_request(plan, o):
             continue
         if has_source(o):

@@ -512,7 +512,9 @@ def exact_cached_tokens(meta: dict) -> None:
     if not reports or not isinstance(reports[0], dict) or not isinstance(cached, int):
         return
     report = reports[0]
-    approx = sum(int(report.get(k) or 0) for k in ("tokens_aligned", "tokens_corrected", "tokens_estimate_hit"))
+    # Rows the sparse extend recomputed sat in SGLang's prefix too, but the forward computed them.
+    approx = sum(int(report.get(k) or 0) for k in ("tokens_aligned", "tokens_corrected", "tokens_estimate_hit",
+                                                    "tokens_sparse_recomputed"))
     meta["cached_tokens"] = max(0, cached - approx)
 
 

@@ -92,7 +92,10 @@ def build_cache(ctx: Any) -> Any:
     config = _fit_device_memory(KVShareConfig.from_env())
     check_setup(ctx, config)
     install(scheduler_hooks(config))
-    cache = KVShareRadixCache(ctx.params, config=config, model_config=ctx.model_config, tp_size=ctx.tp_size)
+    from sglang_kvshare.server.sparse_extend import unsupported_reason
+
+    cache = KVShareRadixCache(ctx.params, config=config, model_config=ctx.model_config, tp_size=ctx.tp_size,
+                              sparse_unsupported=unsupported_reason())
     if config.learn_on_idle and config.learn_async:
         cache.learner.use_idle_steps()  # the scheduler's idle hook runs the learner's steps
     logger.info("sglang-kvshare: KVShareRadixCache live (mode=%s%s)", config.mode,

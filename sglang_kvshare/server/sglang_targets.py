@@ -48,6 +48,7 @@ class Target:
     params: Optional[tuple[str, ...]] = None
     attrs: tuple[str, ...] = ()
     positional: bool = False  # kvshare builds the class positionally: ``attrs`` are its leading fields, in order
+    classmethod: bool = False  # a classmethod: ``params`` leave out ``cls``, which a hook receives first
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,8 @@ _SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 _ADDER = "sglang.srt.managers.schedule_policy.PrefillAdder"
 _RADIX = "sglang.srt.mem_cache.radix_cache.RadixCache"
 _BASE_CACHE = "sglang.srt.mem_cache.base_prefix_cache"
+_FORWARD_BATCH = "sglang.srt.model_executor.forward_batch_info.ForwardBatch"
+_TORCH_NATIVE = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
 
 # ------------------------------------------------------------------ hooks
 SETUP_HTTP_SERVER = Target(
@@ -127,6 +130,13 @@ SCHEDULER_HOOKS: tuple[Hook, ...] = (
                 "staged prefill: resumes reuse between two chunks, then caps the next chunk",
                 params=("self", "req")),
          "around", "sglang_kvshare.server.staged_prefill:around_add_chunked_req", "scheduler"),
+    Hook(Target(f"{_FORWARD_BATCH}.init_new",
+                "the sparse extend: owed head rows folded into a prefill forward",
+                params=("batch", "model_runner"), classmethod=True),
+         "around", "sglang_kvshare.server.sparse_extend:around_init_new", "scheduler"),
+    Hook(Target(f"{_TORCH_NATIVE}.forward_extend", "the sparse extend: queries at their true positions",
+                params=("self", "q", "k", "v", "layer", "forward_batch")),
+         "around", "sglang_kvshare.server.sparse_extend:around_torch_native_forward_extend", "scheduler"),
 )
 
 # Installed only with --kvshare-learn-on-idle (and --kvshare-learn-async): learning steps on the
@@ -191,6 +201,22 @@ CALLS: tuple[Target, ...] = (
            attrs=("prefix_len", "extend_len", "max_new_tokens", "is_chunked", "replay_len"), positional=True),
     Target("sglang.srt.managers.schedule_policy.AddReqResult", "a staged request waits a round",
            attrs=("CONTINUE",)),
+    Target(f"{_TORCH_NATIVE}._run_sdpa_forward_extend", "the sparse extend stands in for it, same arguments",
+           params=("self", "query", "output", "k_cache", "v_cache", "req_to_token", "req_pool_indices", "seq_lens",
+                   "extend_prefix_lens", "extend_seq_lens", "encoder_lens", "scaling", "enable_gqa", "causal",
+                   "is_cross_attn", "sliding_window_size")),
+    Target("sglang.srt.managers.schedule_batch.ScheduleBatch", "the sparse extend folds rows into a copy",
+           attrs=("forward_mode", "reqs", "prefix_lens", "extend_lens", "input_ids", "prefill_input_ids_cpu",
+                  "out_cache_loc", "req_pool_indices", "req_pool_indices_cpu", "extend_num_tokens",
+                  "extend_logprob_start_lens")),
+    Target("sglang.srt.managers.schedule_batch.Req", "the sparse extend reads the owed rows' tokens",
+           attrs=("full_untruncated_fill_ids",)),
+    Target(_FORWARD_BATCH, "the sparse extend sets the true positions", attrs=("positions",)),
+    Target("sglang.srt.model_executor.forward_batch_info.ForwardMode", "only plain prefill forwards fold rows",
+           attrs=("EXTEND",)),
+    Target("sglang.srt.runtime_context.attention_backends", "whether the sparse extend is supported", params=()),
+    Target("sglang.srt.runtime_context.get_server_args", "speculative decoding, mixed chunks, DP attention",
+           params=()),
     Target(f"{_TOKENIZER}.get_internal_state", "the admin read channel", params=("self",)),
     Target(_TOKENIZER, "the fidelity guard sends its references only while no request is in flight, and "
            "exports its metrics where SGLang does", attrs=("rid_to_state", "enable_metrics")),

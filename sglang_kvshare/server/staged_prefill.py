@@ -21,10 +21,9 @@ chunked-prefill machinery, so nothing else in the scheduler changes:
   capped at the next stage end through SGLang's own ``chunked_req_limit``.
 
 Cost of a stage: one more scheduling round and forward pass for the request
-(measured in ``benchmarks.chain_ttft``; see docs/STAGED_PREFILL.md). The
-alternative, a sparse extend (recomputed and reused tokens interleaved in one
-forward, as EPIC does in vLLM), needs attention metadata SGLang's extend path
-does not have; see docs/STAGED_PREFILL.md for the comparison.
+(measured in ``benchmarks.chain_ttft``; see docs/STAGED_PREFILL.md). A
+recomputed head needs no stage where the sparse extend runs
+(``server/sparse_extend.py``); a segment that cannot be reused still does.
 
 Their targets are named in ``server/sglang_targets.py``; ``server/plugin.py`` installs them
 when SGLang builds the kvshare cache (inert for requests the cache gives no stage end).

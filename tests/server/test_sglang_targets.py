@@ -39,7 +39,7 @@ def test_a_changed_signature_or_field_fails_by_name():
 
 def _call_shape(hook: Hook) -> int:
     """Positional arguments SGLang's wrapper passes to a hook of this kind."""
-    n = len(hook.target.params or ())
+    n = len(hook.target.params or ()) + int(hook.target.classmethod)  # a classmethod's hook receives cls too
     return n + 1 if hook.kind in ("around", "after") else n  # the original function / the result first
 
 

@@ -1,0 +1,88 @@
+"""The sparse extend in a live server (torch_native, the real model): one forward, the staged head's KV."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.agent_chain import agent_request, context, report, warm_request
+from tests.servers import reconfigured, shared_server
+
+pytestmark = pytest.mark.server
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+def _second_agent(server, tokenizer, text: str) -> dict:
+    """Agent A reads ``text`` (dense), then agent B reads it behind its own prompt (reused); B's output.
+
+    B's system prompt is in the tree first (an exact hit), so no stage is needed for it.
+    """
+    ids, cp = agent_request(tokenizer, "solver", text)
+    server.generate(input_ids=ids, custom_params=cp, max_new_tokens=1)
+    ids, cp = warm_request(tokenizer, "analyst")
+    server.generate(input_ids=ids, custom_params=cp, max_new_tokens=1)
+    ids, cp = agent_request(tokenizer, "analyst", text)
+    return server.generate(input_ids=ids, custom_params=cp, max_new_tokens=6, return_logprob=True,
+                           top_logprobs_num=5)
+
+
+def _first_logprobs(out: dict) -> dict[int, float]:
+    return {tok: lp for lp, tok, _ in out["meta_info"]["output_top_logprobs"][0]}
+
+
+def _query_len(tokenizer, text: str) -> int:
+    return len(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def test_a_sparse_head_takes_one_forward_and_gives_the_staged_heads_output(server_pool, tokenizer):
+    text = context(24, 3)
+    with reconfigured(shared_server(server_pool), recompute_head=8, sparse_extend=False) as server:
+        staged = _second_agent(server, tokenizer, text)
+    with reconfigured(shared_server(server_pool), recompute_head=8) as server:
+        sparse = _second_agent(server, tokenizer, text)
+    rs, rp = report(staged), report(sparse)
+    assert rs["recompute"] == "staged" and rs["prefill_forwards"] == 2 and rs["tokens_sparse_recomputed"] == 0
+    assert rp["recompute"] == "sparse" and rp["prefill_forwards"] == 1 and rp["tokens_sparse_recomputed"] == 8
+    assert "sparse_fallback" not in rp
+    for r in (rs, rp):  # the same rows reused, the same head recomputed
+        seg = r["segments"][1]
+        assert seg["resolved_by"] == "alignment" and seg["head_recomputed"] == 8
+        assert r["tokens_aligned"] == _query_len(tokenizer, text) - 8
+    for out in (staged, sparse):  # SGLang's cached_tokens keeps its meaning: exact hits only
+        assert out["meta_info"]["cached_tokens"] == report(out)["tokens_exact_hit"]
+    assert sparse["output_ids"] == staged["output_ids"]
+    a, b = _first_logprobs(staged), _first_logprobs(sparse)
+    assert a.keys() == b.keys() and all(math.isclose(a[t], b[t], abs_tol=2e-3) for t in a)
+
+
+def test_recomputing_every_row_in_the_sparse_extend_gives_the_dense_prefill(server_pool, tokenizer):
+    """A ratio of 1 recomputes the whole segment in the one forward: the KV, and the answer, of a plain request."""
+    text = context(27, 2)
+    with reconfigured(shared_server(server_pool), recompute_ratio=1.0) as server:
+        out = _second_agent(server, tokenizer, text)
+        ids, _cp = agent_request(tokenizer, "analyst", text)
+        plain = server.generate(input_ids=ids, max_new_tokens=6, return_logprob=True, top_logprobs_num=5)
+    rep = report(out)
+    n = _query_len(tokenizer, text)
+    assert rep["prefill_forwards"] == 1 and rep["tokens_sparse_recomputed"] == n
+    assert rep["tokens_aligned"] == 0 and rep["segments"][1]["head_recomputed"] == n
+    assert out["output_ids"] == plain["output_ids"]
+    a, b = _first_logprobs(plain), _first_logprobs(out)
+    assert a.keys() == b.keys() and all(math.isclose(a[t], b[t], abs_tol=1e-3) for t in a)
+
+
+def test_a_recompute_ratio_sizes_the_head_by_the_segment(server_pool, tokenizer):
+    text = context(30, 2)
+    with reconfigured(shared_server(server_pool), recompute_ratio=0.15, recompute_head=4) as server:
+        rep = report(_second_agent(server, tokenizer, text))
+    n = _query_len(tokenizer, text)
+    rows = max(4, math.ceil(round(0.15 * n, 6)))
+    assert rep["segments"][1]["head_recomputed"] == rows and rep["tokens_sparse_recomputed"] == rows
+    assert rep["tokens_aligned"] == n - rows and rep["prefill_forwards"] == 1
