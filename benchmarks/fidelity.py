@@ -247,10 +247,13 @@ def make_arms(spec: RopeSpec, tau: float, rank: int, gate_len: int, sweep_taus, 
                 conf = getattr(est, "config", None)
                 arms.append(Arm(head_label(mode, k), mode, getattr(conf, "tau", None), getattr(conf, "rank", None),
                                 True, est, head=k))
-    for policy in select_policies:  # selective recompute inside the aligned segment, one forward
+    for policy in select_policies:  # selective recompute inside the reused segment, one forward
+        mode = "kvcmas" if policy == "correction" else "fullshared"  # ours reads kvcmas's predicted correction
         for r in select_ratios:
-            arms.append(Arm(f"select_{policy}_r{r:g}", "fullshared", None, None, True,
-                            make_estimator("fullshared", spec), select=(policy, r)))
+            est = make_estimator(mode, spec, **(_anchor_cfg(mode, tau, rank, gate_len) if mode == "kvcmas" else {}))
+            conf = getattr(est, "config", None)
+            arms.append(Arm(f"select_{policy}_r{r:g}", mode, getattr(conf, "tau", None), getattr(conf, "rank", None),
+                            True, est, select=(policy, r)))
     return arms
 
 
@@ -336,9 +339,12 @@ def serve_chain(model, arm: Arm, slot, key, ids, exact, ref, prefix_kv, phase, t
             served = KV(*splice_head(served.k, served.v, target.k, target.v, arm.head))
         if arm.mode == "oracle":
             kv, accepted, reused = served, True, len(ids)
-        elif arm.select is not None:
+        elif arm.select is not None and res.accepted:  # a kvcmas gate's refusal is prefilled densely (below)
+            aligned = (KV(*materialize(source.k, source.v, source.start_pos, target.start_pos, None, arm.est.spec))
+                       if arm.select[0] == "correction" else None)
             blended, chosen = select_and_recompute(model, arm.select, prefix_kv[name], ids, served,
-                                                   (tails or {}).get(name, []), seed=zlib.crc32(f"{key}|{name}".encode()))
+                                                   (tails or {}).get(name, []), seed=zlib.crc32(f"{key}|{name}".encode()),
+                                                   aligned=aligned)
             kv, accepted, reused = blended, True, len(ids) - len(chosen)
         elif arm.mode == "cacheblend":
             blended, chosen = partial_recompute(model, prefix_kv[name], ids, served,
@@ -373,8 +379,9 @@ def serve_chain(model, arm: Arm, slot, key, ids, exact, ref, prefix_kv, phase, t
 
 
 def select_and_recompute(model, select: tuple[str, float], prefix: KV, ids: list[int], reused: KV, tail: list[int],
-                         seed: int) -> tuple[KV, torch.Tensor]:
-    """Choose rows of the reused segment by ``select`` = (policy, ratio) and recompute them (``selection``)."""
+                         seed: int, aligned: KV | None = None) -> tuple[KV, torch.Tensor]:
+    """Choose rows of the reused segment by ``select`` = (policy, ratio) and recompute them (``selection``).
+    ``aligned``: the segment re-aligned without correction (the ``correction`` policy compares ``reused`` with it)."""
     policy, ratio = select
     if policy == "kv_deviation":  # CacheBlend: its own forward (every row through the first layers)
         return partial_recompute(model, prefix, ids, reused, 1, ratio, "k")
@@ -384,6 +391,10 @@ def select_and_recompute(model, select: tuple[str, float], prefix: KV, ids: list
         chosen = selection.select_random(len(ids), ratio, seed)
     elif policy == "query_aware":
         chosen = selection.select_query_aware(model, prefix, reused, tail, ratio)
+    elif policy == "correction":
+        if aligned is None:
+            raise ValueError("the correction policy needs the aligned segment beside the corrected one")
+        chosen = selection.select_by_correction(aligned, reused, ratio)
     else:
         raise ValueError(f"unknown selection policy {policy!r}; one of {selection.POLICIES}")
     return selection.recompute_rows(model, prefix, ids, reused, chosen), chosen

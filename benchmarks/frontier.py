@@ -4,7 +4,8 @@
     python -m benchmarks.frontier --task gsm8k --limit 50 --max-tokens 128
 
 For each task the arms are ``off``; ``fullshared`` and ``kvcmas`` with
-``--kvshare-recompute-head K`` for K in ``--heads``; and the *random-mix
+``--kvshare-recompute-head K`` for K in ``--heads``, and with
+``--kvshare-recompute-ratio r`` for r in ``--ratios``; and the *random-mix
 baseline*: fullshared with a share ``p`` of the consumers' shared segments
 prefilled densely (for this baseline only, client-side: such a segment gets a
 slot name no producer used, so the server finds no source and staged prefill
@@ -73,21 +74,31 @@ class Arm:
     mode: str
     recompute_head: int = 0
     mix_p: Optional[float] = None  # random-mix share of consumer shared segments prefilled densely
+    recompute_ratio: float = 0.0  # --kvshare-recompute-ratio: the first share of each reused segment recomputed
+
+    @property
+    def policy(self) -> str:
+        """Which rows of a reused segment the server recomputes: its first ones (EPIC's head), or none."""
+        return "head" if self.recompute_head or self.recompute_ratio else "none"
 
     def server_args(self) -> list[str]:
         if self.mode == "off":
             return ["--kvshare-mode", "off"]
-        return ["--kvshare-mode", self.mode, "--kvshare-recompute-head", str(self.recompute_head)]
+        return ["--kvshare-mode", self.mode, "--kvshare-recompute-head", str(self.recompute_head),
+                "--kvshare-recompute-ratio", str(self.recompute_ratio)]
 
 
-def default_arms(heads: Sequence[int], mix: Sequence[float], noise_floor: bool = False) -> list[Arm]:
-    """Off first (every arm is compared with it), then the random-mix line, then the modes under test."""
+def default_arms(heads: Sequence[int], mix: Sequence[float], noise_floor: bool = False,
+                 ratios: Sequence[float] = ()) -> list[Arm]:
+    """Off first (every arm is compared with it), then the random-mix line, then the modes under test
+    (heads of K rows, then heads of a share r of each segment)."""
     arms = [Arm("off", "off")]
     if 0 in heads:
         arms.append(Arm("fullshared_k0", "fullshared", 0))  # the line's p=0 end
     arms += [Arm(f"mix_p{p:g}", "fullshared", 0, p) for p in mix]
     arms += [Arm(f"kvcmas_k{k}", "kvcmas", k) for k in heads]
     arms += [Arm(f"fullshared_k{k}", "fullshared", k) for k in heads if k != 0]
+    arms += [Arm(f"{mode}_r{r:g}", mode, 0, None, r) for mode in ("fullshared", "kvcmas") for r in ratios]
     if noise_floor:
         # A second off server, same samples and the same request history: bit-identical on this
         # CPU server. It does not show the float32 floor of another history (a kvshare server
@@ -401,6 +412,8 @@ def summarize_arm(run: dict, off: dict, spec: TaskSpec, samples, decode) -> dict
     acc_off = [1.0 if b["correct"] else 0.0 for _, b in cons]
     return {
         "arm": arm.name, "mode": arm.mode, "recompute_head": arm.recompute_head, "random_mix_p": arm.mix_p,
+        "policy": arm.policy, "recompute_ratio": arm.recompute_ratio,
+        "forwards_per_request": _forwards_per_request(run["raw"]),
         "reuse_ratio": reuse["ratio"], "shared_tokens": reuse["shared"], "shared_tokens_reused": reuse["reused"],
         "tokens_head_recomputed": reuse["head"],
         "reuse_ratio_all_requests": _reuse(run["raw"], consumers_only=False)["ratio"],
@@ -439,9 +452,17 @@ def _reuse(raw: list[list[dict]], consumers_only: bool) -> dict:
             "reasons": reasons}
 
 
+def _forwards_per_request(raw: list[list[dict]]) -> Optional[float]:
+    """Mean prefill forwards of the consumer requests (server reports; a staged head or segment adds one)."""
+    counts = [row["report"]["prefill_forwards"] for rows in raw for row in rows
+              if row["position"] > 1 and (row["report"] or {}).get("prefill_forwards") is not None]
+    return fm.statistics.fmean(counts) if counts else None
+
+
 def on_mix_line(name: str, a: dict) -> bool:
     """The random-mix line's points: off (p=1), the mix sweep, fullshared K=0 (p=0)."""
-    return name == "off" or a["random_mix_p"] is not None or (a["mode"] == "fullshared" and a["recompute_head"] == 0)
+    return name == "off" or a["random_mix_p"] is not None or (
+        a["mode"] == "fullshared" and a["recompute_head"] == 0 and not a.get("recompute_ratio"))
 
 
 def random_mix_line(arms: dict) -> list[tuple[float, float, str]]:
@@ -602,6 +623,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=None, help="default: retrieval 8, gsm8k/humaneval 128")
     ap.add_argument("--heads", type=int, nargs="+", default=[0, 8, 32])
     ap.add_argument("--mix", type=float, nargs="*", default=[0.25, 0.5, 0.75])
+    ap.add_argument("--ratios", type=float, nargs="*", default=[],
+                    help="fullshared and kvcmas arms recomputing the first share r of each reused segment")
     ap.add_argument("--arms", default=None, help="comma-separated subset of arm names (off is always run)")
     ap.add_argument("--noise-floor", action="store_true", help="add off_repeat: a second off server")
     ap.add_argument("--concurrency", type=int, default=4)
@@ -621,7 +644,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def selected_arms(args: argparse.Namespace) -> list[Arm]:
     """The arms a run goes through: the defaults of ``--heads``/``--mix``, cut to ``--arms`` (off always)."""
-    arms = default_arms(args.heads, args.mix, args.noise_floor or bool(args.arms and "off_repeat" in args.arms))
+    arms = default_arms(args.heads, args.mix, args.noise_floor or bool(args.arms and "off_repeat" in args.arms),
+                        args.ratios)
     if args.arms:
         keep = {"off", *args.arms.split(",")}
         arms = [a for a in arms if a.name in keep]

@@ -76,7 +76,6 @@ from sglang_kvshare.guard.target import FidelityTarget
 COST_TOLERANCE = 0.05  # the guard's cost target: user TTFT and throughput within 5 % of the guard off
 TOP_K = 5  # the guard's default --kvshare-verify-top-k: the benchmark's replay compares what the guard compares
 VICTIM_SLOTS = {"retrieval": "doc", "gsm8k": "query", "humaneval": "query"}  # read by every consumer
-_RESET_TARGET = "top1>=0.123457"  # a target no run uses: switching to it and back starts the guard afresh
 
 
 # ------------------------------------------------------------------ the server
@@ -90,14 +89,16 @@ class GuardedArm(fr.Arm):
     perturb_slot: Optional[str] = None
 
     def config(self) -> dict:
-        return {"mode": self.mode, "recompute_head": self.recompute_head, "verify_rate": self.verify_rate,
+        return {"mode": self.mode, "recompute_head": self.recompute_head, "recompute_ratio": self.recompute_ratio,
+                "verify_rate": self.verify_rate,
                 "fidelity_target": self.target or "", "fidelity_min_samples": self.min_samples,
                 "fault_perturb_slot": self.perturb_slot or ""}
 
 
 def guarded(arm: fr.Arm) -> GuardedArm:
     """A plain frontier arm as a ``GuardedArm`` with the guard off."""
-    return arm if isinstance(arm, GuardedArm) else GuardedArm(arm.name, arm.mode, arm.recompute_head, arm.mix_p)
+    return arm if isinstance(arm, GuardedArm) else GuardedArm(arm.name, arm.mode, arm.recompute_head, arm.mix_p,
+                                                              arm.recompute_ratio)
 
 
 class GuardServer:
@@ -163,14 +164,11 @@ class GuardServer:
             time.sleep(0.3)
 
     def apply(self, arm: GuardedArm) -> None:
-        """``arm``'s settings, empty caches and pools, and the guard's estimates started afresh.
-
-        The guard builds a new controller when the head or the target changes, so a switch to a target no run
-        uses and back starts every scope afresh (its counters and recent actions keep counting: read them as
-        differences and by time)."""
+        """``arm``'s settings, empty caches and pools, and the guard started afresh (``POST /kvshare/fidelity/reset``:
+        every scope's estimates, settings and pins, its counters and actions)."""
         self.drain()
-        self.post("/kvshare/config", {**arm.config(), "fidelity_target": _RESET_TARGET, "verify_rate": 0.0})
-        self.fidelity()  # the guard rebuilds its controller when it next looks at the config
+        self.post("/kvshare/config", {**arm.config(), "verify_rate": 0.0})
+        self.post("/kvshare/fidelity/reset")
         self.post("/kvshare/reset")
         self.post("/flush_cache")
         self.post("/kvshare/config", arm.config())

@@ -18,6 +18,10 @@ reference):
   Cost: a forward of the tail's tokens (tens) through the probe layers, and one
   attention row per tail token and head over the context: far below a prefill of
   the segment.
+* ``correction``: ours, on ``kvcmas``'s corrected segment: the rows whose
+  correction the anchor pool predicts largest (what the pool learned moves
+  most between contexts). Cost: the aligned copy beside the corrected one and
+  a norm per row; no forward.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import torch
 
 from .common import KV, attend_and_mlp, project_qkv
 
-POLICIES = ("head", "random", "kv_deviation", "query_aware")
+POLICIES = ("head", "random", "kv_deviation", "query_aware", "correction")
 PROBE_LAYERS = (2,)  # an early layer: the tail's attention there already points at the rows it reads
 
 
@@ -52,6 +56,17 @@ def select_random(n: int, ratio: float, seed: int) -> torch.Tensor:
 def top_rows(scores: torch.Tensor, ratio: float) -> torch.Tensor:
     """Indices (ascending) of the ``budget`` highest ``scores``."""
     return torch.topk(scores, budget(scores.numel(), ratio)).indices.sort().values
+
+
+def correction_size(aligned: KV, corrected: KV) -> torch.Tensor:
+    """Per row ``[S]``: how far the correction moves it, K and V each relative to their mean over the segment."""
+    dk = (corrected.k.float() - aligned.k.float()).pow(2).sum(dim=(0, 2, 3))
+    dv = (corrected.v.float() - aligned.v.float()).pow(2).sum(dim=(0, 2, 3))
+    return dk / dk.mean().clamp(min=1e-12) + dv / dv.mean().clamp(min=1e-12)
+
+
+def select_by_correction(aligned: KV, corrected: KV, ratio: float) -> torch.Tensor:
+    return top_rows(correction_size(aligned, corrected), ratio)
 
 
 def tail_attention(model, prefix: KV, reused: KV, tail: Sequence[int],

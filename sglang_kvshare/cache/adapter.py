@@ -70,7 +70,7 @@ class KVShareRadixCache(RadixCache):
         self.counters.add("plain_tokens_from_estimates", 0)  # reported even while it stays 0 (the soak checks it)
         self.activity = ServingActivity()
         self.sparse_unsupported = sparse_unsupported
-        self.pending_recompute = PendingRecompute()
+        self.pending_recompute = PendingRecompute(self.counters)
         self.learner = Learner(lambda: self.state.estimator, self.state.lock, self.counters,
                                max_jobs=config.learn_queue_max, max_bytes=int(config.learn_queue_mb * 2**20),
                                asynchronous=config.learn_async, cpu_share=config.learn_cpu_share,
@@ -197,6 +197,7 @@ class KVShareRadixCache(RadixCache):
         if plan.est_start is not None and len(self.pending_recompute):
             plan.sparse_rows = self.pending_recompute.owed_positions(self.path_device_indices(node)[plan.est_start:m],
                                                                      plan.est_start)
+        plan.adopted = len(plan.sparse_rows)
         # A waiting request is matched again every round: a longer match makes its plan stale.
         advanced = plan.attempted and m > plan.assembled_end
         if not plan.attempted or advanced:

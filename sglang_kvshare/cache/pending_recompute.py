@@ -17,16 +17,23 @@ registry when a forward recomputed it, or when the tree evicts its node.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 
+from sglang_kvshare.counters import Counters
+
 
 class PendingRecompute:
-    """Pool slots of estimate rows a forward must still recompute (the scheduler's thread only)."""
+    """Pool slots of estimate rows a forward must still recompute (the scheduler's thread only).
 
-    def __init__(self) -> None:
+    ``counters`` (the cache's): where the forwards that recompute them count
+    their cost, per phase in ``/kvshare/stats``.
+    """
+
+    def __init__(self, counters: Optional[Counters] = None) -> None:
         self._slots: set[int] = set()
+        self.counters = counters
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -48,6 +55,13 @@ class PendingRecompute:
 
     def clear(self) -> None:
         self._slots.clear()
+
+    def forward_done(self, rows: int, fold_seconds: float) -> None:
+        """A prefill forward recomputed ``rows`` owed rows; folding them in took ``fold_seconds``."""
+        if self.counters is not None:
+            self.counters.add("sparse_forwards")
+            self.counters.add("sparse_rows_recomputed", rows)
+            self.counters.add("sparse_fold_seconds", fold_seconds)
 
 
 def merge_rows(rows: Sequence[int], more: Iterable[int]) -> list[int]:

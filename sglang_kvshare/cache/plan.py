@@ -54,6 +54,7 @@ class RequestPlan:
     # The sparse extend (``server.sparse_extend``): positions of assembled head rows the next prefill forward
     # recomputes, the registry they are owed in, and what the forwards did.
     sparse_rows: list[int] = field(default_factory=list)
+    adopted: int = 0  # of those, rows of the estimate match another request still owed (not an estimate hit)
     owed: Optional[Any] = None  # pending_recompute.PendingRecompute of the cache
     sparse_recomputed: int = 0  # rows recomputed inside prefill forwards
     prefill_forwards: int = 0  # prefill forwards the request took (chunks, stages)

@@ -19,7 +19,9 @@ def build(plan: RequestPlan) -> dict:
     total = sum(o.tokens for o in plan.outcomes)
     # NOTE: the totals count tokens, not segments: an exact or estimate match may end inside a segment
     # (a system prompt that shares its first tokens with another), which then stays "dense" below.
-    exact, estimate = plan.exact_len, plan.estimate_len
+    # NOTE: estimate rows another request still owed a recompute are recomputed by this one's forward: counted
+    # there (tokens_sparse_recomputed), not as an estimate hit.
+    exact, estimate = plan.exact_len, plan.estimate_len - plan.adopted
     return {
         "agent": plan.agent,
         "tokens_exact_hit": exact,

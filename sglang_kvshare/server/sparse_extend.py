@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from copy import copy
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -137,9 +138,13 @@ def fold_batch(batch: Any, fold: Fold, req_to_token: torch.Tensor) -> tuple[Any,
     return folded, torch.cat(positions)
 
 
-def settle(batch: Any, fold: Fold, req_to_token: torch.Tensor) -> None:
-    """The folded rows are recomputed by this forward: nothing owed any more, counted in each report."""
+def settle(batch: Any, fold: Fold, req_to_token: torch.Tensor) -> Optional[Any]:
+    """The folded rows are recomputed by this forward: nothing owed any more, counted in each report.
+
+    Returns the registry they were owed in (the cache's ``PendingRecompute``), or None.
+    """
     pool_rows = _pool_rows(batch)
+    registry = None
     for i, req in enumerate(batch.reqs):
         rows = fold.rows[i]
         plan = plan_of(req)
@@ -151,6 +156,8 @@ def settle(batch: Any, fold: Fold, req_to_token: torch.Tensor) -> None:
         if plan.owed is not None:
             where = torch.tensor(rows, dtype=torch.int64, device=req_to_token.device)
             plan.owed.settle(req_to_token[pool_rows[i], where].tolist())
+            registry = plan.owed
+    return registry
 
 
 def _pool_rows(batch: Any) -> list[int]:
@@ -168,11 +175,15 @@ def around_init_new(original, cls, batch, model_runner, *args, **kwargs):
         fold = None
     if fold is None:
         return original(cls, batch, model_runner, *args, **kwargs)
+    t0 = time.perf_counter()
     req_to_token = model_runner.req_to_token_pool.req_to_token
     folded, positions = fold_batch(batch, fold, req_to_token)
+    seconds = time.perf_counter() - t0
     forward_batch = original(cls, folded, model_runner, *args, **kwargs)
     forward_batch.positions = positions.to(device=forward_batch.positions.device, dtype=forward_batch.positions.dtype)
-    settle(batch, fold, req_to_token)
+    owed = settle(batch, fold, req_to_token)
+    if owed is not None:
+        owed.forward_done(fold.total, seconds)
     return forward_batch
 
 
@@ -218,11 +229,15 @@ def sparse_sdpa_extend(query: torch.Tensor, output: torch.Tensor, k_cache: torch
                        sliding_window_size: Optional[int] = None, *, positions: torch.Tensor) -> torch.Tensor:
     """Extend attention whose queries sit at ``positions`` (one per query row) instead of the sequence's end.
 
-    Same arguments as ``TorchNativeAttnBackend._run_sdpa_forward_extend``;
-    query ``[tokens, heads, dim]``. A query at position ``p`` attends to the
-    request's rows ``0..p`` (within the sliding window, if any), read from the
-    pool through ``req_to_token``: the rows written by this forward already
-    hold their new KV.
+    Same arguments as ``TorchNativeAttnBackend._run_sdpa_forward_extend``,
+    and the same computation: each request's queries are placed in a query
+    matrix as long as its sequence, causal attention runs over all of it, and
+    the query rows are read back; only *where* they are placed differs (at
+    their positions, not after the prefix). So a query at position ``p``
+    attends to the request's rows ``0..p`` (within the sliding window, if any),
+    read from the pool through ``req_to_token``, where the rows this forward
+    writes already hold their new KV; and a sparse forward costs what SGLang's
+    own extend of the same sequence costs.
     """
     if not causal or is_cross_attn or encoder_lens is not None:
         raise ValueError("the sparse extend serves causal self-attention of decoder-only models")
@@ -230,19 +245,22 @@ def sparse_sdpa_extend(query: torch.Tensor, output: torch.Tensor, k_cache: torch
     start = 0
     for i in range(seq_lens.shape[0]):
         n, s = int(extend_seq_lens[i]), int(seq_lens[i])
-        pos = positions[start:start + n].to(torch.int64)
+        pos = positions[start:start + n].to(device=q.device, dtype=torch.int64)
         rows = req_to_token[req_pool_indices[i], :s]
         keys = k_cache[rows].movedim(0, 1)  # [kv heads, s, dim]
         values = v_cache[rows].movedim(0, 1)
         if keys.dtype != q.dtype:
             keys, values = keys.to(q.dtype), values.to(q.dtype)
-        k_pos = torch.arange(s, device=pos.device)[None, :]
-        mask = k_pos <= pos[:, None]
+        placed = q.new_zeros((q.shape[0], s, q.shape[2]))
+        placed[:, pos] = q[:, start:start + n]
+        mask, is_causal = None, True
         if sliding_window_size is not None and sliding_window_size > -1:
-            mask &= k_pos >= pos[:, None] - sliding_window_size
+            k_pos = torch.arange(s, device=q.device)
+            mask = (k_pos[None, :] <= k_pos[:, None]) & (k_pos[None, :] >= k_pos[:, None] - sliding_window_size)
+            is_causal = False
         out = torch.nn.functional.scaled_dot_product_attention(
-            q[:, start:start + n][None], keys[None], values[None], attn_mask=mask.to(q.device), scale=scaling,
+            placed[None], keys[None], values[None], attn_mask=mask, is_causal=is_causal, scale=scaling,
             enable_gqa=enable_gqa)
-        output[start:start + n] = out[0].movedim(0, 1)
+        output[start:start + n] = out[0][:, pos].movedim(0, 1)
         start += n
     return output

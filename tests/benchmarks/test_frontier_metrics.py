@@ -230,7 +230,7 @@ def test_summarize_arm_fields_from_synthetic_runs():
     def rows(values, reused):
         return [{"agent": r.name, "position": i + 1, "output_ids": [ord(c) for c in f" {v}."], "ttft_s": 0.1 * (i + 1),
                  "report": {"shared_tokens": 100, "shared_tokens_reused": reused if i else 0,
-                            "tokens_head_recomputed": 8 if i and reused else 0}}
+                            "tokens_head_recomputed": 8 if i and reused else 0, "prefill_forwards": 1 + (i == 3)}}
                 for i, (r, v) in enumerate(zip(rt.ROLES, values))]
 
     gold = [lk.value for lk in smp.lookups]
@@ -249,12 +249,24 @@ def test_summarize_arm_fields_from_synthetic_runs():
     assert s["reuse_ratio"] == pytest.approx(0.92)
     assert s["reuse_ratio_all_requests"] == pytest.approx(3 * 92 / 400)
     assert s["tokens_head_recomputed"] == 24
+    assert s["policy"] == "head" and s["recompute_ratio"] == 0.0
+    assert s["forwards_per_request"] == pytest.approx(4 / 3)  # consumers only: 1, 1 and a staged 2
     assert s["scored_items"] == 3
     assert s["agreement_final"] == pytest.approx(2 / 3)
     assert s["accuracy"] == pytest.approx(2 / 3)
     assert s["accuracy_vs_off_paired"]["mean"] == pytest.approx(-1 / 3)
     assert s["teacher_forced_top1"] == 1.0 and s["teacher_forced_kl"] == pytest.approx(0.0)
     assert s["ttft_agents_2_4_s"]["median"] == pytest.approx(0.3)
+
+
+def test_ratio_arms_recompute_a_share_and_stay_off_the_random_mix_line():
+    arms = {a.name: a for a in fr.default_arms([0], [], ratios=[0.15])}
+    r = arms["fullshared_r0.15"]
+    assert r.policy == "head" and "--kvshare-recompute-ratio" in r.server_args() and "kvcmas_r0.15" in arms
+    assert arms["fullshared_k0"].policy == "none"
+    summary = {"mode": "fullshared", "recompute_head": 0, "random_mix_p": None, "recompute_ratio": 0.15}
+    assert not fr.on_mix_line("fullshared_r0.15", summary)
+    assert fr.on_mix_line("fullshared_k0", {**summary, "recompute_ratio": 0.0})
 
 
 def test_warmup_samples_exist_and_are_never_scored_ones():

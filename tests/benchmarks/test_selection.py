@@ -68,3 +68,25 @@ def test_budgets_and_simple_policies():
     assert sel.top_rows(torch.tensor([0.1, 0.9, 0.3, 0.8]), 0.5).tolist() == [1, 3]
     with pytest.raises(ValueError, match="ratio"):
         sel.budget(10, 0.0)
+
+
+def test_the_correction_policy_picks_the_rows_the_correction_moves_most():
+    g = torch.Generator().manual_seed(0)
+    aligned = KV(torch.randn(2, 10, 2, 4, generator=g), torch.randn(2, 10, 2, 4, generator=g))
+    k, v = aligned.k.clone(), aligned.v.clone()
+    k[:, 7] += 3.0  # the pool moves row 7's keys and row 2's values most; rows past every anchor not at all
+    v[:, 2] -= 2.0
+    k[:, 4] += 0.1
+    chosen = sel.select_by_correction(aligned, KV(k, v), 0.2)
+    assert chosen.tolist() == [2, 7]
+    assert sel.correction_size(aligned, aligned).abs().max() == 0  # no correction, no preference
+
+
+def test_the_correction_policy_runs_on_kvcmas_and_the_others_on_fullshared():
+    from benchmarks import fidelity as fid
+
+    arms = {a.label: a for a in fid.make_arms(RopeSpec.default(8), 0.3, 32, 256, [], [],
+                                              select_policies=("correction", "head"), select_ratios=(0.15,))}
+    ours, head = arms["select_correction_r0.15"], arms["select_head_r0.15"]
+    assert ours.mode == "kvcmas" and ours.select == ("correction", 0.15) and ours.tau == 0.3
+    assert head.mode == "fullshared" and head.select == ("head", 0.15)

@@ -120,7 +120,7 @@ def test_fold_puts_owed_rows_in_front_of_each_extend_at_their_true_positions():
     assert torch.equal(batch.input_ids, before[0]) and torch.equal(batch.out_cache_loc, before[1])
     assert batch.prefix_lens == before[2]
 
-    settle(batch, fold, table)
+    assert settle(batch, fold, table) is owed
     assert plan_a.sparse_rows == [17] and plan_a.sparse_recomputed == 3 and len(owed) == 1
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import requests
 
 from tests.agent_chain import agent_request, context, report, warm_request
 from tests.servers import reconfigured, shared_server
@@ -33,6 +34,10 @@ def _second_agent(server, tokenizer, text: str) -> dict:
                            top_logprobs_num=5)
 
 
+def _counters(server) -> dict:
+    return requests.get(server.url + "/kvshare/stats", timeout=60).json()["counters"]
+
+
 def _first_logprobs(out: dict) -> dict[int, float]:
     return {tok: lp for lp, tok, _ in out["meta_info"]["output_top_logprobs"][0]}
 
@@ -46,7 +51,13 @@ def test_a_sparse_head_takes_one_forward_and_gives_the_staged_heads_output(serve
     with reconfigured(shared_server(server_pool), recompute_head=8, sparse_extend=False) as server:
         staged = _second_agent(server, tokenizer, text)
     with reconfigured(shared_server(server_pool), recompute_head=8) as server:
+        before = _counters(server)
         sparse = _second_agent(server, tokenizer, text)
+        after = _counters(server)
+    # Per phase in the stats (the server is shared: counted as differences).
+    assert after.get("sparse_forwards", 0) - before.get("sparse_forwards", 0) == 1
+    assert after.get("sparse_rows_recomputed", 0) - before.get("sparse_rows_recomputed", 0) == 8
+    assert after["sparse_fold_seconds"] >= before.get("sparse_fold_seconds", 0)
     rs, rp = report(staged), report(sparse)
     assert rs["recompute"] == "staged" and rs["prefill_forwards"] == 2 and rs["tokens_sparse_recomputed"] == 0
     assert rp["recompute"] == "sparse" and rp["prefill_forwards"] == 1 and rp["tokens_sparse_recomputed"] == 8
@@ -86,3 +97,27 @@ def test_a_recompute_ratio_sizes_the_head_by_the_segment(server_pool, tokenizer)
     rows = max(4, math.ceil(round(0.15 * n, 6)))
     assert rep["segments"][1]["head_recomputed"] == rows and rep["tokens_sparse_recomputed"] == rows
     assert rep["tokens_aligned"] == n - rows and rep["prefill_forwards"] == 1
+
+
+def test_input_logprobs_of_a_sparse_forward_are_those_of_the_requests_own_tokens(server_pool, tokenizer):
+    """Teacher forcing (the frontier's and the guard's measure) reads input log-probabilities: the folded rows in
+    front of the extend must not shift them."""
+    text = context(33, 2)
+
+    def forced(server) -> list:
+        for ids, cp in (agent_request(tokenizer, "solver", text), warm_request(tokenizer, "analyst")):
+            server.generate(input_ids=ids, custom_params=cp, max_new_tokens=1)  # A's copy, B's prompt in place
+        ids, cp = agent_request(tokenizer, "analyst", text)
+        body = {"input_ids": ids, "return_logprob": True, "top_logprobs_num": 3, "logprob_start_len": len(ids) - 6,
+                "sampling_params": {"max_new_tokens": 1, "temperature": 0.0, "custom_params": cp}}
+        resp = requests.post(server.url + "/generate", json=body, timeout=300)
+        resp.raise_for_status()
+        out = resp.json()
+        assert report(out)["segments"][1]["head_recomputed"] == 8
+        return [[(t, round(lp, 3)) for lp, t, _ in pos] for pos in out["meta_info"]["input_top_logprobs"][1:]]
+
+    with reconfigured(shared_server(server_pool), recompute_head=8, sparse_extend=False) as server:
+        staged = forced(server)
+    with reconfigured(shared_server(server_pool), recompute_head=8) as server:
+        sparse = forced(server)
+    assert len(sparse) == 5 and sparse == staged
