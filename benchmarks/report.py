@@ -169,7 +169,9 @@ def render_chain(d: dict) -> str:
                          spread(c.get("while_learning_vs_off")),
                          f"{n} repeats" + (f", {probes} probes" if probes else "")])
     return ("Median (min-max) over the repeats; each repeat is a new content. "
-            "`MODE:K` is `--kvshare-recompute-head K`.\n\n" + table(header, rows))
+            "`MODE:K` is `--kvshare-recompute-head K`, recomputed inside the one prefill forward (the sparse "
+            "extend); `@sparse-extend=false` stages each head (one more forward); `@recompute-ratio=r` recomputes "
+            "the first share r of each reused segment.\n\n" + table(header, rows))
 
 
 def render_stock_vs_off(d: dict) -> str:
@@ -525,7 +527,8 @@ REGISTRY: list[Benchmark] = [
     Benchmark(
         "chain_ttft", "chain_ttft.json",
         "python -m benchmarks.chain_ttft --lengths 1024 4096 --repeats 3 "
-        "--arms stock off fullshared kvcmas fullshared:8 kvcmas:8",
+        "--arms stock off fullshared kvcmas fullshared:8 kvcmas:8 fullshared:8@sparse-extend=false "
+        "fullshared@recompute-ratio=0.15",
         "How much faster do agents 2-4 of a 4-agent chain get their first token when the shared context is reused, "
         "and how close is that to an exact prefix hit?",
         "Four agents read the same context of real text, each behind its own system prompt, one fresh server per arm. "
