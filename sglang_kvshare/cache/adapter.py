@@ -36,7 +36,7 @@ from sglang_kvshare.cache.assemble import write_and_insert
 from sglang_kvshare.cache.correction_state import CorrectionState
 from sglang_kvshare.cache.kv_pool_io import ReadWorkspace
 from sglang_kvshare.cache.parts import CacheParts
-from sglang_kvshare.cache.pending_recompute import PendingRecompute, merge_rows
+from sglang_kvshare.cache.pending_recompute import PendingRecompute
 from sglang_kvshare.cache.plan import RequestPlan, drop_plan, plan_of, plan_request
 from sglang_kvshare.cache.record import Recorder
 from sglang_kvshare.cache.registry import ContentHasher, PlaceholderRegistry, RegistryLimits
@@ -270,7 +270,7 @@ class KVShareRadixCache(RadixCache):
             return
         slots = self.path_device_indices(last)
         self.pending_recompute.owe(slots[rows].tolist())
-        plan.sparse_rows = merge_rows(plan.sparse_rows, rows)
+        plan.sparse_rows = sorted(set(plan.sparse_rows).union(rows))
 
     # ------------------------------------------------------------ staged prefill
     def kvshare_stage_end(self, req, prefix_len: int) -> Optional[int]:

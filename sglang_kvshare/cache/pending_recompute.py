@@ -17,7 +17,7 @@ registry when a forward recomputed it, or when the tree evicts its node.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional
 
 import torch
 
@@ -62,8 +62,3 @@ class PendingRecompute:
             self.counters.add("sparse_forwards")
             self.counters.add("sparse_rows_recomputed", rows)
             self.counters.add("sparse_fold_seconds", fold_seconds)
-
-
-def merge_rows(rows: Sequence[int], more: Iterable[int]) -> list[int]:
-    """Sorted union of two position lists."""
-    return sorted(set(rows).union(more))

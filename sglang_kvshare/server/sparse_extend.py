@@ -20,7 +20,8 @@ How, with SGLang's own machinery and nothing of the scheduler changed:
   request's own last tokens). Then the forward's positions are set to the
   rows' true positions.
 * AROUND ``TorchNativeAttnBackend.forward_extend``: for a forward whose
-  positions are not its prefix plus arange (``queries_moved``) the attention places each query at its position (``sparse_sdpa_extend``) instead
+  positions are not its prefix plus arange (``queries_moved``, decided once
+  per forward when the backend's metadata is built) the attention places each query at its position (``sparse_sdpa_extend``) instead
   of at the end of the sequence. SGLang's own KV write runs first, as always,
   so a recomputed row is read back at its slot with its new KV.
 
@@ -187,9 +188,19 @@ def around_init_new(original, cls, batch, model_runner, *args, **kwargs):
     return forward_batch
 
 
+MOVED_ATTR = "_kvshare_queries_moved"  # set on the backend once per forward (``after_init_forward_metadata``)
+
+
+def after_init_forward_metadata(result, self, forward_batch, *args, **kwargs):
+    """AFTER ``TorchNativeAttnBackend.init_forward_metadata``: whether this forward's queries moved, decided
+    once per forward instead of in every layer's attention."""
+    setattr(self, MOVED_ATTR, queries_moved(forward_batch))
+    return result
+
+
 def around_torch_native_forward_extend(original, self, q, k, v, layer, forward_batch, *args, **kwargs):
     """AROUND ``TorchNativeAttnBackend.forward_extend``: a sparse forward's queries sit at their positions."""
-    if not queries_moved(forward_batch):
+    if not getattr(self, MOVED_ATTR, False):
         return original(self, q, k, v, layer, forward_batch, *args, **kwargs)
     # NOTE: an instance attribute shadows the method for this call only; SGLang's KV write and argument
     # handling stay its own.
