@@ -5,7 +5,8 @@
 
 For each task the arms are ``off``; ``fullshared`` and ``kvcmas`` with
 ``--kvshare-recompute-head K`` for K in ``--heads``, and with
-``--kvshare-recompute-ratio r`` for r in ``--ratios``; and the *random-mix
+``--kvshare-recompute-ratio r`` for r in ``--ratios`` (``kvcmas_corr_r<r>``: the rows
+its correction moves most, ``--kvshare-recompute-policy correction``); and the *random-mix
 baseline*: fullshared with a share ``p`` of the consumers' shared segments
 prefilled densely (for this baseline only, client-side: such a segment gets a
 slot name no producer used, so the server finds no source and staged prefill
@@ -74,18 +75,23 @@ class Arm:
     mode: str
     recompute_head: int = 0
     mix_p: Optional[float] = None  # random-mix share of consumer shared segments prefilled densely
-    recompute_ratio: float = 0.0  # --kvshare-recompute-ratio: the first share of each reused segment recomputed
+    recompute_ratio: float = 0.0  # --kvshare-recompute-ratio: the share of each reused segment recomputed
+    recompute_policy: str = "head"  # --kvshare-recompute-policy: which rows that share is
 
     @property
     def policy(self) -> str:
-        """Which rows of a reused segment the server recomputes: its first ones (EPIC's head), or none."""
-        return "head" if self.recompute_head or self.recompute_ratio else "none"
+        """Which rows of a reused segment the server recomputes: its first ones (EPIC's head), those its
+        correction moves most, or none."""
+        if not (self.recompute_head or self.recompute_ratio):
+            return "none"
+        return self.recompute_policy if self.recompute_ratio else "head"
 
     def server_args(self) -> list[str]:
         if self.mode == "off":
             return ["--kvshare-mode", "off"]
         return ["--kvshare-mode", self.mode, "--kvshare-recompute-head", str(self.recompute_head),
-                "--kvshare-recompute-ratio", str(self.recompute_ratio)]
+                "--kvshare-recompute-ratio", str(self.recompute_ratio),
+                "--kvshare-recompute-policy", self.recompute_policy]
 
 
 def default_arms(heads: Sequence[int], mix: Sequence[float], noise_floor: bool = False,
@@ -99,6 +105,7 @@ def default_arms(heads: Sequence[int], mix: Sequence[float], noise_floor: bool =
     arms += [Arm(f"kvcmas_k{k}", "kvcmas", k) for k in heads]
     arms += [Arm(f"fullshared_k{k}", "fullshared", k) for k in heads if k != 0]
     arms += [Arm(f"{mode}_r{r:g}", mode, 0, None, r) for mode in ("fullshared", "kvcmas") for r in ratios]
+    arms += [Arm(f"kvcmas_corr_r{r:g}", "kvcmas", 0, None, r, "correction") for r in ratios]
     if noise_floor:
         # A second off server, same samples and the same request history: bit-identical on this
         # CPU server. It does not show the float32 floor of another history (a kvshare server
@@ -521,8 +528,9 @@ def merge_runs(runs: Sequence[dict]) -> dict:
     against the same reference, and one random-mix line serves all of them.
     Raises ValueError when a part differs. The first part's ``off`` (and any
     arm's first occurrence) is kept; ``commands`` lists every part's command and
-    ``parts_meta`` every part's ``meta`` (when it was measured, from which code);
-    the caller sets ``meta`` to the merge's own.
+    ``parts_meta`` every part's ``meta`` (when it was measured, from which code;
+    a part that is itself a merge brings its own lists); the caller sets
+    ``meta`` to the merge's own.
     """
     if not runs:
         raise ValueError("nothing to merge")
@@ -541,15 +549,16 @@ def merge_runs(runs: Sequence[dict]) -> dict:
         if off.get("teacher_forced_positions") != first["arms"]["off"].get("teacher_forced_positions"):
             raise ValueError("off's continuations differ between runs (teacher-forced positions)")
     merged = {k: v for k, v in first.items() if k not in ("meta", "command", "arms")}
-    merged["commands"] = [run["command"] for run in runs]
-    merged["parts_meta"] = [run.get("meta") for run in runs]
+    # A part may itself be a merge: its own parts are carried over, in order.
+    merged["commands"] = [c for run in runs for c in (run["commands"] if "commands" in run else [run["command"]])]
+    merged["parts_meta"] = [m for run in runs for m in (run["parts_meta"] if "parts_meta" in run else [run.get("meta")])]
     merged["arms"] = {}
     for run in runs:
         for name, arm in run["arms"].items():
             merged["arms"].setdefault(name, arm)
     # A part stopped before its last arm is made whole by a later part that ran the missing arms.
-    merged["complete"] = all(run.get("complete") or planned_arms(run["command"]) <= set(merged["arms"])
-                             for run in runs)
+    merged["complete"] = all(run.get("complete") or ("command" in run and planned_arms(run["command"])
+                                                     <= set(merged["arms"])) for run in runs)
     add_line_gaps(merged["arms"])
     return merged
 
@@ -624,7 +633,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--heads", type=int, nargs="+", default=[0, 8, 32])
     ap.add_argument("--mix", type=float, nargs="*", default=[0.25, 0.5, 0.75])
     ap.add_argument("--ratios", type=float, nargs="*", default=[],
-                    help="fullshared and kvcmas arms recomputing the first share r of each reused segment")
+                    help="arms recomputing a share r of each reused segment: fullshared_r<r> and kvcmas_r<r> its "
+                         "first rows, kvcmas_corr_r<r> the rows kvcmas's correction moves most")
     ap.add_argument("--arms", default=None, help="comma-separated subset of arm names (off is always run)")
     ap.add_argument("--noise-floor", action="store_true", help="add off_repeat: a second off server")
     ap.add_argument("--concurrency", type=int, default=4)

@@ -93,7 +93,7 @@ class ServerProcess:
         SIGTERM when the *thread* that started it exits (``PR_SET_PDEATHSIG``
         follows the parent thread, not the process).
         """
-        from sglang_kvshare.server.launcher import cpu_thread_env, gpu_visible
+        from sglang_kvshare.server.launcher import cpu_thread_env, gpu_visible, parallel_ranks
 
         if self.log_path is None:
             fd, name = tempfile.mkstemp(prefix="kvshare-server-", suffix=".log")
@@ -102,7 +102,10 @@ class ServerProcess:
         env = dict(os.environ)
         env.pop("TRITON_INTERPRET", None)  # a test session's interpreter flag must not reach the server
         if not gpu_visible():
-            env = {**cpu_thread_env(), **env}
+            ranks = parallel_ranks(self.extra_args)
+            env = {**cpu_thread_env(ranks), **env}
+            if ranks > 1:  # one bind group per rank, whatever a single-rank session set
+                env["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_thread_env(ranks)["SGLANG_CPU_OMP_THREADS_BIND"]
         log = open(self.log_path, "wb")
         self.ready = False
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,

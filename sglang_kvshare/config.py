@@ -21,8 +21,10 @@ Mode = Literal["off", "fullshared", "kvcmas"]
 MODES: tuple[str, ...] = ("off", "fullshared", "kvcmas")
 # What POST /kvshare/config may change on a running server.
 RUNTIME_FIELDS: tuple[str, ...] = ("tau", "capacity", "rank", "mode", "recompute_head", "recompute_ratio",
-                                   "sparse_extend", "staged", "verify_rate",
+                                   "recompute_policy", "sparse_extend", "staged", "verify_rate",
                                    "fidelity_target", "fidelity_min_samples", "fault_perturb_slot")
+RecomputePolicy = Literal["head", "correction"]
+RECOMPUTE_POLICIES: tuple[str, ...] = ("head", "correction")
 ReuseScope = Literal["workflow", "salt"]
 REUSE_SCOPES: tuple[str, ...] = ("workflow", "salt")
 ENV_VAR = "SGLANG_KVSHARE_CONFIG"
@@ -53,6 +55,7 @@ class KVShareConfig:
     auto: bool = _option(False, GROUP_MAIN, "Annotate /v1/chat/completions requests that carry no kvshare field: agent = digest of the system messages, every other message's content and every answer shared under the slot auto:message (docs/USAGE.md). Off by default: with it on, every chat request may receive estimated KV.")
     recompute_head: int = _option(0, GROUP_MAIN, "K: the first K tokens of every reused segment are prefilled densely in the request's own context (EPIC-style boundary recompute); only the rest is re-aligned (and corrected). 0 = reuse whole segments.")
     recompute_ratio: float = _option(0.0, GROUP_MAIN, "r: the first ceil(r x n) rows of every reused segment of n rows are recomputed (as with --kvshare-recompute-head; the larger of the two counts). It scales with the segment, where K does not. 0 = off.")
+    recompute_policy: RecomputePolicy = _option("head", GROUP_MAIN, "Which rows of a reused segment the ratio's budget (--kvshare-recompute-ratio) recomputes. head = the first rows (EPIC). correction = with kvcmas, the rows the anchor pool's correction moves most (a corrected segment's error sits where its context changed the KV most; measured in docs/FIDELITY.md), after the --kvshare-recompute-head first rows; needs the sparse extend, and segments without a correction (aligned, fullshared) keep the head.")
     sparse_extend: bool = _option(True, GROUP_MAIN, "Recompute the heads inside the request's one prefill forward (a sparse extend: the recomputed rows and the request's own tokens in one forward, each at its true position), where the attention backend supports it (torch_native); elsewhere, or false, each head costs a stage: one more scheduling round and forward (docs/STAGED_PREFILL.md). The KV is the same either way.")
     reuse_scope: ReuseScope = _option("workflow", GROUP_MAIN, "Who may be served KV another request computed: workflow = requests of the same workflow (the annotation's workflow field; on the chat API the kvshare field's workflow, else the request's user) and the same cache_salt and LoRA adapter; requests that name none share the anonymous scope, as they share SGLang's exact prefix cache. salt = every request of the same cache_salt and LoRA adapter, across workflows and users. Reports never name an agent of another workflow.")
     admin_open: bool = _option(False, GROUP_MAIN, "Allow the kvshare admin writes (POST /kvshare/config, /kvshare/reset, /kvshare/pools/{slot}/reset) on a server started without --admin-api-key and --api-key. Off: those writes answer 403 there; with a key they follow SGLang's key rules.")
@@ -117,6 +120,8 @@ class KVShareConfig:
             raise ValueError(f"recompute_head must be >= 0, got {self.recompute_head}")
         if not 0.0 <= self.recompute_ratio <= 1.0:
             raise ValueError(f"recompute_ratio must lie in [0, 1], got {self.recompute_ratio}")
+        if self.recompute_policy not in RECOMPUTE_POLICIES:
+            raise ValueError(f"recompute_policy must be one of {RECOMPUTE_POLICIES}, got {self.recompute_policy!r}")
         if self.learn_step_layers < 0:
             raise ValueError(f"learn_step_layers must be >= 0 (0 = all layers in one step), got {self.learn_step_layers}")
         if self.min_anchor_len < 0:

@@ -54,6 +54,7 @@ _DEFAULTS = KVShareConfig()
 _RESTORE = {"mode": "fullshared", "tau": _DEFAULTS.tau, "rank": _DEFAULTS.rank,
             "capacity": _DEFAULTS.replace(mode="kvcmas").effective_capacity,
             "recompute_head": _DEFAULTS.recompute_head, "recompute_ratio": _DEFAULTS.recompute_ratio,
+            "recompute_policy": _DEFAULTS.recompute_policy,
             "sparse_extend": _DEFAULTS.sparse_extend, "staged": _DEFAULTS.staged, "verify_rate": 0.0,
             "fidelity_target": "", "fidelity_min_samples": _DEFAULTS.fidelity_min_samples, "fault_perturb_slot": ""}
 

@@ -234,6 +234,7 @@ class KVShareRadixCache(RadixCache):
             for p in pieces:
                 o = plan.outcomes[p.index]
                 o.resolved_by, o.reason, o.resolved_tokens, o.head_recomputed = "dense", "alloc_failed", 0, None
+                o.recompute_policy = None
             self.counters.add("alloc_failed")
             last, end = node, m
         elif pieces:
@@ -241,7 +242,7 @@ class KVShareRadixCache(RadixCache):
                 plan.est_start = m
             self.recorder.assembled(plan, pieces)
             if head.sparse:
-                self._owe_heads(plan, pieces, last, head)
+                self._owe_heads(plan, pieces, last)
         plan.assembled_end = max(plan.assembled_end, end)
         plan.next_stage = None
         if config.staged:
@@ -254,18 +255,17 @@ class KVShareRadixCache(RadixCache):
         """The request's head (server setting or its annotation's, the larger) and whether it is sparse."""
         config = self.state.config
         rule = HeadRule(max(config.recompute_head, plan.annotation.recompute_head or 0), config.recompute_ratio,
-                        sparse=config.sparse_extend and self.sparse_unsupported is None)
+                        sparse=config.sparse_extend and self.sparse_unsupported is None,
+                        policy=config.recompute_policy)
         if rule.head or rule.ratio:
             plan.recompute_via = "sparse" if rule.sparse else "staged"
             plan.sparse_fallback = self.sparse_unsupported if config.sparse_extend and not rule.sparse else None
         return rule
 
-    def _owe_heads(self, plan: RequestPlan, pieces: list, last: Any, head: HeadRule) -> None:
-        """Register the assembled head rows of ``pieces`` for the request's next forward to recompute."""
-        rows: list[int] = []
-        for p in pieces:
-            seg = plan.annotation.segments[p.index]
-            rows.extend(seg.start + j for j in range(p.lo, min(p.hi, head.rows(seg))))
+    def _owe_heads(self, plan: RequestPlan, pieces: list, last: Any) -> None:
+        """Register the assembled rows of ``pieces`` chosen for recompute (``Piece.recompute``) for the request's
+        next forward to recompute."""
+        rows = [plan.annotation.segments[p.index].start + j for p in pieces for j in p.recompute]
         if not rows:
             return
         slots = self.path_device_indices(last)

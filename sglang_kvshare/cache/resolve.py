@@ -31,7 +31,7 @@ from sglang_kvshare.cache.outcome import SegmentOutcome
 from sglang_kvshare.cache.parts import CacheParts
 from sglang_kvshare.cache.plan import RequestPlan
 from sglang_kvshare.cache.registry import Materialization, NamespaceRecords
-from sglang_kvshare.correction import MIN_GATE_ANCHORS
+from sglang_kvshare.correction import MIN_GATE_ANCHORS, correction_row_sizes
 
 COLD_REASONS = ("too_few_anchors", "no_edge")  # the gate cannot weigh anchors yet (not: it weighed and refused)
 
@@ -52,12 +52,17 @@ class Resolution:
 
 @dataclass
 class Piece:
-    """Rows ``[lo, hi)`` (segment-relative) of one segment, served by ``res``."""
+    """Rows ``[lo, hi)`` (segment-relative) of one segment, served by ``res``.
+
+    ``recompute``: the segment-relative rows of ``[lo, hi)`` assembled here but
+    owed a recompute by the request's next forward (the sparse extend).
+    """
 
     index: int
     lo: int
     hi: int
     res: Resolution
+    recompute: tuple[int, ...] = ()
 
 
 class Unresolved(Exception):
@@ -89,18 +94,43 @@ class HeadRule:
     (``--kvshare-recompute-ratio``), the larger. ``sparse``: the head rows are
     assembled with the rest of the segment and recomputed inside the request's
     prefill forward (``server.sparse_extend``); otherwise each head is a dense
-    stage before the segment's reuse resumes.
+    stage before the segment's reuse resumes. ``policy`` ``correction``: with
+    the sparse extend, a corrected segment's rows past the first ``head`` are
+    the ones its correction moves most (``chosen``), not the next ones.
     """
 
     head: int = 0
     ratio: float = 0.0
     sparse: bool = False
+    policy: str = "head"
 
     def rows(self, seg: Any) -> int:
         """Rows of ``seg`` recomputed (its head)."""
         # NOTE: rounded first, so 0.15 x 100 is 15 rows, not the 16 its float product would give.
         by_ratio = math.ceil(round(self.ratio * seg.length, 6)) if self.ratio > 0 else 0
         return min(max(self.head, by_ratio), seg.length)
+
+    def by_correction(self, seg: Any, res: Resolution) -> bool:
+        """Whether the rows of ``seg`` served by ``res`` are chosen by the size of its correction."""
+        return (self.sparse and self.policy == "correction" and res.correction is not None
+                and self.rows(seg) > self.head)
+
+    def chosen(self, seg: Any, res: Resolution, lo: int, hi: int) -> tuple[int, ...]:
+        """The segment-relative rows of ``[lo, hi)`` that a sparse extend recomputes (none when staged).
+
+        As many rows as ``rows(seg)``: the first ``head``, then by the policy,
+        the next ones or those the correction moves most. Rows outside
+        ``[lo, hi)`` are exact (below) or prefilled (above) anyway.
+        """
+        if not self.sparse:
+            return ()
+        n = self.rows(seg)
+        if not self.by_correction(seg, res):
+            return tuple(range(lo, min(hi, n)))
+        sizes = correction_row_sizes(res.correction, seg.length)
+        sizes[:self.head] = float("inf")  # the fixed head first, whatever the correction says
+        top = torch.topk(sizes, n).indices.tolist()
+        return tuple(sorted(r for r in top if lo <= r < hi))
 
     def stage_rows(self, seg: Any) -> int:
         """Rows of ``seg`` prefilled as a stage before its reuse resumes (none with the sparse extend)."""
@@ -211,8 +241,9 @@ def resolve_segments(resolver: Resolver, records: NamespaceRecords, plan: Reques
     Stops at the first segment it cannot resolve (its reason goes into the
     report), at a segment whose head must first be prefilled as a stage
     (``head.stage_rows``), or at ``limit``. With the sparse extend a piece
-    covers its segment's head too: the outcome counts the head's rows in
-    ``head_recomputed`` and only the others as reused. Mutates the outcomes of
+    covers its segment's head too (``Piece.recompute``, chosen by
+    ``head.chosen``): the outcome counts those rows in ``head_recomputed`` and
+    only the others as reused. Mutates the outcomes of
     the segments it reaches.
     """
     pieces: list[Piece] = []
@@ -238,11 +269,12 @@ def resolve_segments(resolver: Resolver, records: NamespaceRecords, plan: Reques
             o.reason = "source_too_short"
             break
         lo, hi = pos - seg.start, row_end - seg.start
-        pieces.append(Piece(o.index, lo, hi, res))
-        rows = head.rows(seg)
-        recomputed = max(0, min(hi, rows) - lo) if head.sparse else 0  # head rows this piece assembles
-        o.resolved_by, o.reason, o.resolved_tokens = res.how, None, hi - lo - recomputed
-        o.head_recomputed = rows or None
+        with resolver.counters.timed("select"):
+            owed = head.chosen(seg, res, lo, hi)
+        pieces.append(Piece(o.index, lo, hi, res, owed))
+        o.resolved_by, o.reason, o.resolved_tokens = res.how, None, hi - lo - len(owed)
+        o.head_recomputed = head.rows(seg) or None
+        o.recompute_policy = "correction" if head.by_correction(seg, res) else None
         pos = row_end
         if row_end < seg.end:
             o.reason = "partial" if row_end < limit else None

@@ -23,10 +23,11 @@ import os  # noqa: E402
 import sys  # noqa: E402
 from typing import Sequence  # noqa: E402
 
-from sglang_kvshare.config import BACKEND_NAME, GROUPS, MODES, REUSE_SCOPES, KVShareConfig  # noqa: E402
+from sglang_kvshare.config import BACKEND_NAME, GROUPS, MODES, RECOMPUTE_POLICIES, REUSE_SCOPES, KVShareConfig  # noqa: E402
 
 KVSHARE_PREFIX = "--kvshare-"
-CHOICES: dict[str, tuple[str, ...]] = {"mode": MODES, "reuse_scope": REUSE_SCOPES}
+CHOICES: dict[str, tuple[str, ...]] = {"mode": MODES, "reuse_scope": REUSE_SCOPES,
+                                       "recompute_policy": RECOMPUTE_POLICIES}
 
 # (flag, value or None for a switch) applied on a CPU-only machine unless given.
 CPU_DEFAULTS: tuple[tuple[str, str | None], ...] = (
@@ -129,14 +130,39 @@ def with_defaults(sglang_argv: Sequence[str], *, cpu: bool, select_backend: bool
     return argv
 
 
-def cpu_thread_env() -> dict[str, str]:
-    """Without explicit thread settings libgomp spins under load (docs/OPERATIONS.md, "On a machine without a GPU")."""
+def cpu_thread_env(ranks: int = 1) -> dict[str, str]:
+    """Without explicit thread settings libgomp spins under load (docs/OPERATIONS.md, "On a machine without a GPU").
+
+    ``ranks``: scheduler processes (dp x tp x pp). SGLang's CPU path wants one
+    ``|``-separated bind group per rank and refuses to start a rank without
+    one; the cores are split evenly, and with fewer cores than ranks they are
+    shared round robin.
+    """
     n = os.cpu_count() or 1
-    return {"OMP_NUM_THREADS": str(n), "SGLANG_CPU_OMP_THREADS_BIND": f"0-{n - 1}", "HF_HUB_OFFLINE": "1"}
+    if ranks <= 1:
+        return {"OMP_NUM_THREADS": str(n), "SGLANG_CPU_OMP_THREADS_BIND": f"0-{n - 1}", "HF_HUB_OFFLINE": "1"}
+    per = max(1, n // ranks)
+    groups = []
+    for i in range(ranks):
+        first = (i * per) % n
+        groups.append(str(first) if per == 1 else f"{first}-{first + per - 1}")
+    return {"OMP_NUM_THREADS": str(per), "SGLANG_CPU_OMP_THREADS_BIND": "|".join(groups), "HF_HUB_OFFLINE": "1"}
 
 
-def apply_cpu_thread_env() -> None:
-    for key, value in cpu_thread_env().items():
+def parallel_ranks(sglang_argv: Sequence[str]) -> int:
+    """Scheduler processes the SGLang argv starts: dp x tp x pp (each 1 unless given)."""
+    ranks = 1
+    for flags in (("--dp-size", "--dp"), ("--tp-size", "--tp"), ("--pp-size", "--pp")):
+        values = [v for v in (_flag_value(sglang_argv, f) for f in flags) if v is not None]
+        try:
+            ranks *= max(1, int(values[-1])) if values else 1
+        except ValueError:
+            pass  # SGLang's own parser reports the bad value
+    return ranks
+
+
+def apply_cpu_thread_env(ranks: int = 1) -> None:
+    for key, value in cpu_thread_env(ranks).items():
         os.environ.setdefault(key, value)
 
 
@@ -192,7 +218,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                          "run python -m sglang.launch_server for other backends.")
     cpu = not gpu_visible()
     if cpu:
-        apply_cpu_thread_env()
+        apply_cpu_thread_env(parallel_ranks(sglang_argv))
     sglang_argv = with_defaults(sglang_argv, cpu=cpu)
     # NOTE: exported before the plugins load: the plugin installs its HTTP hooks only in a
     # process that starts a kvshare server, and the scheduler reads its config from here.

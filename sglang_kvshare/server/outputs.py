@@ -9,7 +9,9 @@ For an annotated one, in this order per output:
 2. ``cached_tokens`` is brought back to SGLang's meaning (``chat.hooks.exact_cached_tokens``);
 3. the chat layer's track records the answer (``chat.hooks``).
 
-Before the request runs, the guard applies its scope's setting; after the
+Before the request runs, its DP worker is named from its reuse scope
+(``server.affinity``, with ``--dp-size`` > 1) and the guard applies its
+scope's setting; after the
 answer, it queues the verification. One hook composes both layers because
 SGLang patches a target once and the two must see the same outputs in order.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from sglang_kvshare.chat import hooks as chat_hooks
+from sglang_kvshare.server import affinity
 from sglang_kvshare.guard.serving import Collector, guard
 
 
@@ -27,6 +30,7 @@ def around_generate(original, self, obj, request=None):
     track = chat_hooks.track_for(obj)
     if track is None and not chat_hooks.annotated(obj):
         return original(self, obj, request)
+    affinity.route(obj, self)
     collector = guard.prepare(obj, self)
     # NOTE: SGLang sends deltas only for streams on a server with incremental streaming output.
     incremental = bool(getattr(self, "incremental_streaming_output", False)) and bool(getattr(obj, "stream", False))

@@ -208,6 +208,12 @@ def test_runs_of_the_same_samples_merge_and_runs_with_another_reference_do_not()
     assert fr.merge_runs([{**stopped, "command": stopped["command"] + ",fullshared_k32"}, two])["complete"] is False
     assert fr.merge_runs([{**stopped, "command": "python -m benchmarks.frontier"}, two])["complete"] is False
     assert fr.planned_arms("python -m benchmarks.frontier --arms=off,kvcmas_k8") == {"off", "kvcmas_k8"}
+    # A merge merges again: its parts' commands and dates come along, in order.
+    three = {**head, "command": "c", "meta": {"date": "3"}, "arms": {"off": off, "fullshared_r0.2": arm(
+        "fullshared", 0, None, 0.8, ["x", "x", "x", "x"])}}
+    again = fr.merge_runs([{**merged, "parts_meta": [{"date": "1"}, {"date": "2"}]}, three])
+    assert again["commands"] == ["a", "b", "c"] and [m["date"] for m in again["parts_meta"]] == ["1", "2", "3"]
+    assert list(again["arms"])[-1] == "fullshared_r0.2" and again["complete"] is True
 
 
 # ------------------------------------------------------------------ summaries
@@ -264,6 +270,10 @@ def test_ratio_arms_recompute_a_share_and_stay_off_the_random_mix_line():
     r = arms["fullshared_r0.15"]
     assert r.policy == "head" and "--kvshare-recompute-ratio" in r.server_args() and "kvcmas_r0.15" in arms
     assert arms["fullshared_k0"].policy == "none"
+    corr = arms["kvcmas_corr_r0.15"]
+    assert corr.policy == "correction" and corr.mode == "kvcmas"
+    flags = corr.server_args()
+    assert flags[flags.index("--kvshare-recompute-policy") + 1] == "correction"
     summary = {"mode": "fullshared", "recompute_head": 0, "random_mix_p": None, "recompute_ratio": 0.15}
     assert not fr.on_mix_line("fullshared_r0.15", summary)
     assert fr.on_mix_line("fullshared_k0", {**summary, "recompute_ratio": 0.0})

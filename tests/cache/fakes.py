@@ -135,7 +135,8 @@ def dense_kv(tokens: Sequence[int], pos: int) -> tuple[torch.Tensor, torch.Tenso
     return torch.randn(LAYERS, HEADS, HEAD_DIM, generator=g), torch.randn(LAYERS, HEADS, HEAD_DIM, generator=g)
 
 
-def make_cache(mode: str = "fullshared", pool_tokens: int = 512, **config) -> KVShareRadixCache:
+def make_cache(mode: str = "fullshared", pool_tokens: int = 512, sparse_unsupported: Optional[str] = "not_checked",
+               **config) -> KVShareRadixCache:
     from transformers import LlamaConfig
 
     allocator = FakeAllocator(pool_tokens)
@@ -144,7 +145,8 @@ def make_cache(mode: str = "fullshared", pool_tokens: int = 512, **config) -> KV
     hf = LlamaConfig(hidden_size=HEADS * HEAD_DIM * 2, num_attention_heads=2, num_key_value_heads=HEADS,
                      head_dim=HEAD_DIM, num_hidden_layers=LAYERS, rope_theta=10000.0)
     cfg = KVShareConfig(mode=mode, **{"learn_async": False, **config})
-    return KVShareRadixCache(params, config=cfg, model_config=SimpleNamespace(hf_config=hf))
+    return KVShareRadixCache(params, config=cfg, model_config=SimpleNamespace(hf_config=hf),
+                             sparse_unsupported=sparse_unsupported)
 
 
 class MiniScheduler:

@@ -8,12 +8,14 @@ break (a leak of an estimate, a slot freed twice, a row lost).
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
-from sglang_kvshare.cache import tree_paths
+from sglang_kvshare.cache import resolve, tree_paths
+from sglang_kvshare.cache.plan import plan_of
 from tests.cache.fakes import LAYERS, FakeReq, MiniScheduler, dense_kv, make_cache
 
 SYS = {"A": list(range(10, 30)), "B": list(range(40, 53)), "C": list(range(60, 77))}
@@ -256,9 +258,9 @@ def test_anchors_shorter_than_the_segment_help_on_their_common_prefix(min_anchor
     assert_pool_accounted(sched.cache)
 
 
-def learned_kvcmas(contents: int = 3) -> MiniScheduler:
+def learned_kvcmas(contents: int = 3, **config) -> MiniScheduler:
     """A kvcmas cache (tau 1) whose pool learned the A -> B edge from ``contents`` dense chains."""
-    sched = MiniScheduler(make_cache("kvcmas", tau=1.0))
+    sched = MiniScheduler(make_cache("kvcmas", **{"tau": 1.0, **config}))
     for agent in ("A", "B"):
         warm(sched, agent)
     for query in _queries(contents):
@@ -280,6 +282,64 @@ def test_kvcmas_corrected_rows_differ_from_plain_alignment():
     kv = sched.cache.token_to_kv_pool_allocator.get_kvcache()
     _, v_src = dense_kv(a.origin_input_ids, len(SYS["A"]))
     assert not torch.allclose(kv.get_value_buffer(0)[int(rows[0])], v_src[0])  # the correction was added
+
+
+def _owed_b(sched: MiniScheduler, query: list[int]) -> tuple[dict, list[int]]:
+    """A reads ``query``, then B is matched behind its own prompt; B's segment report and owed rows (relative)."""
+    sched.run(annotated("A", query=query))
+    b = annotated("B", query=query)
+    sched.match(b)
+    start = len(SYS["B"])
+    return b.report()["segments"][1], [p - start for p in plan_of(b).sparse_rows]
+
+
+@pytest.mark.parametrize("policy", ["head", "correction"])
+def test_the_correction_policy_owes_the_rows_the_correction_moves_most(policy):
+    """With the sparse extend, the ratio's rows past the fixed head are those of the largest correction; the
+    same budget as the head policy, and the fixed head always among them."""
+    sched = learned_kvcmas(sparse_unsupported=None, recompute_ratio=0.25, recompute_head=4, recompute_policy=policy)
+    captured = []
+    original = resolve.correction_row_sizes
+
+    def spy(plan, length):
+        sizes = original(plan, length)
+        captured.append(sizes.clone())
+        return sizes
+
+    query = _queries(4)[-1]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("sglang_kvshare.cache.resolve.correction_row_sizes", spy)
+        seg, owed = _owed_b(sched, query)
+    n = math.ceil(0.25 * len(query))
+    assert seg["resolved_by"] == "correction" and seg["head_recomputed"] == n
+    assert seg["resolved_tokens"] == len(query) - n and len(owed) == n
+    if policy == "head":
+        assert owed == list(range(n)) and "recompute_policy" not in seg and not captured
+        return
+    assert seg["recompute_policy"] == "correction" and owed[:4] == [0, 1, 2, 3]
+    sizes = captured[0]
+    rest = sorted(set(range(4, len(query))) - set(owed))
+    assert min(sizes[j] for j in owed[4:]) >= max(sizes[j] for j in rest)  # the largest corrections
+    assert owed != list(range(n))
+
+
+def test_without_a_correction_the_correction_policy_keeps_the_head():
+    """fullshared (alignment only) has no correction to rank rows by: the head rows, and the report says so."""
+    sched = MiniScheduler(make_cache("fullshared", sparse_unsupported=None, recompute_ratio=0.25,
+                                     recompute_policy="correction"))
+    for agent in ("A", "B"):
+        warm(sched, agent)
+    query = _queries(1)[0]
+    seg, owed = _owed_b(sched, query)
+    n = math.ceil(0.25 * len(query))
+    assert seg["resolved_by"] == "alignment" and owed == list(range(n)) and "recompute_policy" not in seg
+
+
+def test_staged_heads_ignore_the_correction_policy():
+    """Without the sparse extend a head is a dense stage before the segment: only the first rows can be."""
+    sched = learned_kvcmas(recompute_ratio=0.25, recompute_policy="correction")
+    seg, owed = _owed_b(sched, _queries(4)[-1])
+    assert owed == [] and "recompute_policy" not in seg
 
 
 def test_reset_drops_queued_observations_and_pools():

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from sglang_kvshare.config import ENV_VAR, KVShareConfig
-from sglang_kvshare.server.launcher import main, parse_kvshare, split_argv, with_defaults
+from sglang_kvshare.server.launcher import (cpu_thread_env, main, parallel_ranks, parse_kvshare, split_argv,
+                                           with_defaults)
 
 
 def test_split_argv_separates_kvshare_options_with_values():
@@ -52,6 +53,25 @@ def test_cpu_defaults_fill_in_but_never_override_user_flags():
     assert argv[argv.index("--radix-cache-backend") + 1] == "kvshare"
     assert "--sleep-on-idle" in argv  # an idle CPU server must not take a core from a busy one
     assert "--attention-backend" not in with_defaults(["--model-path", "m"], cpu=False)
+
+
+def test_each_cpu_rank_gets_its_own_bind_group(monkeypatch):
+    """SGLang's CPU path refuses to start a DP or TP rank without a bind group of its own."""
+    assert parallel_ranks(["--model-path", "m"]) == 1
+    assert parallel_ranks(["--dp-size", "2", "--tp", "3"]) == 6 and parallel_ranks(["--dp=2"]) == 2
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    assert cpu_thread_env()["SGLANG_CPU_OMP_THREADS_BIND"] == "0-7"
+    env = cpu_thread_env(2)
+    assert env["SGLANG_CPU_OMP_THREADS_BIND"] == "0-3|4-7" and env["OMP_NUM_THREADS"] == "4"
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert cpu_thread_env(3)["SGLANG_CPU_OMP_THREADS_BIND"] == "0|1|0"  # fewer cores than ranks: shared
+
+
+def test_the_recompute_policy_is_a_choice():
+    config, _ = parse_kvshare(["--kvshare-recompute-policy", "correction"])
+    assert config.recompute_policy == "correction"
+    with pytest.raises(SystemExit):
+        parse_kvshare(["--kvshare-recompute-policy", "attention"])
 
 
 def test_config_round_trips_through_the_environment(monkeypatch):
