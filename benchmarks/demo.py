@@ -7,6 +7,10 @@ each read the question (shared slot ``query``) and the previous agent's answer
 (shared slot ``out:<agent>``) behind their own system prompts. It prints, per
 request, what the server prefilled and what it reused (aligned or corrected)
 with the TTFT, then totals, writes them as JSON, and stops the server.
+
+It runs the best measured setting (docs/FIDELITY.md, "Which setting to run"):
+``fullshared`` with 15 % of each reused segment recomputed inside the request's
+one prefill forward (``--kvshare-recompute-ratio 0.15``).
 """
 
 from __future__ import annotations
@@ -48,8 +52,10 @@ def agent_request(tok, agent: str, question: str, previous: tuple[str, list[int]
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-path", default=None, help="local model folder (default: the shipped SmolLM2-135M)")
-    parser.add_argument("--kvshare-mode", default="kvcmas", choices=("off", "fullshared", "kvcmas"))
-    parser.add_argument("--tau", type=float, default=0.3)
+    parser.add_argument("--kvshare-mode", default="fullshared", choices=("off", "fullshared", "kvcmas"))
+    parser.add_argument("--recompute-ratio", type=float, default=0.15,
+                        help="share of each reused segment recomputed in the request's context")
+    parser.add_argument("--tau", type=float, default=0.3, help="kvcmas's gate threshold")
     parser.add_argument("--questions", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--out", default="demo_results.json", help="where to write the JSON")
@@ -63,10 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     tok = AutoTokenizer.from_pretrained(args.model_path)
     rows = []
     print(f"starting a server with --kvshare-mode {args.kvshare_mode} ...", flush=True)
-    kv_args = ["--kvshare-mode", args.kvshare_mode, "--kvshare-tau", str(args.tau), "--kvshare-learn-async", "false"]
+    kv_args = ["--kvshare-mode", args.kvshare_mode, "--kvshare-recompute-ratio", str(args.recompute_ratio),
+               "--kvshare-tau", str(args.tau), "--kvshare-learn-async", "false"]
     with ServerProcess(model_path=args.model_path, kvshare_args=kv_args) as server:
         print(f"server up at {server.url}, radix cache backend: {server.server_info().get('radix_cache_backend')}")
-        print(f"{'q':>2} {'agent':10s} {'prompt':>6} {'prefill':>7} {'aligned':>7} {'corrected':>9} {'latency s':>9}  fallbacks")
+        print(f"{'q':>2} {'agent':10s} {'prompt':>6} {'prefill':>7} {'aligned':>7} {'corrected':>9} {'recomputed':>10} "
+              f"{'latency s':>9}  fallbacks")
         for qi, question in enumerate(load_questions(args.questions)):
             previous = None
             for agent in ROLES:
@@ -79,16 +87,18 @@ def main(argv: list[str] | None = None) -> int:
                 row = {"question": qi, "agent": agent, "prompt_tokens": meta["prompt_tokens"],
                        "prefill_tokens": prefilled_tokens(meta),
                        "tokens_aligned": rep.get("tokens_aligned", 0), "tokens_corrected": rep.get("tokens_corrected", 0),
+                       "tokens_recomputed": rep.get("tokens_head_recomputed", 0),
                        "shared_tokens": rep.get("shared_tokens", 0), "latency_s": round(latency, 3),
                        "fallbacks": sorted({f["reason"] for f in rep.get("fallbacks", [])}),
                        "answer": out["text"][:80]}
                 rows.append(row)
                 print(f"{qi:>2} {agent:10s} {row['prompt_tokens']:>6} {row['prefill_tokens']:>7} "
-                      f"{row['tokens_aligned']:>7} {row['tokens_corrected']:>9} {latency:>9.2f}  {','.join(row['fallbacks'])}")
+                      f"{row['tokens_aligned']:>7} {row['tokens_corrected']:>9} {row['tokens_recomputed']:>10} "
+                      f"{latency:>9.2f}  {','.join(row['fallbacks'])}")
                 previous = (agent, out["output_ids"])
     shared_total = sum(r["shared_tokens"] for r in rows)
     reused = sum(r["tokens_aligned"] + r["tokens_corrected"] for r in rows)
-    totals = {"mode": args.kvshare_mode, "requests": len(rows), "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
+    totals = {"mode": args.kvshare_mode, "recompute_ratio": args.recompute_ratio, "requests": len(rows), "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
               "prefill_tokens": sum(r["prefill_tokens"] for r in rows),
               "shared_tokens": shared_total, "reuse_ratio": reused / shared_total if shared_total else 0.0,
               "note": "latency_s is the whole request (prefill + up to --max-new-tokens decode) on this machine"}

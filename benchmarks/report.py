@@ -579,6 +579,15 @@ REGISTRY: list[Benchmark] = [
         "and is it better than a coin?",
         FRONTIER_READING, render_frontier, _plot_from("benchmarks.frontier", "plot"), results_png=True),
     Benchmark(
+        "frontier_retrieval_1000", "frontier_retrieval_1000.json",
+        "python -m benchmarks.frontier --task retrieval --limit 334 --seed 1 --warmup 8 --heads 0 --mix "
+        "--ratios 0.15 --arms off,fullshared_r0.15 --tag _1000",
+        "Does the recommended setting (`fullshared`, 15 % of each reused segment recomputed) keep retrieval "
+        "accuracy within 1 point of `off` over at least 1000 paired lookups on contents no other run used (seed 1)?",
+        FRONTIER_READING + " Only `off` and the recommended arm ran here (no random-mix points), so the line gaps "
+        "are not defined.",
+        render_frontier, _plot_from("benchmarks.frontier", "plot"), results_png=True, optional=True),
+    Benchmark(
         "frontier_gsm8k", "frontier_gsm8k.json",
         "python -m benchmarks.frontier --task gsm8k --limit 50 --max-tokens 128 --concurrency 8 --heads 0 8 16 32 "
         "--mix 0.5",

@@ -22,8 +22,13 @@ KVSHARE = ("--kvshare-mode", "fullshared", "--kvshare-learn-async", "false", "--
 
 
 @pytest.fixture(scope="module")
-def dp_server(server_pool):
-    return server_pool("dp2", kvshare_args=KVSHARE, extra_args=DP2)
+def dp_server(model_path):
+    """Stopped after this module, not kept for the session: SGLang's DP controller polls its sockets and keeps a
+    core busy the whole time, which on 2 cores would slow every later test."""
+    from devtools.server_process import ServerProcess
+
+    with ServerProcess(model_path=model_path, kvshare_args=KVSHARE, extra_args=DP2) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
