@@ -18,11 +18,14 @@ SGLang patches a target once and the two must see the same outputs in order.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional
 
 from sglang_kvshare.chat import hooks as chat_hooks
-from sglang_kvshare.server import affinity
 from sglang_kvshare.guard.serving import Collector, guard
+from sglang_kvshare.server import affinity
+
+logger = logging.getLogger(__name__)
 
 
 def around_generate(original, self, obj, request=None):
@@ -30,7 +33,10 @@ def around_generate(original, self, obj, request=None):
     track = chat_hooks.track_for(obj)
     if track is None and not chat_hooks.annotated(obj):
         return original(self, obj, request)
-    affinity.route(obj, self)
+    try:
+        affinity.route(obj, self)
+    except Exception:  # noqa: BLE001 - a request is never refused because its worker could not be named
+        logger.exception("sglang-kvshare: naming the request's DP worker failed; SGLang balances it")
     collector = guard.prepare(obj, self)
     # NOTE: SGLang sends deltas only for streams on a server with incremental streaming output.
     incremental = bool(getattr(self, "incremental_streaming_output", False)) and bool(getattr(obj, "stream", False))
