@@ -103,9 +103,10 @@ class ServerProcess:
         env.pop("TRITON_INTERPRET", None)  # a test session's interpreter flag must not reach the server
         if not gpu_visible():
             ranks = parallel_ranks(self.extra_args)
-            env = {**cpu_thread_env(ranks), **env}
+            threads = cpu_thread_env(ranks)
+            env = {**threads, **env}
             if ranks > 1:  # one bind group per rank, whatever a single-rank session set
-                env["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_thread_env(ranks)["SGLANG_CPU_OMP_THREADS_BIND"]
+                env["SGLANG_CPU_OMP_THREADS_BIND"] = threads["SGLANG_CPU_OMP_THREADS_BIND"]
         log = open(self.log_path, "wb")
         self.ready = False
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
