@@ -657,7 +657,11 @@ def selected_arms(args: argparse.Namespace) -> list[Arm]:
     arms = default_arms(args.heads, args.mix, args.noise_floor or bool(args.arms and "off_repeat" in args.arms),
                         args.ratios)
     if args.arms:
-        keep = {"off", *args.arms.split(",")}
+        keep = {"off", *(name.strip() for name in args.arms.split(",") if name.strip())}
+        unknown = sorted(keep - {a.name for a in arms})
+        if unknown:
+            raise SystemExit(f"--arms: no arm named {unknown} with these --heads/--mix/--ratios; "
+                             f"the arms are {[a.name for a in arms]}")
         arms = [a for a in arms if a.name in keep]
     return arms
 

@@ -428,6 +428,34 @@ def render_langgraph(d: dict) -> str:
                      "final number equals `off`'s", "answer text equals `off`'s, per agent"], rows))
 
 
+def render_scaleout(d: dict) -> str:
+    rows = []
+    for arm, r in d["arms"].items():
+        spread = ", ".join(f"{w['shared_tokens_seen']}" for w in r["workers"])
+        rows.append([f"`{arm}`", num(r["reuse_ratio"]), num(r.get("reuse_gap_to_one_worker")),
+                     num(r.get("same_answers_as_one_worker")), spread, num(r["ttft_s_mean_agents_2_on"], ".2f", " s")])
+    return (f"GSM8K `refer` workflow, {d['samples']} samples (one workflow each), {d['agents']} agents, "
+            f"{d['max_tokens']} tokens per answer, mode `{d['mode']}`, {d['concurrency']} workflows in flight. "
+            f"Target: the affinity arms' reuse within {d['target_gap']} of `one_worker`'s.\n\n"
+            + table(["arm", "reuse", "gap to one worker", "final answers equal one worker's",
+                     "shared tokens seen per worker", "TTFT agents 2-4 (mean)"], rows))
+
+
+def render_tp_kvcmas(d: dict) -> str:
+    rows = []
+    for tp, r in d["sizes"].items():
+        vs = r.get("vs_tp1") or {}
+        digests = "-" if r.get("digests_equal") is None else ("equal" if r["digests_equal"] else "**differ**")
+        rows.append([tp, str(r["requests"]), num(r["reuse_ratio"]), str(r["tokens_corrected"]),
+                     num(r["top1_agents_2_4"], ".4f"), num(r["kl_agents_2_4"], ".5f"), num(vs.get("reuse_ratio")),
+                     num(vs.get("top1_difference"), "+.4f"),
+                     "-" if not vs else ("yes" if vs.get("agent1_greedy_identical") else "no"), digests])
+    return (f"{d['chains']} chains of {d['agents']} agents over {d['length']} shared tokens, {d['max_tokens']} "
+            "answer tokens per agent; top-1 and KL of agents 2-4 against `off` at the same TP size.\n\n"
+            + table(["TP", "requests", "reuse", "tokens corrected", "top-1", "KL", "reuse / TP=1's",
+                     "top-1 - TP=1's", "agent 1 greedy = TP=1's", "rank digests"], rows))
+
+
 def _phase(cell: dict, unit: float = 1e3, fmt: str = ".1f") -> str:
     return (f"{format(cell['median_s'] * unit, fmt)} ({format(cell['min_s'] * unit, fmt)}-"
             f"{format(cell['max_s'] * unit, fmt)})")
@@ -637,6 +665,21 @@ REGISTRY: list[Benchmark] = [
         "once is reused, and do its answers stay those of a stock server?",
         "`reuse of repeated message tokens`: message tokens reused by alignment over those not new to the server.",
         render_langgraph),
+    Benchmark(
+        "scaleout", "scaleout.json", "python -m benchmarks.scaleout --limit 16",
+        "On two workers (`--dp-size 2`, or two servers behind SGLang's router), does a workflow keep the reuse it "
+        "gets on one, with affinity, and how much does it lose without?",
+        "Fresh servers per arm, one core per worker. `reuse` = a workflow's shared tokens served without prefill "
+        "over its shared tokens; `_none` arms name no workflow (SGLang's round robin, the router's random choice).",
+        render_scaleout, optional=True),
+    Benchmark(
+        "tp_kvcmas", "tp_kvcmas.json", "python -m benchmarks.tp_kvcmas --chains 12",
+        "Does `kvcmas` at tensor-parallel size 3 (each rank learning its own KV heads, the gate reduced over the "
+        "ranks) reuse and keep `off`'s distributions as it does at size 1?",
+        "One server per TP size; its `off` references come from the same server (mode switched at runtime), so each "
+        "size is scored against its own dense numerics. Targets: reuse >= 0.9x TP=1's, top-1 within 0.005, agent 1's "
+        "greedy answers identical, every rank's gate digest equal.",
+        render_tp_kvcmas, optional=True),
     Benchmark(
         "assembly_cost", "assembly_cost.json",
         "python -m benchmarks.research.assembly_cost --lengths 512 1024 4096 --anchors 3 6 10 --repeats 7",

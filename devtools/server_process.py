@@ -42,6 +42,28 @@ def _die_with_parent() -> None:
         pass
 
 
+def log_tail(path: Optional[Path], n: int) -> str:
+    """The last ``n`` lines of a process's log ("" before it has one)."""
+    if path is None or not path.exists():
+        return ""
+    return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+
+
+def stop_group(proc: Optional[subprocess.Popen]) -> None:
+    """SIGTERM a process started with ``start_new_session`` and its whole group; SIGKILL after 30 s."""
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=30)
+
+
 class ServerStartError(RuntimeError):
     """The server exited or did not answer in time; the message holds its log tail."""
 
@@ -62,6 +84,7 @@ class ServerProcess:
     startup_timeout: float = 300.0
     log_path: Optional[Path] = None
     wrapper: Sequence[str] = ()  # a command prefix, e.g. a profiler: ``py-spy record ... --``
+    cores: Optional[str] = None  # CPU only: the cores its one rank binds to ("1", "0-3"), for servers side by side
     proc: Optional[subprocess.Popen] = None
     ready: bool = field(default=False, init=False)  # seen answering since the last launch
 
@@ -107,6 +130,10 @@ class ServerProcess:
             env = {**threads, **env}
             if ranks > 1:  # one bind group per rank, whatever a single-rank session set
                 env["SGLANG_CPU_OMP_THREADS_BIND"] = threads["SGLANG_CPU_OMP_THREADS_BIND"]
+            if self.cores is not None:
+                first, _, last = self.cores.partition("-")
+                env["SGLANG_CPU_OMP_THREADS_BIND"] = self.cores
+                env["OMP_NUM_THREADS"] = str(int(last or first) - int(first) + 1)
         log = open(self.log_path, "wb")
         self.ready = False
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -133,9 +160,7 @@ class ServerProcess:
         raise ServerStartError(f"server not ready after {self.startup_timeout}s:\n{self.log_tail()}")
 
     def log_tail(self, n: int = 60) -> str:
-        if self.log_path is None or not self.log_path.exists():
-            return ""
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        return log_tail(self.log_path, n)
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path else ""
@@ -151,17 +176,7 @@ class ServerProcess:
             pass
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=30)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(timeout=30)
+        stop_group(self.proc)
 
     def __enter__(self) -> "ServerProcess":
         return self.start()

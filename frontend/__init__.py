@@ -2,18 +2,19 @@
 
 Public API::
 
-    from sglang_kvshare.frontend import KVShareEndpoint, agent, shared
+    from sglang_kvshare.frontend import KVShareEndpoint, agent, shared, workflow
 
 ``shared(text, slot=...)`` marks text many agents see, ``agent(name)`` declares
-who speaks; ``KVShareEndpoint(url)`` is a ``RuntimeEndpoint`` that turns the
+who speaks, ``workflow(name)`` names the run (the reuse scope; its requests stay
+on one server behind SGLang's router); ``KVShareEndpoint(url)`` is a ``RuntimeEndpoint`` that turns the
 marks into the kvshare request annotation. The workloads written with it
 (roles, topologies, GSM8K / HumanEval tasks) live in ``benchmarks.workloads``;
 ``python -m benchmarks.workflow --help`` runs them.
 """
 
-from sglang_kvshare.frontend.primitives import agent, shared
+from sglang_kvshare.frontend.primitives import agent, shared, workflow
 
-__all__ = ["KVShareEndpoint", "agent", "shared"]
+__all__ = ["KVShareEndpoint", "agent", "shared", "workflow"]
 
 
 def __getattr__(name):  # lazy: the backend imports transformers

@@ -41,6 +41,7 @@ from sglang.utils import http_request
 from sglang_kvshare.frontend.primitives import GenSpan, collect_marks, record_gen
 from sglang_kvshare.frontend.segments import request_from_marks
 from sglang_kvshare.protocol import Segment, generated_ids_for_text
+from sglang_kvshare.routing import routed_fields, routing_headers
 from sglang_kvshare.frontend.builder import BuiltRequest
 
 logger = logging.getLogger(__name__)
@@ -142,18 +143,25 @@ class KVShareEndpoint(RuntimeEndpoint):
         self._add_images(s, data)
         return data
 
-    def _headers(self) -> dict:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+    def _headers(self, workflow: Optional[str] = None) -> dict:
+        """The key, and for a named workflow the header that keeps its requests on one server behind
+        SGLang's router (the warm-up, the request and the commit must all meet its copies there)."""
+        auth = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return {**auth, **routing_headers(workflow)}
 
     def _warm_prefix(self, built: BuiltRequest) -> Optional[tuple[str, str]]:
         ids = built.first_private_ids
         if not self.warm or not ids:
             return None
-        key = (built.annotation.agent, hashlib.blake2b(json.dumps(ids).encode(), digest_size=16).hexdigest())
+        workflow = built.annotation.workflow
+        # Per workflow: behind a router, each workflow's server needs its own warm prefix.
+        key = (built.annotation.agent, workflow,
+               hashlib.blake2b(json.dumps(ids).encode(), digest_size=16).hexdigest())
         with self._warm_lock:
             if key not in self._warmed:
-                res = http_request(self.base_url + "/generate", api_key=self.api_key, verify=self.verify,
-                                   json={"input_ids": ids, "sampling_params": {"max_new_tokens": 0}})
+                res = self._session.post(self.base_url + "/generate", headers=self._headers(workflow),
+                                         verify=self.verify, timeout=self.timeout,
+                                         json={"input_ids": ids, "sampling_params": {"max_new_tokens": 0}})
                 self._assert_success(res)
                 self._warmed.add(key)
         return key
@@ -178,22 +186,29 @@ class KVShareEndpoint(RuntimeEndpoint):
             "segments": (*built.annotation.segments, Segment(kind="shared", start=start, end=start + len(ids),
                                                              slot=slot))})
         try:
-            res = self._session.post(self.base_url + "/generate", headers=self._headers(), verify=self.verify,
-                                     timeout=self.timeout,
+            res = self._session.post(self.base_url + "/generate", headers=self._headers(built.annotation.workflow),
+                                     verify=self.verify, timeout=self.timeout,
                                      json={"input_ids": [*built.input_ids, *ids],
                                            "sampling_params": {"max_new_tokens": 0,
-                                                               "custom_params": annotation.to_custom_params()}})
+                                                               "custom_params": annotation.to_custom_params()},
+                                           **routed_fields(annotation)})
             if not res.ok:
                 logger.warning("sglang-kvshare: committing an output failed: HTTP %s %s",
                                res.status_code, res.text[:200])
         except requests.RequestException as exc:
             logger.warning("sglang-kvshare: committing an output failed: %s", exc)
 
-    def _post_streaming(self, data: dict) -> tuple[dict, Optional[float]]:
+    def _post(self, data: dict, workflow: Optional[str]) -> dict:
+        res = self._session.post(self.base_url + "/generate", json=data, headers=self._headers(workflow),
+                                 verify=self.verify, timeout=self.timeout)
+        self._assert_success(res)
+        return res.json()
+
+    def _post_streaming(self, data: dict, workflow: Optional[str]) -> tuple[dict, Optional[float]]:
         t0 = time.perf_counter()
         ttft, last = None, None
         with self._session.post(self.base_url + "/generate", json={**data, "stream": True}, stream=True,
-                                headers=self._headers(), verify=self.verify, timeout=self.timeout) as res:
+                                headers=self._headers(workflow), verify=self.verify, timeout=self.timeout) as res:
             self._assert_success(res)
             for line in res.iter_lines(decode_unicode=False):
                 if not line or not line.startswith(b"data:"):
@@ -221,14 +236,13 @@ class KVShareEndpoint(RuntimeEndpoint):
             data["input_ids"] = built.input_ids
             sp = data["sampling_params"]
             sp["custom_params"] = {**(sp.get("custom_params") or {}), **built.annotation.to_custom_params()}
+            data.update(routed_fields(built.annotation))
             warm_key = self._warm_prefix(built)
             t0 = time.perf_counter()
             if self.measure_ttft:
-                obj, ttft = self._post_streaming(data)
+                obj, ttft = self._post_streaming(data, built.annotation.workflow)
             else:
-                res = http_request(self.base_url + "/generate", json=data, api_key=self.api_key, verify=self.verify)
-                self._assert_success(res)
-                obj, ttft = res.json(), None
+                obj, ttft = self._post(data, built.annotation.workflow), None
         latency = time.perf_counter() - t0
         comp, meta = obj["text"], obj["meta_info"]
         ids = generated_ids_for_text(self.tokenizer, comp, obj.get("output_ids"))

@@ -1,4 +1,4 @@
-"""``shared(...)`` and ``agent(...)``: marks a plain ``sgl.function`` program can carry.
+"""``shared(...)``, ``agent(...)`` and ``workflow(...)``: marks a plain ``sgl.function`` program can carry.
 
 Both return ordinary SGLang IR, so any backend and SGLang's own interpreter run
 the program unchanged (a stock backend simply sees the text). The marks ride on
@@ -9,6 +9,7 @@ the text, and a backend reads them back at ``generate`` time
 
 ::
 
+    s += workflow("ticket-4711")               # optional: the reuse scope (one team's run)
     s += agent("solver")                       # who speaks from here on
     s += sgl.system("You solve math problems.")
     s += sgl.user(shared(question, slot="query"))
@@ -75,6 +76,14 @@ class AgentMark(SglVarScopeBegin):
         super().__init__(f"{MARK_PREFIX}{_next_seq():012d}:agent:{self.agent}")
 
 
+class WorkflowMark(SglVarScopeBegin):
+    """Names the workflow (reuse scope) a program or fork belongs to from this point on."""
+
+    def __init__(self, name: str) -> None:
+        self.workflow = _check_name("workflow name", name)
+        super().__init__(f"{MARK_PREFIX}{_next_seq():012d}:workflow:{self.workflow}")
+
+
 def shared(text: Any, slot: str, token_ids: Optional[Sequence[int]] = None) -> SharedText:
     """Mark ``text`` as shared content of ``slot`` (use as ``s += shared(q, slot="query")``).
 
@@ -87,6 +96,13 @@ def shared(text: Any, slot: str, token_ids: Optional[Sequence[int]] = None) -> S
 def agent(name: str) -> AgentMark:
     """Declare which agent the program or fork speaks for (``s += agent("solver")``)."""
     return AgentMark(name)
+
+
+def workflow(name: str) -> WorkflowMark:
+    """Name the workflow this program run belongs to (``s += workflow(run_id)``): approximate KV is
+    reused only inside one workflow, and its requests stay on one server (behind SGLang's router) or
+    one data-parallel worker, where its copies are."""
+    return WorkflowMark(name)
 
 
 # Pinned token ids by mark name (bounded: oldest dropped first).
@@ -116,6 +132,7 @@ class Marks:
     agent: Optional[str]
     shared: tuple[SharedSpan, ...]
     gens: tuple[GenSpan, ...]
+    workflow: Optional[str] = None
 
     @property
     def empty(self) -> bool:
@@ -140,13 +157,15 @@ def collect_marks(variables: Mapping[str, Any], text_len: int) -> Marks:
     if len(_PINNED) > _MAX_PINNED:
         for key in list(_PINNED)[: len(_PINNED) - _MAX_PINNED]:
             _PINNED.pop(key, None)
-    agent_name, begins, ends, gens = None, {}, {}, []
+    agent_name, workflow_name, begins, ends, gens = None, None, {}, {}, []
     for name in sorted(k for k in variables if isinstance(k, str) and k.startswith(MARK_PREFIX)):
         value = variables[name]
         parts = name[len(MARK_PREFIX):].split(":", 2)
         seq, what = parts[0], parts[1]
         if what == "agent" and isinstance(value, int) and value <= text_len:
             agent_name = parts[2]
+        elif what == "workflow" and isinstance(value, int) and value <= text_len:
+            workflow_name = parts[2]
         elif what == "shared" and isinstance(value, int):
             begins[seq] = (value, parts[2], _PINNED.get(name))
         elif what == "end" and isinstance(value, int):
@@ -161,4 +180,4 @@ def collect_marks(variables: Mapping[str, Any], text_len: int) -> Marks:
         if spans and start < spans[-1].end:
             continue
         spans.append(SharedSpan(start, end, slot, ids))
-    return Marks(agent_name, tuple(spans), tuple(sorted(gens, key=lambda g: g.start)))
+    return Marks(agent_name, tuple(spans), tuple(sorted(gens, key=lambda g: g.start)), workflow_name)

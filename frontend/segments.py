@@ -65,4 +65,7 @@ def request_from_marks(text: str, marks: Marks, tokenize: Tokenize, *,
     # A declared agent's answer is shared under ``out:<agent>``: a later agent that
     # passes the same output ids reuses the producer's KV instead of prefilling it.
     output_slot = f"out:{marks.agent}" if marks.agent else None
-    return assemble(marks.agent or DEFAULT_AGENT, pieces, output_slot)
+    built = assemble(marks.agent or DEFAULT_AGENT, pieces, output_slot)
+    if marks.workflow is not None:
+        built = BuiltRequest(built.input_ids, built.annotation.model_copy(update={"workflow": marks.workflow}))
+    return built

@@ -2,7 +2,7 @@
 
 Layers, lowest first (docs/ARCHITECTURE.md says why):
 
-    base (config, protocol, counters) -> kernels -> correction, guard math -> learning -> cache
+    base (config, protocol, counters, routing) -> kernels -> correction, guard math -> learning -> cache
     -> chat, admin -> server -> launch_server;   frontend (the client library) on base only
 
 A module never imports one of a higher layer, nor one of a sibling layer of the same rank
@@ -24,7 +24,7 @@ PACKAGES = {"sglang_kvshare": "sglang_kvshare", "kernels": "sglang_kvshare.kerne
             "frontend": "sglang_kvshare.frontend"}
 # (layer rank, dotted prefixes); a prefix names a package or a single module
 LAYERS: list[tuple[int, tuple[str, ...]]] = [
-    (0, ("sglang_kvshare.config", "sglang_kvshare.protocol", "sglang_kvshare.counters",
+    (0, ("sglang_kvshare.config", "sglang_kvshare.protocol", "sglang_kvshare.counters", "sglang_kvshare.routing",
          "sglang_kvshare.guard.target")),  # the target syntax: the config validates its flag with it
     (1, ("sglang_kvshare.kernels",)),
     (2, ("sglang_kvshare.correction",)),

@@ -33,7 +33,7 @@ import sglang as sgl
 
 from benchmarks.workloads.roles import Role
 from benchmarks.workloads.tasks import Task
-from sglang_kvshare.frontend.primitives import agent, shared
+from sglang_kvshare.frontend.primitives import agent, shared, workflow
 
 TOPOLOGIES = ("chain", "refer", "debate")
 
@@ -43,8 +43,10 @@ def out_slot(role: Role) -> str:
 
 
 def speak(s, role: Role, query: str, refs: Sequence[tuple[Role, str]], instruction: str,
-          max_tokens: int, var: str = "answer") -> None:
+          max_tokens: int, var: str = "answer", workflow_name: Optional[str] = None) -> None:
     """Submit one agent turn to program state ``s`` (an empty fork); does not wait."""
+    if workflow_name is not None:
+        s += workflow(workflow_name)
     s += agent(role.name)
     s += sgl.system(role.system)
     s += sgl.user_begin()
@@ -71,7 +73,7 @@ def _record(fork, role: Role, round_: int, var: str = "answer") -> dict:
 
 
 def _round(s, roles: Sequence[Role], query: str, refs_for, instruction: str, max_tokens: int,
-           round_: int, parallel: bool, groups: list) -> list[tuple[Role, str, dict]]:
+           round_: int, parallel: bool, groups: list, workflow_name: Optional[str] = None) -> list[tuple[Role, str, dict]]:
     """Run ``roles`` for one round; the first alone, the rest concurrently if ``parallel``."""
     results: list[Optional[tuple[Role, str, dict]]] = [None] * len(roles)
     pending = []
@@ -79,7 +81,7 @@ def _round(s, roles: Sequence[Role], query: str, refs_for, instruction: str, max
         group = s.fork(1)
         groups.append(group)
         fork = group[0]
-        speak(fork, role, query, refs_for(role), instruction, max_tokens)
+        speak(fork, role, query, refs_for(role), instruction, max_tokens, workflow_name=workflow_name)
         pending.append((i, role, fork))
         if i == 0 or not parallel:  # wait: later agents reuse what this one prefilled
             for j, r, f in pending:
@@ -92,8 +94,9 @@ def _round(s, roles: Sequence[Role], query: str, refs_for, instruction: str, max
 
 @sgl.function
 def multi_agent(s, query: str, task: Task, topology: str = "refer", num_agents: int = 4,
-                rounds: int = 2, max_tokens: int = 128, parallel: bool = True):
-    """One sample through ``topology`` with ``num_agents - 1`` role agents and the final agent."""
+                rounds: int = 2, max_tokens: int = 128, parallel: bool = True, workflow_name: Optional[str] = None):
+    """One sample through ``topology`` with ``num_agents - 1`` role agents and the final agent; every
+    request names ``workflow_name`` when given (the client library then routes it, docs/SCALING.md)."""
     if topology not in TOPOLOGIES:
         raise ValueError(f"unknown topology {topology!r}; choose one of {TOPOLOGIES}")
     if not 2 <= num_agents <= len(task.roles) + 1:
@@ -105,22 +108,24 @@ def multi_agent(s, query: str, task: Task, topology: str = "refer", num_agents: 
         last: list[tuple[Role, str]] = []
         for role in roles:
             (r, text, rec), = _round(s, [role], query, lambda _r: last, task.instruction, max_tokens,
-                                     0, parallel, groups)
+                                     0, parallel, groups, workflow_name)
             records.append(rec)
             last = [(r, text)]
         final_refs = last
     else:
-        prev = _round(s, roles, query, lambda _r: [], task.instruction, max_tokens, 0, parallel, groups)
+        prev = _round(s, roles, query, lambda _r: [], task.instruction, max_tokens, 0, parallel, groups,
+                      workflow_name)
         records += [rec for _, _, rec in prev]
         for k in range(1, rounds if topology == "debate" else 1):
             answers = [(r, t) for r, t, _ in prev]
             prev = _round(s, roles, query, lambda _r: answers, task.instruction, max_tokens, k,
-                          parallel, groups)
+                          parallel, groups, workflow_name)
             records += [rec for _, _, rec in prev]
         final_refs = [(r, t) for r, t, _ in prev]
     group = s.fork(1)
     groups.append(group)
-    speak(group[0], task.final, query, final_refs, task.final_instruction, max_tokens)
+    speak(group[0], task.final, query, final_refs, task.final_instruction, max_tokens,
+          workflow_name=workflow_name)
     final_rec = _record(group[0], task.final, -1)
     records.append(final_rec)
     for g in groups:  # end the forks' worker threads
@@ -131,7 +136,8 @@ def multi_agent(s, query: str, task: Task, topology: str = "refer", num_agents: 
 
 def run_workflow(backend: Any, task: Task, samples: Sequence, *, topology: str = "refer",
                  num_agents: int = 4, rounds: int = 2, max_tokens: int = 128, parallel: bool = True,
-                 progress_bar: bool = True, desc: str = "", concurrency: int = 1) -> list[dict]:
+                 progress_bar: bool = True, desc: str = "", concurrency: int = 1,
+                 workflow_names: bool = False) -> list[dict]:
     """Run ``samples``, ``concurrency`` at a time; one result dict per sample, in order.
 
     Greedy decoding (temperature 0). Each result has ``id``, ``final``,
@@ -140,7 +146,7 @@ def run_workflow(backend: Any, task: Task, samples: Sequence, *, topology: str =
     decode steps, which is where a CPU spends its time; the price is that each
     request's TTFT then includes queueing behind the other samples. (``run_batch``
     is not used: its prefix tracing would call the program with placeholder
-    arguments.)
+    arguments.) ``workflow_names``: each sample is its own workflow (``sample-<id>``).
     """
     import time
     from concurrent.futures import ThreadPoolExecutor
@@ -154,6 +160,7 @@ def run_workflow(backend: Any, task: Task, samples: Sequence, *, topology: str =
         t0 = time.perf_counter()
         st = multi_agent.run(query=smp.query, task=task, topology=topology, num_agents=num_agents,
                              rounds=rounds, max_tokens=max_tokens, parallel=parallel,
+                             workflow_name=f"sample-{smp.id}" if workflow_names else None,
                              backend=backend, temperature=0)
         err = st.stream_executor.error()
         if err is not None:

@@ -11,9 +11,12 @@
   ``Engine.collective_rpc``); each carries a fresh ``rid`` that the scheduler
   echoes, so a late answer to a call that timed out is recognised and dropped.
 
-Limits: one scheduler answers RPCs (``--dp-size 1``; with data parallelism
-they would reach one rank only, so ``routes`` refuses them with a 501), and ``--tokenizer-worker-num 1`` (the default;
-SGLang's API keys need it too).
+* ``fan_out(op, **params)``: the same op for every data-parallel rank
+  (``--dp-size > 1``, where the RPC socket reaches one rank only): carried in
+  the ``rid`` of a ``GetInternalStateReq``, which SGLang sends to every rank
+  and answers with one state per rank; each carries that rank's reply.
+
+Limits: ``--tokenizer-worker-num 1`` (the default; SGLang's API keys need it too).
 """
 
 from __future__ import annotations
@@ -100,6 +103,27 @@ class AdminChannel:
                 if reply.rid == rid:
                     return reply
                 logger.warning("sglang-kvshare: dropping a late answer (%s) on the RPC socket", reply.rid)
+
+    async def fan_out(self, op: str, **params: Any) -> list[dict]:
+        """Run the op on every DP rank; the replies (``Reply`` as a dict plus ``dp_rank``) of the ranks
+        that answered with one (``aggregate.merge_replies`` names the missing ones).
+
+        SGLang's own fan-out serializes these calls and waits without a deadline, as its
+        ``/get_server_info`` does: the ranks answer between two batches.
+        """
+        from sglang.srt.managers.io_struct import GetInternalStateReq
+
+        call_id = uuid.uuid4().hex
+        tm = self.tokenizer_manager
+        tm.auto_create_handle_loop()
+        outputs = await tm.get_internal_state_communicator(
+            GetInternalStateReq(rid=ops.fanout_rid(op, params, call_id)))
+        replies = []
+        for out in outputs:
+            reply = (getattr(out, "internal_state", None) or {}).get(ops.REPLY_KEY)
+            if isinstance(reply, dict) and reply.get("rid") == call_id:
+                replies.append(reply)
+        return replies
 
     def _ensure_socket(self):
         if self._socket is None:

@@ -39,7 +39,7 @@ class KVShareMetrics:
     call ``update`` from the scheduler thread only.
     """
 
-    def __init__(self, registry: Any = None) -> None:
+    def __init__(self, registry: Any = None, dp_rank: int = 0) -> None:
         from prometheus_client import REGISTRY, Counter, Gauge
 
         registry = REGISTRY if registry is None else registry
@@ -63,10 +63,13 @@ class KVShareMetrics:
         self.anchor_bytes = gauge("anchor_bytes", "Bytes held by the slot's anchors.", ("slot",))
         self.pool_bytes = gauge("pool_bytes", "Bytes held by all anchor pools together.")
         self.pending = gauge("pending_observations", "Dense prefills queued for anchor learning.")
+        # Ratios do not add up over data-parallel ranks (each runs its own cache): one series per rank.
         self.gate_entropy = gauge("mean_gate_entropy", "Mean normalized entropy of the slot's gate decisions "
-                                  "(kvcmas; since the last reset).", ("slot",), mode="mostrecent")
+                                  "(kvcmas; since the last reset), per data-parallel rank.", ("slot", "dp_rank"),
+                                  mode="mostrecent")
         self.reuse_ratio = gauge("reuse_ratio", "Shared tokens re-aligned or corrected / shared tokens seen "
-                                 "(since the last reset).", mode="mostrecent")
+                                 "(since the last reset), per data-parallel rank.", ("dp_rank",), mode="mostrecent")
+        self.dp_rank = str(int(dp_rank))
         self.tau = gauge("tau", "Gate threshold in force.", mode="mostrecent")
         self.capacity = gauge("capacity", "Anchors per slot pool in force (V).", mode="mostrecent")
         self.mode = gauge("mode", "1 for the kvshare mode in force, 0 for the others.", ("mode",), mode="mostrecent")
@@ -92,7 +95,7 @@ class KVShareMetrics:
                 self._count(self.fallbacks, (label, str(reason)), ("fb", name, reason), n)
             mean = s.get("mean_gate_entropy")
             if mean is not None:
-                self.gate_entropy.labels(label).set(mean)
+                self.gate_entropy.labels(label, self.dp_rank).set(mean)
             anchors[label] = anchors.get(label, 0) + s.get("anchors", 0)
             anchor_bytes[label] = anchor_bytes.get(label, 0) + s.get("anchor_bytes", 0)
         for key, value in (stats.get("counters") or {}).items():
@@ -115,7 +118,7 @@ class KVShareMetrics:
         self._gauged_slots = set(anchors)
         self.pool_bytes.set(stats.get("anchor_bytes", 0))
         self.pending.set(stats.get("pending_observations", 0))
-        self.reuse_ratio.set(stats.get("reuse_ratio", 0.0))
+        self.reuse_ratio.labels(self.dp_rank).set(stats.get("reuse_ratio", 0.0))
         if config is not None:
             self.tau.set(config.tau)
             self.capacity.set(config.effective_capacity)

@@ -25,6 +25,8 @@ from typing import Any, Optional
 
 RPC_METHOD = "kvshare_admin"
 STATE_KEY = "kvshare"
+REPLY_KEY = "kvshare_reply"
+FANOUT_PREFIX = "kvshare-admin:"
 OPS = ("configure", "reset", "pools")
 
 
@@ -74,10 +76,35 @@ class Reply:
         return json.dumps(dataclasses.asdict(self))
 
     @classmethod
-    def from_json(cls, text: str) -> "Reply":
-        data = json.loads(text)
+    def from_dict(cls, data: dict) -> "Reply":
         return cls(status=int(data["status"]), message=str(data.get("message", "")),
                    result=dict(data.get("result") or {}), rid=data.get("rid"))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Reply":
+        return cls.from_dict(json.loads(text))
+
+
+def fanout_rid(op: str, params: dict, call_id: str) -> str:
+    """The ``rid`` of a ``GetInternalStateReq`` that carries one op to every DP rank.
+
+    Why in the rid: SGLang fans that request out to every data-parallel rank and
+    collects one answer from each (its RPC socket reaches one rank only), and
+    ``rid`` is the one free text field it carries. ``params`` are flat scalars,
+    as on the RPC channel.
+    """
+    return FANOUT_PREFIX + json.dumps({"op": op, "params": params, "id": call_id}, separators=(",", ":"))
+
+
+def parse_fanout_rid(rid: Any) -> Optional[tuple[str, dict, str]]:
+    """``(op, params, call_id)`` of a fan-out rid; None for any other rid (SGLang's own reads)."""
+    if not isinstance(rid, str) or not rid.startswith(FANOUT_PREFIX):
+        return None
+    try:
+        data = json.loads(rid[len(FANOUT_PREFIX):])
+        return str(data["op"]), dict(data.get("params") or {}), str(data["id"])
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def execute(view: Any, op: str, *, slot: Optional[str] = None, **changes: Any) -> Reply:

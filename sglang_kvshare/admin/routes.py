@@ -17,10 +17,12 @@ like ``/get_server_info`` (which carries the same snapshot). On a server with
 no key at all the writes answer 403 unless ``--kvshare-admin-open true``:
 anyone who reaches the port could otherwise switch every user's mode.
 
-Data parallelism: the write and pool routes travel over SGLang's RPC socket,
-which reaches one scheduler only, so with ``--dp-size > 1`` they answer 501
-instead of changing one rank and reporting success (``dp_size`` comes from the
-server args at mount time).
+Data parallelism (``--dp-size > 1``, from the server args at mount time):
+SGLang's RPC socket reaches one scheduler only, so the writes and pool reads
+travel to every rank through the fan-out of ``GetInternalStateReq``
+(``AdminChannel.fan_out``); the answers are merged (``aggregate``): stats
+summed with ratios recomputed, pools tagged by rank, a write that failed or
+went unanswered on any rank answered as an error naming the ranks.
 
 SGLang turns FastAPI's body-validation errors into 400 for the whole app, so
 ``POST /kvshare/config`` parses its body itself and answers 422 with a
@@ -39,6 +41,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from sglang_kvshare.admin import aggregate
 from sglang_kvshare.admin.channel import AdminChannel, ChannelError
 from sglang_kvshare.config import RUNTIME_FIELDS, KVShareConfig, live_config, set_live_config
 from sglang_kvshare.guard.target import FidelityTarget
@@ -111,8 +114,8 @@ def _channel_or_error() -> AdminChannel:
 
 
 async def _read() -> dict:
-    snaps = await _channel_or_error().read()
-    return snaps[0]  # NOTE: dp_size 1; with several DP ranks the first one answers
+    """Config and stats of every DP rank, merged (``aggregate.merge_stats``)."""
+    return aggregate.merge_stats(await _channel_or_error().read())
 
 
 def admin_auth(func):
@@ -120,16 +123,6 @@ def admin_auth(func):
     from sglang.srt.utils.auth import AuthLevel, auth_level
 
     return auth_level(AuthLevel.ADMIN_OPTIONAL)(func)
-
-
-def _single_rank_error(what: str) -> Optional[JSONResponse]:
-    """A 501 when the server runs several DP ranks (the RPC would reach one of them only)."""
-    if _dp_size <= 1:
-        return None
-    return error(501, f"{what} is not available with --dp-size {_dp_size}: SGLang's RPC channel reaches one "
-                       f"data-parallel rank only, so the other {_dp_size - 1} would keep their old state. "
-                       "Run one server per rank (--dp-size 1) to use the kvshare admin routes.",
-                  dp_size=_dp_size)
 
 
 router = APIRouter(prefix=PREFIX, tags=["kvshare"])
@@ -147,10 +140,11 @@ async def get_stats():
     except ChannelError as exc:
         return error(exc.status, str(exc))
     extra = {name: provider() for name, provider in _summaries.items()}
-    return {"config": snap["config"], **snap["stats"], **extra}
+    return {"config": snap["config"], **snap["stats"], "dp_size": snap["dp_size"], "ranks": snap["ranks"],
+            **extra}
 
 
-_SINGLE_RANK = {501: {"description": "the server runs --dp-size > 1 (the call would reach one rank only)"}}
+_DP_RANKS = {502: {"description": "--dp-size > 1: a data-parallel rank did not answer (named)"}}
 
 
 def unkeyed_write_error(op: str) -> Optional[JSONResponse]:
@@ -163,17 +157,20 @@ def unkeyed_write_error(op: str) -> Optional[JSONResponse]:
 
 
 async def _call(op: str, **params: Any) -> JSONResponse:
-    """Run one op in the scheduler over the RPC channel; a 501 with several DP ranks, a 403 for an
-    unkeyed write unless writes are open."""
-    refused = unkeyed_write_error(op) or _single_rank_error(f"kvshare admin op {op!r}")
+    """Run one op in the scheduler (every DP rank's); a 403 for an unkeyed write unless writes are open."""
+    refused = unkeyed_write_error(op)
     if refused is not None:
         return refused
+    params = {k: v for k, v in params.items() if v is not None}
     try:
-        reply = await _channel_or_error().call(op, **{k: v for k, v in params.items() if v is not None})
+        if _dp_size > 1:
+            reply = aggregate.merge_replies(op, await _channel_or_error().fan_out(op, **params), _dp_size)
+        else:
+            reply = await _channel_or_error().call(op, **params)
     except ChannelError as exc:
         return error(exc.status, str(exc))
     if not reply.ok:
-        return error(reply.status, reply.message)
+        return error(reply.status, reply.message, **reply.result)
     if op == "configure" and "config" in reply.result:
         # The HTTP process follows the switch (the chat layer and validation read live_config()).
         set_live_config(KVShareConfig(**{k: v for k, v in reply.result["config"].items()
@@ -181,7 +178,7 @@ async def _call(op: str, **params: Any) -> JSONResponse:
     return JSONResponse({"message": reply.message, **reply.result})
 
 
-@router.get("/pools", responses={**_ERRORS, **_SINGLE_RANK}, summary="Anchor pools of every slot")
+@router.get("/pools", responses={**_ERRORS, **_DP_RANKS}, summary="Anchor pools of every slot")
 @admin_auth
 async def get_pools():
     """Per slot, each anchor: id, length, age, activations, consumers/edges, rank, bytes."""
@@ -191,7 +188,7 @@ async def get_pools():
     return response
 
 
-@router.get("/pools/{slot:path}", responses={**_ERRORS, **_SINGLE_RANK, 404: {"description": "unknown slot"}},
+@router.get("/pools/{slot:path}", responses={**_ERRORS, **_DP_RANKS, 404: {"description": "unknown slot"}},
             summary="Anchor pool of one slot")
 @admin_auth
 async def get_pool(slot: str):
@@ -206,7 +203,7 @@ _CONFIG_BODY = {"requestBody": {"required": True, "content": {
 
 
 @router.post("/config", openapi_extra=_CONFIG_BODY,
-             responses={**_ERRORS, **_SINGLE_RANK, 422: {"description": "invalid body; `message` says what to fix"}},
+             responses={**_ERRORS, **_DP_RANKS, 422: {"description": "invalid body; `message` says what to fix"}},
              summary="Change tau, capacity, rank or mode, atomically")
 @admin_auth
 async def post_config(request: Request):
@@ -228,14 +225,14 @@ async def post_config(request: Request):
     return await _call("configure", **update.changes())
 
 
-@router.post("/pools/{slot:path}/reset", responses={**_ERRORS, **_SINGLE_RANK, 404: {"description": "unknown slot"}},
+@router.post("/pools/{slot:path}/reset", responses={**_ERRORS, **_DP_RANKS, 404: {"description": "unknown slot"}},
              summary="Empty one slot's anchor pool and records")
 @admin_auth
 async def reset_pool(slot: str):
     return await _call("reset", slot=slot)
 
 
-@router.post("/reset", responses={**_ERRORS, **_SINGLE_RANK}, summary="Empty every anchor pool and record")
+@router.post("/reset", responses={**_ERRORS, **_DP_RANKS}, summary="Empty every anchor pool and record")
 @admin_auth
 async def reset_all():
     return await _call("reset")
@@ -246,7 +243,7 @@ def mount(app: Any, tokenizer_manager: Any, rpc_endpoint: str, *, dp_size: int =
           summaries: Optional[dict[str, Any]] = None) -> None:
     """Add the routes to ``app`` and open the channel (idempotent).
 
-    ``dp_size`` is the server's ``--dp-size``: above 1 the RPC routes answer 501.
+    ``dp_size`` is the server's ``--dp-size``: above 1 the writes and pool reads fan out to every rank.
     ``keyed``: the server has an API or admin key; without one the writes answer
     403 unless ``--kvshare-admin-open`` (``KVShareConfig.admin_open``).
     ``summaries``: name -> callable returning a dict that ``GET /kvshare/stats``

@@ -18,6 +18,11 @@ rather than opening a third:
   puts the ``ops.Reply`` JSON, tagged with the request's ``rid``, into
   ``RpcReqOutput.message``. It runs on the scheduler thread between batches,
   so a config change is atomic with respect to requests.
+* the same writes with ``--dp-size > 1``: the RPC socket reaches one rank
+  only, so the op rides in the ``rid`` of a ``GetInternalStateReq``
+  (``ops.fanout_rid``), which SGLang sends to every DP rank (and every TP rank
+  of it, like any request); the read hook runs it and adds the reply under
+  ``internal_state["kvshare_reply"]`` with the rank's number.
 
 Metrics (``--enable-metrics``): AFTER hooks on the prefill report and on
 ``Scheduler.on_idle`` refresh ``KVShareMetrics`` at most once a second; reads
@@ -26,6 +31,7 @@ and writes refresh it at once.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any, Optional
@@ -51,7 +57,7 @@ def _metrics_for(scheduler: Any) -> Any:
         if enabled and ops.admin_view(getattr(scheduler, "tree_cache", None)) is not None:
             from sglang_kvshare.admin.metrics import KVShareMetrics
 
-            _metrics = KVShareMetrics()
+            _metrics = KVShareMetrics(dp_rank=dp_rank_of(scheduler))
         else:
             _metrics = False
     return _metrics or None
@@ -85,13 +91,34 @@ def after_prefill_report(result, reporter, *args, **kwargs):
 
 
 # ------------------------------------------------------------ reads
-def after_get_internal_state(result, controller, *args, **kwargs):
-    """AFTER hook: ``internal_state["kvshare"]`` = config and stats of the cache."""
+def dp_rank_of(scheduler: Any) -> int:
+    """This scheduler's data-parallel rank (0 without data parallelism): SGLang's runtime context
+    holds it (``get_parallel().dp_rank``), unless the scheduler carries its own."""
+    rank = getattr(scheduler, "dp_rank", None)
+    if rank is None:
+        try:
+            from sglang.srt.runtime_context import get_parallel
+
+            rank = get_parallel().dp_rank
+        except Exception:  # noqa: BLE001 - no context published: one rank
+            rank = None
+    return int(rank or 0)
+
+
+def after_get_internal_state(result, controller, recv_req=None, *args, **kwargs):
+    """AFTER hook: ``internal_state["kvshare"]`` = config and stats of the cache (and this rank's number);
+    for a fan-out write (``ops.parse_fanout_rid``), first the op's reply under ``"kvshare_reply"``."""
     scheduler = controller.scheduler
     view = ops.admin_view(getattr(scheduler, "tree_cache", None))
     state = getattr(result, "internal_state", None)
     if not isinstance(state, dict) or view is None:
         return result
+    fanout = ops.parse_fanout_rid(getattr(recv_req, "rid", None))
+    if fanout is not None:
+        op, params, call_id = fanout
+        reply = run_op(scheduler, view, op, params)
+        reply.rid = call_id
+        state[ops.REPLY_KEY] = {**dataclasses.asdict(reply), "dp_rank": dp_rank_of(scheduler)}
     try:
         snap = ops.snapshot(view)
     except Exception as exc:  # noqa: BLE001 - a read must not break /get_server_info
@@ -99,8 +126,47 @@ def after_get_internal_state(result, controller, *args, **kwargs):
         snap = {"error": f"{type(exc).__name__}: {exc}"}
     else:
         refresh_metrics(scheduler, force=True, stats=snap["stats"])
+    snap["dp_rank"] = dp_rank_of(scheduler)
+    snap["tp_ranks"] = tp_ranks(scheduler, view)
     state[ops.STATE_KEY] = snap
     return result
+
+
+def tp_ranks(scheduler: Any, view: Any) -> Optional[list[dict]]:
+    """Each tensor-parallel rank's gate summary (``AdminView.gate_summary``), gathered over SGLang's TP CPU
+    group; None without tensor parallelism.
+
+    Safe as a collective: SGLang hands every request, this read included, to every TP rank, which all run
+    this hook (as its own RPC handler's barrier relies on).
+    """
+    size = int(getattr(scheduler, "tp_size", 1) or 1)
+    if size <= 1:
+        return None
+    import torch.distributed as dist
+
+    local: dict = {"tp_rank": dist.get_rank(group=scheduler.tp_cpu_group)}
+    try:
+        local.update(view.gate_summary())
+    except Exception as exc:  # noqa: BLE001 - every rank must still reach the gather
+        local["error"] = f"{type(exc).__name__}: {exc}"
+    gathered: list = [None] * size
+    dist.all_gather_object(gathered, local, group=scheduler.tp_cpu_group)
+    return gathered
+
+
+def run_op(scheduler: Any, view: Any, op: str, params: dict) -> ops.Reply:
+    """``ops.execute`` for either channel; never raises (a failure becomes a 4xx/5xx reply)."""
+    try:
+        reply = ops.execute(view, op, **params)
+    except TypeError as exc:  # unexpected parameter names
+        reply = ops.Reply(400, f"bad kvshare admin parameters: {exc}")
+    except Exception as exc:  # noqa: BLE001 - answer instead of leaving the caller waiting
+        logger.exception("sglang-kvshare: admin op %r failed", op)
+        reply = ops.Reply(500, f"{type(exc).__name__}: {exc}")
+    if reply.ok and op != "pools":  # a read changes nothing: no log line, no forced refresh
+        logger.info("sglang-kvshare: admin %s: %s", op, reply.message)
+        refresh_metrics(scheduler, force=True)
+    return reply
 
 
 # ------------------------------------------------------------ writes
@@ -114,17 +180,8 @@ def around_handle_rpc_request(original, scheduler, recv_req, *args, **kwargs):
 
     params = dict(recv_req.parameters or {})
     op = str(params.pop("op", ""))
-    try:
-        reply = ops.execute(ops.admin_view(scheduler.tree_cache), op, **params)
-    except TypeError as exc:  # unexpected parameter names
-        reply = ops.Reply(400, f"bad kvshare admin parameters: {exc}")
-    except Exception as exc:  # noqa: BLE001 - answer instead of leaving the caller waiting
-        logger.exception("sglang-kvshare: admin op %r failed", op)
-        reply = ops.Reply(500, f"{type(exc).__name__}: {exc}")
+    reply = run_op(scheduler, ops.admin_view(scheduler.tree_cache), op, params)
     reply.rid = recv_req.rid
-    if reply.ok and op != "pools":  # a read changes nothing: no log line, no forced refresh
-        logger.info("sglang-kvshare: admin %s: %s", op, reply.message)
-        refresh_metrics(scheduler, force=True)
     # Same collective as SGLang's own handler: every TP rank runs the RPC.
     barrier(group=scheduler.tp_group.cpu_group)
     return RpcReqOutput(success=reply.ok, message=reply.to_json(), rid=recv_req.rid)

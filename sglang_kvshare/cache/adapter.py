@@ -53,16 +53,17 @@ logger = logging.getLogger(__name__)
 class KVShareRadixCache(RadixCache):
     """A ``RadixCache`` that reuses shared segments across agents; see the module docstring.
 
-    ``tp_size`` is the launch fact a runtime mode switch is checked against again.
+    ``reducer``: with tensor parallelism, how kvcmas's gate decisions are taken once for every
+    rank (``correction.rank_reduce``; None: one rank).
     ``sparse_unsupported``: why this server cannot recompute heads inside the
     prefill forward (``server.sparse_extend.unsupported_reason``), or None when
     it can; heads are then staged.
     """
 
     def __init__(self, params: CacheInitParams, *, config: KVShareConfig, model_config: Optional[Any] = None,
-                 tp_size: int = 1, sparse_unsupported: Optional[str] = "not_checked") -> None:
+                 reducer: Optional[Any] = None, sparse_unsupported: Optional[str] = "not_checked") -> None:
         # NOTE: set before RadixCache.__init__, which calls reset().
-        self.state = CorrectionState(config, model_config, page_size=params.page_size, tp_size=tp_size)
+        self.state = CorrectionState(config, model_config, page_size=params.page_size, reducer=reducer)
         self.hasher = ContentHasher()
         self.registry = PlaceholderRegistry(RegistryLimits(max_namespaces=config.max_namespaces,
                                                            max_slots=config.max_slots))

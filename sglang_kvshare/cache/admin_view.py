@@ -91,6 +91,16 @@ class AdminView:
             "slots": slots,
         }
 
+    def gate_summary(self) -> dict:
+        """How many gate decisions this rank took and a digest of them (``correction.rank_reduce``):
+        under tensor parallelism every rank's must be equal; an operator (and the TP test) compares them."""
+        estimator = self.parts.state.estimator
+        with self.parts.state.lock:
+            anchors = sum(len(a) for a in estimator.describe().values()) if estimator is not None else 0
+            return {"gate_decisions": int(getattr(estimator, "gate_decisions", 0)),
+                    "gate_digest": int(getattr(estimator, "gate_digest", 0)), "anchors": anchors,
+                    "anchor_bytes": int(estimator.memory_bytes()) if estimator is not None else 0}
+
     def pools(self, slot: Optional[str] = None) -> dict:
         """Per slot, each anchor: id, length, age, activations, edges, rank, bytes.
 

@@ -14,10 +14,12 @@ class UnsupportedSetupError(ValueError):
     """The server was launched with options kvshare cannot honour."""
 
 
-def check_mode(mode: str, *, page_size: int, tp_size: int) -> None:
+def check_mode(mode: str, *, page_size: int) -> None:
     """Raise ``UnsupportedSetupError`` when ``mode`` cannot serve correctly with these launch facts.
 
     Runs at launch and again on every runtime mode switch (``POST /kvshare/config``).
+    Any tensor-parallel size serves every mode: kvcmas takes each gate decision
+    once for all ranks (``correction.rank_reduce``).
     """
     if mode == "off":
         return
@@ -25,10 +27,6 @@ def check_mode(mode: str, *, page_size: int, tp_size: int) -> None:
         raise UnsupportedSetupError(
             f"--kvshare-mode {mode} needs --page-size 1 (got {page_size}): assembled "
             "segments start at arbitrary token offsets. Use --page-size 1 or --kvshare-mode off.")
-    if tp_size > 1 and mode != "fullshared":
-        raise UnsupportedSetupError(
-            f"--kvshare-mode {mode} with --tp-size {tp_size} is not supported yet: every rank "
-            "must take the same gate decision. Use --tp-size 1, or --kvshare-mode fullshared (no gate).")
 
 
 def check_setup(ctx, config: KVShareConfig) -> None:
@@ -36,7 +34,24 @@ def check_setup(ctx, config: KVShareConfig) -> None:
         raise UnsupportedSetupError(
             "--radix-cache-backend kvshare supports full-attention models without hierarchical "
             "cache; drop the backend flag for hybrid SWA/SSM models or --enable-hierarchical-cache.")
-    check_mode(config.mode, page_size=ctx.params.page_size, tp_size=ctx.tp_size)
+    check_mode(config.mode, page_size=ctx.params.page_size)
+
+
+def tensor_parallel_config(config: KVShareConfig, tp_size: int) -> KVShareConfig:
+    """``config`` as tensor parallelism needs it: learning in step on every rank.
+
+    Why: each rank learns the anchors of its own heads from the same dense
+    prefills, and the gate reduces over the ranks' pools, which must hold the
+    same anchors at every decision. A background learner commits when its
+    thread gets to it (at another moment on each rank), and a per-slot
+    interval depends on each rank's clock; learning inside the scheduler's
+    step (``learn_async false``), without the interval, happens at the same
+    point of the same request on every rank. The price: each observation's
+    factorization runs in the scheduler loop (docs/SCALING.md).
+    """
+    if tp_size <= 1 or (not config.learn_async and config.learn_slot_interval_s == 0):
+        return config
+    return config.replace(learn_async=False, learn_slot_interval_s=0.0)
 
 
 # The share of the device memory left free after SGLang allocated its KV pool that kvshare may fill

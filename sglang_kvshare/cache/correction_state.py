@@ -22,13 +22,14 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class CorrectionState:
-    """Config, RoPE spec and estimator of one cache; ``page_size``/``tp_size`` are the launch facts
-    a runtime mode switch is checked against again."""
+    """Config, RoPE spec and estimator of one cache; ``page_size`` is the launch fact a runtime mode
+    switch is checked against again; ``reducer`` takes kvcmas's gate decisions once for every
+    tensor-parallel rank (``correction.rank_reduce``; None: one rank)."""
 
     config: KVShareConfig
     model_config: Optional[Any]
     page_size: int = 1
-    tp_size: int = 1
+    reducer: Optional[Any] = None
     spec: Any = field(default=None, init=False)  # correction.RopeSpec, read from the model
     estimator: Any = field(default=None, init=False)
     unsupported_reason: Optional[str] = field(default=None, init=False)
@@ -72,7 +73,7 @@ class CorrectionState:
                               rank=cfg.effective_rank, window=cfg.evict_window,
                               gate_len=cfg.gate_max_tokens or None, min_anchor_len=cfg.min_anchor_len or None,
                               max_slots=cfg.max_pools, budget_bytes=int(cfg.pool_budget_mb * 2**20),
-                              step_layers=cfg.learn_step_layers or None,
+                              step_layers=cfg.learn_step_layers or None, reducer=self.reducer,
                               svd_method="gram")  # serving: exact and the cheapest on the learning thread
 
     def new_epoch(self) -> None:
@@ -85,7 +86,7 @@ class CorrectionState:
 
         Raises ``UnsupportedSetupError`` (a ``ValueError``) when the launch facts forbid the mode.
         """
-        check_mode(new.mode, page_size=self.page_size, tp_size=self.tp_size)
+        check_mode(new.mode, page_size=self.page_size)
         with self.lock:
             rebuild = new.mode != self.config.mode and new.mode != "off"
             self.config = new

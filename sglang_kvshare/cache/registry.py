@@ -136,6 +136,7 @@ class SlotStats:
             "resolved_ratio": resolved / seen if seen else 0.0,
             "fallbacks": dict(self.fallbacks),
             "mean_gate_entropy": self.gate_entropy_sum / self.gate_decisions if self.gate_decisions else None,
+            "gate_decisions": self.gate_decisions,
         }
 
 

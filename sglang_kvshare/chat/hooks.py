@@ -50,6 +50,7 @@ from sglang_kvshare.chat.annotation import (
 from sglang_kvshare.chat.outputs import OutputMemory
 from sglang_kvshare.chat.render import TemplateSplitError, align_to_stock, render_pieces, safe_messages
 from sglang_kvshare.config import live_config
+from sglang_kvshare import routing as routed
 from sglang_kvshare.protocol import CUSTOM_PARAMS_KEY, AnnotationError, generated_ids_for_text
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ counters: dict[str, int] = {"explicit": 0, "auto": 0, "auto_stock": 0, "same_as_
 class _Pending:
     spec: Optional[ChatKVShare]  # None: automatic mode
     adapted_id: Optional[int] = None
+    routed_workflow: Optional[str] = None  # the router's key: the workflow of a request that names none
 
 
 @dataclass
@@ -128,10 +130,6 @@ class _Track:
 
 # ---------------------------------------------------------------- request side
 
-def _raw_field(body: Any) -> Any:
-    return body.get(REQUEST_KEY) if isinstance(body, dict) else None
-
-
 async def around_handle_request(original, self, request, raw_request=None):
     """Validate the ``kvshare`` field (400 on error) and mark the request for conversion."""
     from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
@@ -141,7 +139,7 @@ async def around_handle_request(original, self, request, raw_request=None):
     raw = None
     if raw_request is not None:
         try:
-            raw = _raw_field(await raw_request.json())
+            raw = routed.chat_field(await raw_request.json())  # the field, or where the router keeps it
         except Exception:  # noqa: BLE001 - SGLang already parsed this body; nothing to add
             raw = None
     if raw is False:  # the client opted out: served exactly as stock SGLang serves it
@@ -155,7 +153,7 @@ async def around_handle_request(original, self, request, raw_request=None):
             spec = parse_chat_kvshare(raw, len(request.messages), live_config().max_segments)
         except AnnotationError as exc:
             return self.create_error_response(str(exc), err_type="BadRequest", status_code=400)
-    pending = _Pending(spec)
+    pending = _Pending(spec, routed_workflow=routed.routing_key(raw_request))
     _pending[id(request)] = pending
     try:
         return await original(self, request, raw_request)
@@ -187,7 +185,7 @@ def around_convert(original, self, request, raw_request=None):
         adapted, processed = original(self, request, raw_request)
     finally:
         _local.capture = None
-    plan = _plan(self, request, adapted, capture, pending.spec)
+    plan = _plan(self, request, adapted, capture, pending.spec, pending.routed_workflow)
     if plan is not None:
         adapted.input_ids = plan.input_ids
         adapted.text = None
@@ -218,7 +216,8 @@ def _refuse(spec: Optional[ChatKVShare], why: str) -> None:
     return None
 
 
-def _plan(serving, request, adapted, capture: _Capture, spec: Optional[ChatKVShare]) -> Optional[ChatPlan]:
+def _plan(serving, request, adapted, capture: _Capture, spec: Optional[ChatKVShare],
+          routed_workflow: Optional[str] = None) -> Optional[ChatPlan]:
     """The request's plan, or None to serve it as stock SGLang does.
 
     Explicit mode answers what it cannot honour with a 400 that says why (a
@@ -226,7 +225,7 @@ def _plan(serving, request, adapted, capture: _Capture, spec: Optional[ChatKVSha
     unexpected error serves the request as stock in both modes (logged, counted).
     """
     try:
-        return _plan_or_raise(serving, request, adapted, capture, spec)
+        return _plan_or_raise(serving, request, adapted, capture, spec, routed_workflow)
     except ValueError:
         if spec is not None:
             raise
@@ -237,7 +236,8 @@ def _plan(serving, request, adapted, capture: _Capture, spec: Optional[ChatKVSha
     return None
 
 
-def _plan_or_raise(serving, request, adapted, capture: _Capture, spec: Optional[ChatKVShare]) -> Optional[ChatPlan]:
+def _plan_or_raise(serving, request, adapted, capture: _Capture, spec: Optional[ChatKVShare],
+                   routed_workflow: Optional[str] = None) -> Optional[ChatPlan]:
     custom = (adapted.sampling_params or {}).get("custom_params") if isinstance(adapted.sampling_params, dict) else None
     if isinstance(custom, dict) and CUSTOM_PARAMS_KEY in custom:
         if spec is not None:
@@ -266,12 +266,12 @@ def _plan_or_raise(serving, request, adapted, capture: _Capture, spec: Optional[
 
     messages = capture.messages
     user = getattr(request, "user", None) or None
-    workflow = (spec.workflow if spec is not None else None) or user
+    workflow = (spec.workflow if spec is not None else None) or user or routed_workflow
     namespace = _namespace(adapted, workflow)
     try:
         if spec is not None:
             return _explicit_plan(spec, messages, render, tokenize, capture.stock_ids, namespace, workflow)
-        return _auto_plan(messages, render, tokenize, capture.stock_ids, namespace, user)
+        return _auto_plan(messages, render, tokenize, capture.stock_ids, namespace, user, workflow)
     except TemplateSplitError as exc:
         return _refuse(spec, str(exc))
 
@@ -307,7 +307,8 @@ def _explicit_plan(spec, messages, render, tokenize, stock_ids, namespace, workf
     return ChatPlan(input_ids, annotation, same, "explicit", outcomes)
 
 
-def _auto_plan(messages, render, tokenize, stock_ids, namespace, user: Optional[str]) -> Optional[ChatPlan]:
+def _auto_plan(messages, render, tokenize, stock_ids, namespace, user: Optional[str],
+               workflow: Optional[str] = None) -> Optional[ChatPlan]:
     candidates = auto_candidates(messages)
     prompt = render_pieces(render, tokenize, messages, cut=candidates)
     safe = safe_messages(tokenize, prompt.pieces)
@@ -337,7 +338,7 @@ def _auto_plan(messages, render, tokenize, stock_ids, namespace, user: Optional[
     # newest shared messages within the segment limit.
     last = frozenset({len(messages) - 1}) & frozenset(slots)
     built, kept = build_capped(prompt, slots, agent, AUTO_SLOT, live_config().max_segments, share_tail=False,
-                               workflow=user, no_reuse=last)
+                               workflow=workflow or user, no_reuse=last)
     for outcome in outcomes:
         if outcome.index not in kept:
             outcome.slot = None  # merged into the agent's private text

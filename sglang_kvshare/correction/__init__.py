@@ -4,7 +4,7 @@ they return.
 
 Torch plus ``sglang_kvshare.kernels`` (the ops layer below); no SGLang imports.
 Modules, lowest first: ``rope`` -> ``low_rank`` -> ``gate`` -> ``plan`` ->
-``anchor_pool`` -> ``estimators``; ``apply`` turns plans into kernel arguments
+``rank_reduce`` -> ``anchor_pool`` -> ``estimators``; ``apply`` turns plans into kernel arguments
 or K/V. The offline baselines (KVCOMM, ablations, CacheBlend) live in
 ``benchmarks/baselines.py``.
 """
@@ -17,6 +17,7 @@ from .estimators import (DEFAULT_BUDGET_BYTES, DEFAULT_MAX_SLOTS, ESTIMATORS, An
 from .gate import top_mass
 from .low_rank import Factors, factor_nbytes, factorize, stack_dense, stack_factors
 from .plan import MIN_GATE_ANCHORS, CorrectionPlan, EstimateResult
+from .rank_reduce import GroupReducer, LocalReducer, Reducer
 from .rope import RopeSpec, UnsupportedAttentionError, from_canonical, rotate_keys, to_canonical
 
 __all__ = [
@@ -28,5 +29,6 @@ __all__ = [
     "top_mass",
     "Factors", "factor_nbytes", "factorize", "stack_dense", "stack_factors",
     "CorrectionPlan", "EstimateResult", "MIN_GATE_ANCHORS",
+    "GroupReducer", "LocalReducer", "Reducer",
     "RopeSpec", "UnsupportedAttentionError", "from_canonical", "rotate_keys", "to_canonical",
 ]

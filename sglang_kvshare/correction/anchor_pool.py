@@ -38,6 +38,7 @@ from sglang_kvshare.kernels import (gate_from_sq_distances, gate_sq_distances_de
 from .gate import top_mass
 from .low_rank import Factors, factor_nbytes, factorize, stack_factors, stack_layer_groups
 from .plan import MIN_GATE_ANCHORS, CorrectionPlan, EstimateResult
+from .rank_reduce import LocalReducer, Reducer
 from .rope import RopeSpec, to_canonical
 
 __all__ = ["Anchor", "AnchorPool", "PoolConfig", "PreparedObservation", "prepare_observation", "observation_steps",
@@ -258,9 +259,12 @@ def _by_storage(factors: list[Factors], low: Callable[[list[int]], Any], full: C
 class AnchorPool:
     """Anchors of one slot, with gate, plan, activation and eviction."""
 
-    def __init__(self, spec: RopeSpec, config: PoolConfig | None = None) -> None:
+    def __init__(self, spec: RopeSpec, config: PoolConfig | None = None, reducer: Reducer | None = None) -> None:
+        """``reducer``: how this rank's distances become the decision of every tensor-parallel rank
+        (``rank_reduce``; default one rank, nothing reduced)."""
         self.spec = spec
         self.config = config or PoolConfig()
+        self.reducer: Reducer = reducer or LocalReducer()
         self._anchors: list[Anchor] = []
         self._ids = itertools.count()
         self._tick = 0  # observations committed; an anchor's age counts them
@@ -308,6 +312,8 @@ class AnchorPool:
         src_v = source_v[:, :covered].reshape(nl, covered, -1).to(work)
         # The gate (first k_len rows) and the value token distances (all covered rows) in one op.
         dist_v, d2 = self._value_distances(eligible, src_v, k_len)
+        # Every rank gates on the distances over all heads (squared distances add up, token distances are means).
+        d2, dist_v = self.reducer.sum(d2), self.reducer.mean(dist_v)
         g, h = gate_from_sq_distances(d2, cfg.temperature)
         ids = [a.id for a in eligible]
         if h > cfg.tau:
@@ -319,7 +325,8 @@ class AnchorPool:
         bases_k = [a.base_k for a in eligible]
         plan = CorrectionPlan(deltas_k=[a.deltas[edge][0] for a in eligible],
                               deltas_v=[a.deltas[edge][1] for a in eligible],
-                              weights_k=self._weights(self._key_distances(src_kc, bases_k), bases_k, covered),
+                              weights_k=self._weights(self.reducer.mean(self._key_distances(src_kc, bases_k)),
+                                                      bases_k, covered),
                               weights_v=self._weights(dist_v, [a.base_v for a in eligible], covered),
                               covered=covered)
         return EstimateResult(True, "accepted", h, covered=covered, compare_len=k_len, pool_anchors=size,

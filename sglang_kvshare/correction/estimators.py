@@ -47,6 +47,7 @@ import torch
 
 from .anchor_pool import AnchorPool, PoolConfig, PreparedObservation, observation_steps, run_steps
 from .plan import EstimateResult
+from .rank_reduce import LocalReducer, RanksDisagree, Reducer, decision_digest
 from .rope import RopeSpec
 
 __all__ = ["SegmentCache", "Estimator", "AnchorEstimator", "FullShared", "make_estimator", "anchor_factory",
@@ -188,12 +189,18 @@ class AnchorEstimator(Estimator):
 
     def __init__(self, spec: RopeSpec, name: str, source_policy: SourcePolicy,
                  edge_fn: Callable[[Hashable, Hashable], Hashable], config: PoolConfig,
-                 max_slots: int = DEFAULT_MAX_SLOTS, budget_bytes: int | None = DEFAULT_BUDGET_BYTES) -> None:
+                 max_slots: int = DEFAULT_MAX_SLOTS, budget_bytes: int | None = DEFAULT_BUDGET_BYTES,
+                 reducer: Reducer | None = None) -> None:
         """``max_slots``: pools kept; committing to a new slot beyond it drops the least recently
         used pool (estimate and commit count as use). ``budget_bytes``: anchor bytes over all
         pools (None: unbounded); a commit beyond it evicts, from the least recently used pool
-        that holds anchors, its oldest-least-activated anchor, until the total fits."""
+        that holds anchors, its oldest-least-activated anchor, until the total fits.
+        ``reducer``: the tensor-parallel ranks' gate decisions are taken once (``rank_reduce``);
+        ``gate_decisions`` and ``gate_digest`` let the ranks be compared."""
         super().__init__(spec)
+        self.reducer: Reducer = reducer or LocalReducer()
+        self.gate_decisions = 0
+        self.gate_digest = 0
         self.name = name
         self.source_policy = source_policy
         self._edge_fn = edge_fn
@@ -201,7 +208,7 @@ class AnchorEstimator(Estimator):
         self.max_slots = 1
         self.budget_bytes: int | None = None
         self._pools: OrderedDict[Hashable, AnchorPool] = OrderedDict()  # least recently used first
-        self.evictions = {"slots": 0, "anchors_budget": 0}
+        self.evictions = {"slots": 0, "anchors_budget": 0, "ranks_disagree": 0}
         self.configure(max_slots=max_slots, budget_bytes=budget_bytes)
 
     def edge(self, src_agent: Hashable, dst_agent: Hashable) -> Hashable:
@@ -214,7 +221,18 @@ class AnchorEstimator(Estimator):
             k_len = source.length if self.config.gate_len is None else min(source.length, self.config.gate_len)
             return EstimateResult(False, "too_few_anchors", compare_len=k_len)
         self._pools.move_to_end(slot)
-        return pool.estimate(source.k, source.v, source.start_pos, dst_pos, self.edge(source.agent, dst_agent))
+        try:
+            result = pool.estimate(source.k, source.v, source.start_pos, dst_pos, self.edge(source.agent, dst_agent))
+        except RanksDisagree:
+            # Every rank raised here at once: their pools drifted apart (a learning step failed on one).
+            # They start afresh together; this segment is prefilled densely.
+            self._pools.clear()
+            self.evictions["ranks_disagree"] += 1
+            return EstimateResult(False, "ranks_disagree", compare_len=source.length)
+        self.gate_decisions += 1
+        self.gate_digest = decision_digest(self.gate_digest, slot, result.reason, list(result.anchor_ids or ()),
+                                           result.entropy)
+        return result
 
     def has_content(self, slot, content_key):
         pool = self._pools.get(slot)
@@ -246,7 +264,7 @@ class AnchorEstimator(Estimator):
             while len(self._pools) >= self.max_slots:
                 self._pools.popitem(last=False)
                 self.evictions["slots"] += 1
-            pool = self._pools[prepared.slot] = AnchorPool(self.spec, self.config)
+            pool = self._pools[prepared.slot] = AnchorPool(self.spec, self.config, self.reducer)
         self._pools.move_to_end(prepared.slot)
         anchor_id = pool.commit(prepared)
         self._fit_budget()
@@ -314,7 +332,7 @@ def _pair(src, dst):
     return (src, dst)
 
 
-_BOUNDS = ("max_slots", "budget_bytes")
+_BOUNDS = ("max_slots", "budget_bytes", "reducer")
 
 
 def anchor_factory(name: str, policy: SourcePolicy, edge_fn: Callable[[Hashable, Hashable], Hashable],

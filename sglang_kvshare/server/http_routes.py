@@ -46,9 +46,6 @@ def before_setup_http_server(*args: Any, **kwargs: Any) -> None:
     chat_hooks.mount_stats_route(app)
     mount_fidelity_routes(app)
     chat_hooks.outputs.max_bytes = int(live_config().chat_memory_mb * 2**20)
-    if dp_size > 1:
-        logger.warning("sglang-kvshare: --dp-size %d: the kvshare write and pool routes answer 501 "
-                       "(SGLang's RPC channel reaches one rank only); /kvshare/stats shows rank 0", dp_size)
     logger.info("sglang-kvshare: routes mounted under %s/", routes.PREFIX)
     return None
 

@@ -1,6 +1,8 @@
 """The one hook on ``TokenizerManager.generate_request``: the outputs of annotated requests, as they pass.
 
-Every request goes through this generator; a request without an annotation
+First, a request that came through SGLang's router gets its annotation and
+workflow back where kvshare reads them (``routing.adopt_generate``). Every
+request goes through this generator; a request without an annotation
 (and not annotated by the chat layer) gets SGLang's own generator, untouched.
 For an annotated one, in this order per output:
 
@@ -23,6 +25,7 @@ from typing import Any, Optional
 
 from sglang_kvshare.chat import hooks as chat_hooks
 from sglang_kvshare.guard.serving import Collector, guard
+from sglang_kvshare import routing
 from sglang_kvshare.server import affinity
 
 logger = logging.getLogger(__name__)
@@ -30,6 +33,10 @@ logger = logging.getLogger(__name__)
 
 def around_generate(original, self, obj, request=None):
     """AROUND hook: tap annotated requests; pass every other request to SGLang as it is."""
+    try:
+        routing.adopt_generate(obj, request)  # an annotation the router moved, a workflow it names
+    except Exception:  # noqa: BLE001 - a request is never refused because of where its fields travelled
+        logger.exception("sglang-kvshare: reading a routed request's annotation failed")
     track = chat_hooks.track_for(obj)
     if track is None and not chat_hooks.annotated(obj):
         return original(self, obj, request)

@@ -87,20 +87,36 @@ def scheduler_hooks(config: KVShareConfig) -> tuple[Hook, ...]:
 def build_cache(ctx: Any) -> Any:
     """Factory SGLang's ``create_tree_cache`` calls in the scheduler process (backend selected)."""
     from sglang_kvshare.cache.adapter import KVShareRadixCache
-    from sglang_kvshare.cache.checks import check_setup
+    from sglang_kvshare.cache.checks import check_setup, tensor_parallel_config
 
-    config = _fit_device_memory(KVShareConfig.from_env())
-    check_setup(ctx, config)
+    launched = _fit_device_memory(KVShareConfig.from_env())
+    check_setup(ctx, launched)
+    config = tensor_parallel_config(launched, ctx.tp_size)
+    if config is not launched:
+        logger.warning("sglang-kvshare: --tp-size %d: anchors are learned inside the scheduler step on every rank "
+                       "(--kvshare-learn-async false, no slot interval), so all ranks hold the same pools",
+                       ctx.tp_size)
     install(scheduler_hooks(config))
     from sglang_kvshare.server.sparse_extend import unsupported_reason
 
-    cache = KVShareRadixCache(ctx.params, config=config, model_config=ctx.model_config, tp_size=ctx.tp_size,
-                              sparse_unsupported=unsupported_reason())
+    cache = KVShareRadixCache(ctx.params, config=config, model_config=ctx.model_config,
+                              reducer=tp_gate_reducer(ctx.tp_size), sparse_unsupported=unsupported_reason())
     if config.learn_on_idle and config.learn_async:
         cache.learner.use_idle_steps()  # the scheduler's idle hook runs the learner's steps
     logger.info("sglang-kvshare: KVShareRadixCache live (mode=%s%s)", config.mode,
                 f", disabled: {cache.state.unsupported_reason}" if cache.state.unsupported_reason else "")
     return cache
+
+
+def tp_gate_reducer(tp_size: int) -> Any:
+    """kvcmas's gate reducer over SGLang's TP CPU (gloo) group; None without tensor parallelism."""
+    if tp_size <= 1:
+        return None
+    from sglang.srt.distributed.parallel_state import get_tp_group
+
+    from sglang_kvshare.correction import GroupReducer
+
+    return GroupReducer(lambda: get_tp_group().cpu_group, tp_size)
 
 
 def _fit_device_memory(config: KVShareConfig) -> KVShareConfig:

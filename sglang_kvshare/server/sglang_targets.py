@@ -109,7 +109,8 @@ HTTP_HOOKS: tuple[Hook, ...] = (
 SCHEDULER_HOOKS: tuple[Hook, ...] = (
     Hook(Target("sglang.srt.managers.scheduler_components.internal_state."
                 "SchedulerInternalStateController.get_internal_state",
-                "GetInternalStateReq, fanned out to every DP rank: carries the kvshare snapshot",
+                "GetInternalStateReq, fanned out to every DP rank: carries the kvshare snapshot and "
+                "(--dp-size > 1) the admin ops",
                 params=("self", "recv_req")),
          "after", "sglang_kvshare.admin.scheduler_hooks:after_get_internal_state", "scheduler"),
     Hook(Target(f"{_SCHEDULER}.handle_rpc_request",
@@ -222,6 +223,11 @@ CALLS: tuple[Target, ...] = (
     Target("sglang.srt.runtime_context.get_server_args", "speculative decoding, mixed chunks, DP attention",
            params=()),
     Target(f"{_TOKENIZER}.get_internal_state", "the admin read channel", params=("self",)),
+    Target(_TOKENIZER, "the admin writes with --dp-size > 1 ride its fan-out",
+           attrs=("auto_create_handle_loop",)),
+    Target("sglang.srt.managers.io_struct.GetInternalStateReq", "carries a fanned-out admin op", attrs=("rid",)),
+    Target("sglang.srt.distributed.parallel_state.get_tp_group", "kvcmas under TP: the gate's CPU group", params=()),
+    Target("sglang.srt.runtime_context.get_parallel", "a scheduler's DP rank in the admin answers", params=()),
     Target(_TOKENIZER, "the fidelity guard sends its references only while no request is in flight, and "
            "exports its metrics where SGLang does", attrs=("rid_to_state", "enable_metrics")),
     Target("sglang.srt.managers.io_struct.GenerateReqInput", "the guard's reference and its logprobs",

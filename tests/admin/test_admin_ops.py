@@ -109,7 +109,7 @@ def test_metrics_count_increases_and_survive_a_reset():
     from sglang_kvshare.admin.metrics import KVShareMetrics
 
     registry = prometheus_client.CollectorRegistry()
-    metrics = KVShareMetrics(registry=registry)
+    metrics = KVShareMetrics(registry=registry, dp_rank=1)
 
     def stats(requests: int, aligned: int, anchors: int) -> dict:
         slot = {"requests": requests, "shared_tokens_seen": 100 * requests, "resolved_alignment": aligned,
@@ -126,6 +126,9 @@ def test_metrics_count_increases_and_survive_a_reset():
     assert _value(registry, "sglang_kvshare_mode", mode="kvcmas") == 1
     assert _value(registry, "sglang_kvshare_capacity") == 10
     assert _value(registry, "sglang_kvshare_seconds_total", phase="assembly") == 0.5
+    # Ratios do not add up over data-parallel ranks: each rank's series carries its number.
+    assert _value(registry, "sglang_kvshare_reuse_ratio", dp_rank="1") == 0.5
+    assert _value(registry, "sglang_kvshare_mean_gate_entropy", slot="query", dp_rank="1") == 0.25
     # After a reset the cache counts from zero again; the Prometheus counter keeps growing.
     metrics.update(stats(1, 40, 0))
     assert _value(registry, "sglang_kvshare_requests_total", slot="query") == 6

@@ -279,6 +279,14 @@ def test_ratio_arms_recompute_a_share_and_stay_off_the_random_mix_line():
     assert fr.on_mix_line("fullshared_k0", {**summary, "recompute_ratio": 0.0})
 
 
+def test_an_arm_name_the_run_does_not_have_is_refused_not_dropped():
+    args = fr.parse_args(["--task", "retrieval", "--heads", "0", "--arms", "off,fullshared_k0,kvcmas"])
+    with pytest.raises(SystemExit, match="kvcmas"):
+        fr.selected_arms(args)
+    args = fr.parse_args(["--task", "retrieval", "--heads", "0", "--arms", "off,fullshared_k0"])
+    assert [a.name for a in fr.selected_arms(args)] == ["off", "fullshared_k0"]
+
+
 def test_warmup_samples_exist_and_are_never_scored_ones():
     # HumanEval has 164 problems: the old fixed offset (limit + 500) gave no warm-up at all.
     he = fr.task_spec("humaneval", 0)

@@ -145,6 +145,19 @@ def test_memory_budgets_shrink_to_what_the_device_has_free():
     assert fitted.pool_budget_mb / fitted.learn_queue_mb == config.pool_budget_mb / config.learn_queue_mb
 
 
+def test_tensor_parallelism_learns_in_step_on_every_rank():
+    from sglang_kvshare.cache.checks import check_mode, tensor_parallel_config
+    from sglang_kvshare.config import KVShareConfig
+
+    launched = KVShareConfig(mode="kvcmas", learn_slot_interval_s=2.0)
+    assert launched.learn_async
+    assert tensor_parallel_config(launched, 1) is launched
+    tp = tensor_parallel_config(launched, 3)
+    assert not tp.learn_async and tp.learn_slot_interval_s == 0 and tp.mode == "kvcmas"
+    assert tensor_parallel_config(tp, 3) is tp
+    check_mode("kvcmas", page_size=1)  # no TP refusal left: the gate reduces over the ranks
+
+
 def test_the_fault_switch_perturbs_only_its_slot_and_a_request_may_ask_for_a_longer_head():
     from tests.cache.fakes import LAYERS
 

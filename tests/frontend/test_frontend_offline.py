@@ -61,3 +61,26 @@ def test_generated_ids_drop_the_stop_token(tokenizer):
     assert generated_ids_for_text(tokenizer, "The answer is 18.", ids + [eos]) == tuple(ids)
     assert generated_ids_for_text(tokenizer, "The answer is 18.", ids) == tuple(ids)
     assert generated_ids_for_text(tokenizer, "something else", ids) is None
+
+
+def test_a_workflow_mark_names_the_annotation_and_the_routing_header(tokenizer):
+    from sglang_kvshare.frontend import agent, shared, workflow
+    from sglang_kvshare.frontend.primitives import collect_marks
+    from sglang_kvshare.routing import ROUTING_HEADER, routing_headers
+
+    question = "What is 2 + 3?"
+    text = f"<|im_start|>user\n{question}<|im_end|>\n"
+    start = text.index(question)
+    query = shared(question, slot="query")
+    # What SGLang's interpreter stores for each mark: the text offset where it was executed.
+    variables = {workflow("ticket-4711").name: 0, agent("solver").name: 0,
+                 query.begin_name: start, query.end_name: start + len(question)}
+    marks = collect_marks(variables, len(text))
+    assert marks.workflow == "ticket-4711" and marks.agent == "solver"
+    built = request_from_marks(text, marks, _tok(tokenizer))
+    assert built.annotation.workflow == "ticket-4711"
+    assert routing_headers("ticket-4711") == {ROUTING_HEADER: "ticket-4711"} and routing_headers(None) == {}
+    with pytest.raises(ValueError):
+        routing_headers("")
+    with pytest.raises(ValueError):
+        workflow("x" * 1000)

@@ -31,9 +31,9 @@ def _spy(backend: KVShareEndpoint) -> list[dict]:
     sent = []
     orig = backend._post_streaming
 
-    def spy(data):
+    def spy(data, workflow):
         sent.append(data)
-        return orig(data)
+        return orig(data, workflow)
 
     backend._post_streaming = spy
     return sent

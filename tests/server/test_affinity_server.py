@@ -1,4 +1,4 @@
-"""Workflow affinity in a live server with two DP workers (``--dp-size 2``, the real model).
+"""Workflow affinity and one admin view in a live server with two DP workers (``--dp-size 2``, the real model).
 
 SGLang's default DP balancing is round robin, so agent B's request lands on
 the other worker than agent A's just before it, where A's copy of the shared
@@ -18,7 +18,8 @@ from tests.agent_chain import agent_request, context, report, warm_request
 pytestmark = pytest.mark.server
 
 DP2 = ("--dp-size", "2", "--max-total-tokens", "4096")
-KVSHARE = ("--kvshare-mode", "fullshared", "--kvshare-learn-async", "false", "--kvshare-verify-rate", "0")
+KVSHARE = ("--kvshare-mode", "fullshared", "--kvshare-learn-async", "false", "--kvshare-verify-rate", "0",
+           "--kvshare-admin-open", "true")
 
 
 @pytest.fixture(scope="module")
@@ -78,3 +79,29 @@ def test_a_rank_the_server_does_not_have_is_a_clear_client_error(dp_server, toke
     r = requests.post(dp_server.url + "/generate", json=body, timeout=120)
     assert r.status_code == 400 and "workflow" in r.text
     assert dp_server.generate(input_ids=ids, custom_params=cp, max_new_tokens=1)["meta_info"]
+
+
+def test_the_admin_routes_see_and_reach_both_workers(dp_server, tokenizer):
+    url = dp_server.url
+    before = requests.get(url + "/kvshare/stats", timeout=120).json()
+    assert before["dp_size"] == 2 and [r["dp_rank"] for r in before["ranks"]] == [0, 1]
+    for i in range(4):  # no workflow: SGLang's round robin spreads them over both workers
+        ids, cp = agent_request(tokenizer, "solver", context(40 + i, 1))
+        dp_server.generate(input_ids=ids, custom_params=cp, max_new_tokens=1)
+    after = requests.get(url + "/kvshare/stats", timeout=120).json()
+    grew = [a["shared_tokens_seen"] - b["shared_tokens_seen"] for a, b in zip(after["ranks"], before["ranks"])]
+    assert all(n > 0 for n in grew), grew
+    assert after["shared_tokens_seen"] == sum(r["shared_tokens_seen"] for r in after["ranks"])
+    # A write reaches every worker, and the merged view shows it once.
+    r = requests.post(url + "/kvshare/config", json={"tau": 0.42}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert [x["dp_rank"] for x in r.json()["ranks"]] == [0, 1] and r.json()["config"]["tau"] == 0.42
+    stats = requests.get(url + "/kvshare/stats", timeout=120).json()
+    assert stats["config"]["tau"] == 0.42 and "config_differs_on_ranks" not in stats
+    pools = requests.get(url + "/kvshare/pools", timeout=120)
+    assert pools.status_code == 200 and "pools" in pools.json()
+    r = requests.post(url + "/kvshare/pools/no-such-slot/reset", timeout=120)
+    assert r.status_code == 404 and [x["status"] for x in r.json()["ranks"]] == [404, 404]
+    r = requests.post(url + "/kvshare/config", json={"tau": "high"}, timeout=120)
+    assert r.status_code == 422  # refused before any worker sees it
+    assert requests.post(url + "/kvshare/reset", timeout=120).status_code == 200

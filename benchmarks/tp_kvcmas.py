@@ -1,0 +1,176 @@
+"""``python -m benchmarks.tp_kvcmas``: kvcmas at tensor-parallel size 3 against size 1, on the same chains.
+
+The question: with each rank learning the anchors of its own KV heads and the
+gate reducing over the ranks, does a TP=3 server reuse and correct as a TP=1
+server does? Per TP size, one server (kvcmas, learning in the scheduler step
+at both sizes so they learn alike):
+
+1. mode ``off`` (switched at runtime): every agent of every chain answers
+   greedily (the reference continuation), then its prompt + that continuation
+   is teacher-forced densely (the reference distributions);
+2. pools and copies reset, mode ``kvcmas``: the agents warm their prompts,
+   then every chain runs again, each agent teacher-forced along ``off``'s
+   continuation with the shared document annotated: reuse from the reports,
+   top-1 and KL against step 1 at the same TP size.
+
+Chains: ``chain_ttft``'s four agents read one context of ``--length`` tokens
+of real text in turn, each behind its own system prompt. Targets (the TP=3
+ratios to TP=1): reuse >= 0.9x, agent 1's greedy answers identical,
+teacher-forced top-1 of agents 2-4 within 0.005, the ranks' gate digests equal,
+no request lost.
+
+    python -m benchmarks.tp_kvcmas --chains 12     # writes benchmarks/results/tp_kvcmas.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import requests
+
+from benchmarks import frontier_metrics as fm
+from benchmarks.chain_ttft import AGENTS, request, system
+from benchmarks.harness import RESULTS, command_line, machine, run_meta, write_json
+from benchmarks.texts import context_tokens
+from sglang_kvshare.frontend.builder import build_request, private_part
+
+TOP_K = 20
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.tp_kvcmas", description=__doc__.split("\n\n")[0])
+    p.add_argument("--chains", type=int, default=12)
+    p.add_argument("--length", type=int, default=1024, help="shared document tokens (about)")
+    p.add_argument("--max-tokens", type=int, default=16, help="greedy answer tokens per agent")
+    p.add_argument("--tp", type=int, nargs="+", default=[1, 3])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--out", default=str(RESULTS / "tp_kvcmas.json"))
+    return p.parse_args(argv)
+
+
+def documents(tokenizer, n: int, length: int) -> list[list[int]]:
+    """``n`` contexts of ``length`` tokens of real text (``chain_ttft``'s), one per chain."""
+    return [context_tokens(tokenizer, length, seed) for seed in range(n)]
+
+
+def _post(url: str, body: dict) -> dict:
+    r = requests.post(url + "/generate", json=body, timeout=1800)
+    if r.status_code != 200:
+        raise RuntimeError(f"request failed ({r.status_code}): {r.text[:300]}")
+    return r.json()
+
+
+def _configure(url: str, **changes) -> None:
+    r = requests.post(url + "/kvshare/config", json=changes, timeout=300)
+    if r.status_code != 200:
+        raise RuntimeError(f"config {changes} failed: {r.text[:300]}")
+
+
+def _forced(url: str, ids: list[int], cp: dict, continuation: list[int]) -> tuple[list, dict]:
+    """Top-k distributions along ``continuation`` after the prompt ``ids`` (annotated by ``cp``), and the report."""
+    body = {"input_ids": [*ids, *continuation], "return_logprob": True, "top_logprobs_num": TOP_K,
+            "logprob_start_len": len(ids) - 1,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0.0, "custom_params": cp}}
+    meta = _post(url, body)["meta_info"]
+    tops = [fm.top_entries(e) for e in meta["input_top_logprobs"]][1:1 + len(continuation)]
+    return tops, (meta.get("kvshare") or [{}])[0]
+
+
+def run_size(tp: int, model_path: str, tokenizer, docs: list[list[int]], max_tokens: int) -> dict:
+    from devtools.server_process import ServerProcess
+
+    kvshare = ("--kvshare-mode", "kvcmas", "--kvshare-learn-async", "false", "--kvshare-verify-rate", "0",
+               "--kvshare-admin-open", "true")
+    extra = ("--tp-size", str(tp), "--max-total-tokens", "16384")
+    requests_sent = 0
+    with ServerProcess(model_path=model_path, kvshare_args=kvshare, extra_args=extra, startup_timeout=900) as server:
+        url = server.url
+        _configure(url, mode="off")
+        reference = []  # per chain, per agent: (greedy ids, tops)
+        for doc in docs:
+            chain = []
+            for agent in AGENTS:
+                ids, cp = request(tokenizer, agent, doc)
+                out = _post(url, {"input_ids": ids, "sampling_params": {"max_new_tokens": max_tokens,
+                                                                        "temperature": 0.0}})
+                greedy = list(out["output_ids"])
+                tops, _ = _forced(url, ids, cp, greedy)
+                chain.append((greedy, tops))
+                requests_sent += 2
+            reference.append(chain)
+        requests.post(url + "/kvshare/reset", timeout=300)
+        _configure(url, mode="kvcmas")
+        for agent in AGENTS:
+            ids, cp = build_request(tokenizer, agent, [private_part(system(agent))])
+            _post(url, {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "custom_params": cp}})
+            requests_sent += 1
+        shared = reused = 0
+        scores = []
+        corrected = 0
+        for doc, chain in zip(docs, reference):
+            for pos, (agent, (greedy, ref_tops)) in enumerate(zip(AGENTS, chain)):
+                ids, cp = request(tokenizer, agent, doc)
+                tops, rep = _forced(url, ids, cp, greedy)
+                requests_sent += 1
+                if pos == 0:
+                    continue
+                for seg in rep.get("segments", []):
+                    if seg.get("kind") == "shared":
+                        shared += seg["tokens"]
+                        if seg.get("resolved_by") in ("alignment", "correction"):
+                            reused += seg.get("resolved_tokens", seg["tokens"])
+                corrected += rep.get("tokens_corrected", 0)
+                scores.append(fm.compare_positions(ref_tops, tops))
+        stats = requests.get(url + "/kvshare/stats", timeout=300).json()
+        tp_ranks = (stats.get("ranks") or [{}])[0].get("tp_ranks")
+    positions = sum(s["positions"] for s in scores)
+    return {
+        "tp": tp, "requests": requests_sent,
+        "reuse_ratio": reused / shared if shared else None, "tokens_corrected": corrected,
+        "top1_agents_2_4": sum(s["top1"] * s["positions"] for s in scores) / positions if positions else None,
+        "kl_agents_2_4": statistics.fmean(s["kl"] for s in scores if s["kl"] is not None) if scores else None,
+        "agent1_greedy": [chain[0][0] for chain in reference],
+        "tp_ranks": tp_ranks,
+        "digests_equal": None if not tp_ranks else len({(r["gate_decisions"], r["gate_digest"]) for r in tp_ranks}) == 1,
+    }
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    from transformers import AutoTokenizer
+
+    from devtools.models import prepare
+
+    model_path = str(prepare(args.model))
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    docs = documents(tokenizer, args.chains, args.length)
+    out = {"meta": run_meta(command_line(argv)), "machine": machine(), "chains": args.chains,
+           "length": args.length, "agents": len(AGENTS), "max_tokens": args.max_tokens, "sizes": {}}
+    for tp in args.tp:
+        out["sizes"][str(tp)] = run_size(tp, model_path, tokenizer, docs, args.max_tokens)
+        print(f"tp={tp}: reuse {out['sizes'][str(tp)]['reuse_ratio']}, top1 "
+              f"{out['sizes'][str(tp)]['top1_agents_2_4']}", file=sys.stderr)
+        write_json(Path(args.out), out)
+    sizes = out["sizes"]
+    if "1" in sizes and len(sizes) > 1:
+        base = sizes["1"]
+        for key, row in sizes.items():
+            if key == "1":
+                continue
+            row["vs_tp1"] = {
+                "reuse_ratio": (row["reuse_ratio"] / base["reuse_ratio"]
+                                if row["reuse_ratio"] is not None and base["reuse_ratio"] else None),
+                "top1_difference": (row["top1_agents_2_4"] - base["top1_agents_2_4"]
+                                    if row["top1_agents_2_4"] is not None and base["top1_agents_2_4"] is not None
+                                    else None),
+                "agent1_greedy_identical": row["agent1_greedy"] == base["agent1_greedy"],
+            }
+        write_json(Path(args.out), out)
+    return out
+
+
+if __name__ == "__main__":
+    main()
