@@ -670,7 +670,8 @@ REGISTRY: list[Benchmark] = [
         "On two workers (`--dp-size 2`, or two servers behind SGLang's router), does a workflow keep the reuse it "
         "gets on one, with affinity, and how much does it lose without?",
         "Fresh servers per arm, one core per worker. `reuse` = a workflow's shared tokens served without prefill "
-        "over its shared tokens; `_none` arms name no workflow (SGLang's round robin, the router's random choice).",
+        "over its shared tokens; `dp2_none` names no workflow (SGLang's round robin), `router_none` sends no routing "
+        "header (the router's random choice; the annotation still arrives).",
         render_scaleout, optional=True),
     Benchmark(
         "tp_kvcmas", "tp_kvcmas.json", "python -m benchmarks.tp_kvcmas --chains 12",

@@ -10,8 +10,9 @@ same GSM8K ``refer`` workflow (the same samples, greedy) runs on:
   sample names its workflow (the server routes it to one worker), or none
   (SGLang's round robin);
 * ``router_affinity`` / ``router_none``: two servers behind SGLang's router
-  (``--policy manual``); the client library sends the workflow's routing
-  header, or no header.
+  (``--policy manual``); every sample names its workflow, and the client
+  library sends its routing header, or (``_none``) no header, so the router
+  places each request at random while the annotation still arrives.
 
 Every arm starts fresh servers (no copy from an earlier arm), gives each
 worker one core (``--dp-size 2`` binds one core per rank; the two servers get
@@ -91,13 +92,19 @@ def run_arm(arm: str, args, task, samples, model_path: str) -> dict:
     from benchmarks.workloads.workflows import run_workflow
     from sglang_kvshare.frontend.backend import KVShareEndpoint
 
+    class WithoutRoutingHeader(KVShareEndpoint):
+        """The client library minus the routing header: the router places each request at random."""
+
+        def _headers(self, workflow=None):
+            return super()._headers(None)
+
     t0 = time.perf_counter()
     with workers(arm, model_path, args.max_total_tokens) as (url, stats_urls):
-        backend = KVShareEndpoint(url)
+        backend = (WithoutRoutingHeader if arm == "router_none" else KVShareEndpoint)(url)
         results = run_workflow(backend, task, samples, topology="refer", num_agents=args.agents,
                                max_tokens=args.max_tokens, concurrency=args.concurrency,
                                progress_bar=not args.no_progress, desc=f"scaleout/{arm}",
-                               workflow_names=not arm.endswith("_none"))
+                               workflow_names=arm != "dp2_none")
         per_worker = spread(stats_urls)
     for res, smp in zip(results, samples):
         res["answer"] = task.extract(res["final"], smp)

@@ -32,10 +32,10 @@ from pathlib import Path
 import requests
 
 from benchmarks import frontier_metrics as fm
-from benchmarks.chain_ttft import AGENTS, request, system
+from benchmarks.chain_ttft import AGENTS, SUFFIX, request, system
 from benchmarks.harness import RESULTS, command_line, machine, run_meta, write_json
 from benchmarks.texts import context_tokens
-from sglang_kvshare.frontend.builder import build_request, private_part
+from sglang_kvshare.frontend.builder import build_request, private_part, shared_part
 
 TOP_K = 20
 
@@ -69,10 +69,14 @@ def _configure(url: str, **changes) -> None:
         raise RuntimeError(f"config {changes} failed: {r.text[:300]}")
 
 
-def _forced(url: str, ids: list[int], cp: dict, continuation: list[int]) -> tuple[list, dict]:
-    """Top-k distributions along ``continuation`` after the prompt ``ids`` (annotated by ``cp``), and the report."""
-    body = {"input_ids": [*ids, *continuation], "return_logprob": True, "top_logprobs_num": TOP_K,
-            "logprob_start_len": len(ids) - 1,
+def _forced(url: str, tokenizer, agent: str, doc: list[int], continuation: list[int]) -> tuple[list, dict]:
+    """Top-k distributions along ``continuation`` after the agent's prompt over ``doc`` (the document
+    annotated shared, the continuation private), and the report."""
+    prompt, _ = request(tokenizer, agent, doc)
+    ids, cp = build_request(tokenizer, agent, [private_part(system(agent)), shared_part(doc, "context"),
+                                               private_part(SUFFIX), private_part(continuation)])
+    body = {"input_ids": ids, "return_logprob": True, "top_logprobs_num": TOP_K,
+            "logprob_start_len": len(prompt) - 1,
             "sampling_params": {"max_new_tokens": 1, "temperature": 0.0, "custom_params": cp}}
     meta = _post(url, body)["meta_info"]
     tops = [fm.top_entries(e) for e in meta["input_top_logprobs"]][1:1 + len(continuation)]
@@ -97,12 +101,17 @@ def run_size(tp: int, model_path: str, tokenizer, docs: list[list[int]], max_tok
                 out = _post(url, {"input_ids": ids, "sampling_params": {"max_new_tokens": max_tokens,
                                                                         "temperature": 0.0}})
                 greedy = list(out["output_ids"])
-                tops, _ = _forced(url, ids, cp, greedy)
+                tops, _ = _forced(url, tokenizer, agent, doc, greedy)
                 chain.append((greedy, tops))
                 requests_sent += 2
             reference.append(chain)
+        # Start the kvcmas phase cold: no copy, no pool, and no prompt of the off phase in SGLang's tree
+        # (those would be exact hits, not reuse).
         requests.post(url + "/kvshare/reset", timeout=300)
         _configure(url, mode="kvcmas")
+        flushed = requests.post(url + "/flush_cache", timeout=300)
+        if flushed.status_code != 200:
+            raise RuntimeError(f"flushing the radix cache failed: {flushed.text[:300]}")
         for agent in AGENTS:
             ids, cp = build_request(tokenizer, agent, [private_part(system(agent))])
             _post(url, {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "custom_params": cp}})
@@ -112,8 +121,7 @@ def run_size(tp: int, model_path: str, tokenizer, docs: list[list[int]], max_tok
         corrected = 0
         for doc, chain in zip(docs, reference):
             for pos, (agent, (greedy, ref_tops)) in enumerate(zip(AGENTS, chain)):
-                ids, cp = request(tokenizer, agent, doc)
-                tops, rep = _forced(url, ids, cp, greedy)
+                tops, rep = _forced(url, tokenizer, agent, doc, greedy)
                 requests_sent += 1
                 if pos == 0:
                     continue

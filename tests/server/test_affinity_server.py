@@ -17,7 +17,7 @@ from tests.agent_chain import agent_request, context, report, warm_request
 
 pytestmark = pytest.mark.server
 
-DP2 = ("--dp-size", "2", "--max-total-tokens", "4096")
+DP2 = ("--dp-size", "2", "--max-total-tokens", "4096", "--enable-metrics")
 KVSHARE = ("--kvshare-mode", "fullshared", "--kvshare-learn-async", "false", "--kvshare-verify-rate", "0",
            "--kvshare-admin-open", "true")
 
@@ -105,3 +105,10 @@ def test_the_admin_routes_see_and_reach_both_workers(dp_server, tokenizer):
     r = requests.post(url + "/kvshare/config", json={"tau": "high"}, timeout=120)
     assert r.status_code == 422  # refused before any worker sees it
     assert requests.post(url + "/kvshare/reset", timeout=120).status_code == 200
+    # Prometheus: the counters add up over both workers; each worker's reuse ratio is its own series.
+    text = requests.get(url + "/metrics", timeout=60).text
+    ratios = [line for line in text.splitlines() if line.startswith("sglang_kvshare_reuse_ratio{")]
+    assert {'dp_rank="0"' in line for line in ratios} == {True, False} and len(ratios) == 2, ratios
+    totals = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("sglang_kvshare_shared_tokens_total{")]
+    assert sum(totals) >= after["shared_tokens_seen"]
