@@ -450,10 +450,16 @@ def render_tp_kvcmas(d: dict) -> str:
                      num(r["top1_agents_2_4"], ".4f"), num(r["kl_agents_2_4"], ".5f"), num(vs.get("reuse_ratio")),
                      num(vs.get("top1_difference"), "+.4f"),
                      "-" if not vs else ("yes" if vs.get("agent1_greedy_identical") else "no"), digests])
+    soaks = [f"TP={tp}: {r['soak']['sent']} more requests over new contexts, {r['soak']['ok']} answered, "
+             f"{r['soak']['aborted']} aborted mid-answer, {r['soak']['failed']} failed, {r['soak']['mode_switches']} "
+             f"mode switches; rank digests {'equal' if r['soak']['digests_equal'] else '**differ**'} after it "
+             f"({r['soak']['tp_ranks'][0]['gate_decisions']} decisions each)."
+             for tp, r in d["sizes"].items() if r.get("soak")]
     return (f"{d['chains']} chains of {d['agents']} agents over {d['length']} shared tokens, {d['max_tokens']} "
             "answer tokens per agent; top-1 and KL of agents 2-4 against `off` at the same TP size.\n\n"
             + table(["TP", "requests", "reuse", "tokens corrected", "top-1", "KL", "reuse / TP=1's",
-                     "top-1 - TP=1's", "agent 1 greedy = TP=1's", "rank digests"], rows))
+                     "top-1 - TP=1's", "agent 1 greedy = TP=1's", "rank digests"], rows)
+            + "".join(f"\n\nSoak, {line}" for line in soaks))
 
 
 def _phase(cell: dict, unit: float = 1e3, fmt: str = ".1f") -> str:
@@ -674,7 +680,7 @@ REGISTRY: list[Benchmark] = [
         "header (the router's random choice; the annotation still arrives).",
         render_scaleout, optional=True),
     Benchmark(
-        "tp_kvcmas", "tp_kvcmas.json", "python -m benchmarks.tp_kvcmas --chains 12",
+        "tp_kvcmas", "tp_kvcmas.json", "python -m benchmarks.tp_kvcmas --chains 12 --soak 200",
         "Does `kvcmas` at tensor-parallel size 3 (each rank learning its own KV heads, the gate reduced over the "
         "ranks) reuse and keep `off`'s distributions as it does at size 1?",
         "One server per TP size; its `off` references come from the same server (mode switched at runtime), so each "

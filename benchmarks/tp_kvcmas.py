@@ -17,7 +17,8 @@ Chains: ``chain_ttft``'s four agents read one context of ``--length`` tokens
 of real text in turn, each behind its own system prompt. Targets (the TP=3
 ratios to TP=1): reuse >= 0.9x, agent 1's greedy answers identical,
 teacher-forced top-1 of agents 2-4 within 0.005, the ranks' gate digests equal,
-no request lost.
+no request lost. ``--soak N`` then sends N more requests to the TP > 1 server,
+with aborts and a mode switch on the way, and checks the ranks again.
 
     python -m benchmarks.tp_kvcmas --chains 12     # writes benchmarks/results/tp_kvcmas.json
 """
@@ -46,6 +47,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--length", type=int, default=1024, help="shared document tokens (about)")
     p.add_argument("--max-tokens", type=int, default=16, help="greedy answer tokens per agent")
     p.add_argument("--tp", type=int, nargs="+", default=[1, 3])
+    p.add_argument("--soak", type=int, default=0,
+                   help="then, at TP > 1, this many more requests over new contexts: every 10th aborted mid-answer, "
+                        "the mode switched to fullshared and back on the way; lost requests and the ranks' digests")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--out", default=str(RESULTS / "tp_kvcmas.json"))
     return p.parse_args(argv)
@@ -83,7 +87,49 @@ def _forced(url: str, tokenizer, agent: str, doc: list[int], continuation: list[
     return tops, (meta.get("kvshare") or [{}])[0]
 
 
-def run_size(tp: int, model_path: str, tokenizer, docs: list[list[int]], max_tokens: int) -> dict:
+def soak(url: str, tokenizer, n: int, length: int) -> dict:
+    """``n`` requests in chains over new contexts; every 10th is aborted while it answers, and the mode goes to
+    fullshared at a third and back to kvcmas at two thirds. Counts what came back; a hang fails the run."""
+    import threading
+    import time
+
+    agents = list(AGENTS)
+    docs = [context_tokens(tokenizer, length, 1000 + k) for k in range(n // len(agents) + 1)]
+    counts = {"sent": 0, "ok": 0, "aborted": 0, "failed": 0, "mode_switches": 0}
+    for i in range(n):
+        if i in (n // 3, 2 * n // 3):
+            _configure(url, mode="fullshared" if i == n // 3 else "kvcmas")
+            counts["mode_switches"] += 1
+        ids, cp = request(tokenizer, agents[i % len(agents)], docs[i // len(agents)])
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 4, "temperature": 0.0, "custom_params": cp}}
+        aborter = None
+        if i % 10 == 5:
+            body["rid"], body["sampling_params"]["max_new_tokens"] = f"soak-{i}", 200
+
+            def abort(rid=body["rid"]) -> None:
+                time.sleep(0.3)
+                requests.post(url + "/abort_request", json={"rid": rid}, timeout=60)
+
+            aborter = threading.Thread(target=abort)
+            aborter.start()
+        r = requests.post(url + "/generate", json=body, timeout=600)
+        if aborter is not None:
+            aborter.join()
+        counts["sent"] += 1
+        finish = (r.json().get("meta_info") or {}).get("finish_reason") or {} if r.ok else {}
+        if r.ok and finish.get("type") == "abort":
+            counts["aborted"] += 1
+        elif r.ok:
+            counts["ok"] += 1
+        else:
+            counts["failed"] += 1
+    stats = requests.get(url + "/kvshare/stats", timeout=300).json()
+    counts["tp_ranks"] = (stats.get("ranks") or [{}])[0].get("tp_ranks")
+    return counts
+
+
+def run_size(tp: int, model_path: str, tokenizer, docs: list[list[int]], max_tokens: int, soak_requests: int = 0,
+             length: int = 1024) -> dict:
     from devtools.server_process import ServerProcess
 
     kvshare = ("--kvshare-mode", "kvcmas", "--kvshare-learn-async", "false", "--kvshare-verify-rate", "0",
@@ -134,6 +180,7 @@ def run_size(tp: int, model_path: str, tokenizer, docs: list[list[int]], max_tok
                 scores.append(fm.compare_positions(ref_tops, tops))
         stats = requests.get(url + "/kvshare/stats", timeout=300).json()
         tp_ranks = (stats.get("ranks") or [{}])[0].get("tp_ranks")
+        soaked = soak(url, tokenizer, soak_requests, length) if soak_requests and tp > 1 else None
     positions = sum(s["positions"] for s in scores)
     return {
         "tp": tp, "requests": requests_sent,
@@ -143,6 +190,8 @@ def run_size(tp: int, model_path: str, tokenizer, docs: list[list[int]], max_tok
         "agent1_greedy": [chain[0][0] for chain in reference],
         "tp_ranks": tp_ranks,
         "digests_equal": None if not tp_ranks else len({(r["gate_decisions"], r["gate_digest"]) for r in tp_ranks}) == 1,
+        "soak": soaked and {**soaked, "digests_equal": len({(r["gate_decisions"], r["gate_digest"], r["anchors"])
+                                                             for r in soaked["tp_ranks"]}) == 1},
     }
 
 
@@ -158,7 +207,7 @@ def main(argv=None) -> dict:
     out = {"meta": run_meta(command_line(argv)), "machine": machine(), "chains": args.chains,
            "length": args.length, "agents": len(AGENTS), "max_tokens": args.max_tokens, "sizes": {}}
     for tp in args.tp:
-        out["sizes"][str(tp)] = run_size(tp, model_path, tokenizer, docs, args.max_tokens)
+        out["sizes"][str(tp)] = run_size(tp, model_path, tokenizer, docs, args.max_tokens, args.soak, args.length)
         print(f"tp={tp}: reuse {out['sizes'][str(tp)]['reuse_ratio']}, top1 "
               f"{out['sizes'][str(tp)]['top1_agents_2_4']}", file=sys.stderr)
         write_json(Path(args.out), out)

@@ -50,7 +50,7 @@ from sglang_kvshare.chat.annotation import (
 from sglang_kvshare.chat.outputs import OutputMemory
 from sglang_kvshare.chat.render import TemplateSplitError, align_to_stock, render_pieces, safe_messages
 from sglang_kvshare.config import live_config
-from sglang_kvshare import routing as routed
+from sglang_kvshare import routing
 from sglang_kvshare.protocol import CUSTOM_PARAMS_KEY, AnnotationError, generated_ids_for_text
 
 logger = logging.getLogger(__name__)
@@ -139,7 +139,7 @@ async def around_handle_request(original, self, request, raw_request=None):
     raw = None
     if raw_request is not None:
         try:
-            raw = routed.chat_field(await raw_request.json())  # the field, or where the router keeps it
+            raw = routing.chat_field(await raw_request.json())  # the field, or where the router keeps it
         except Exception:  # noqa: BLE001 - SGLang already parsed this body; nothing to add
             raw = None
     if raw is False:  # the client opted out: served exactly as stock SGLang serves it
@@ -153,7 +153,7 @@ async def around_handle_request(original, self, request, raw_request=None):
             spec = parse_chat_kvshare(raw, len(request.messages), live_config().max_segments)
         except AnnotationError as exc:
             return self.create_error_response(str(exc), err_type="BadRequest", status_code=400)
-    pending = _Pending(spec, routed_workflow=routed.routing_key(raw_request))
+    pending = _Pending(spec, routed_workflow=routing.routing_key(raw_request))
     _pending[id(request)] = pending
     try:
         return await original(self, request, raw_request)
