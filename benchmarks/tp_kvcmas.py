@@ -143,7 +143,7 @@ def run_size(tp: int, model_path: str, tokenizer, docs: list[list[int]], max_tok
         for doc in docs:
             chain = []
             for agent in AGENTS:
-                ids, cp = request(tokenizer, agent, doc)
+                ids, _ = request(tokenizer, agent, doc)
                 out = _post(url, {"input_ids": ids, "sampling_params": {"max_new_tokens": max_tokens,
                                                                         "temperature": 0.0}})
                 greedy = list(out["output_ids"])

@@ -76,13 +76,10 @@ class Reply:
         return json.dumps(dataclasses.asdict(self))
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Reply":
+    def from_json(cls, text: str) -> "Reply":
+        data = json.loads(text)
         return cls(status=int(data["status"]), message=str(data.get("message", "")),
                    result=dict(data.get("result") or {}), rid=data.get("rid"))
-
-    @classmethod
-    def from_json(cls, text: str) -> "Reply":
-        return cls.from_dict(json.loads(text))
 
 
 def fanout_rid(op: str, params: dict, call_id: str) -> str:
