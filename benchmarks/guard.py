@@ -2,7 +2,7 @@
 scope, and what does it cost?
 
     python -m benchmarks.guard --quick                 # retrieval only, small sizes: under 10 minutes here
-    python -m benchmarks.guard                         # retrieval, gsm8k, humaneval: hours on 2 CPU cores
+    python -m benchmarks.guard                         # retrieval, gsm8k, humaneval: about 90 minutes here
 
 Per task (the frontier's workflows, ``benchmarks.frontier``: task specs, programs, ``Runner``, ``run_arm``,
 teacher-forced scoring against ``off``, ``summarize_arm``):
@@ -15,8 +15,9 @@ teacher-forced scoring against ``off``, ``summarize_arm``):
   inside the guard's reported 95 % interval (scopes with at least two verified requests; with fewer the interval
   is the metric's whole range and decides nothing).
 * **controlled** (``controlled_reuse``, ``controlled_top1``): fullshared K=0 with the guard at ``--verify-rate`` and
-  ``--target``; its own unscored warm-up (``--controlled-warmup``) lets the controller act before the scored
-  samples. Reuse and teacher-forced top-1 (along ``off``'s continuation, the frontier's metric) over the scored
+  ``--target`` (and the server's verify burst: a new or just-moved scope's first ``min_samples`` approximated
+  requests are verified); its own unscored warm-up (``--controlled-warmup``, in rounds of ``--concurrency``
+  samples with the guard's queue drained after each) lets the controller act before the scored samples. Reuse and teacher-forced top-1 (along ``off``'s continuation, the frontier's metric) over the scored
   samples, TTFT of agents 2-4.
 * **fixed K** (``best_global_k``): fullshared with one ``--kvshare-recompute-head K`` for every agent, guard off;
   the best is the highest reuse among those whose teacher-forced top-1 meets the target's bound (None if none).
@@ -70,6 +71,7 @@ from benchmarks.harness import RESULTS, command_line, machine, run_meta, stream_
 from benchmarks.stock_vs_off import verdict
 from benchmarks.texts import context_tokens
 from sglang_kvshare.frontend.builder import assemble, build_request, private_part, shared_part
+from sglang_kvshare.guard.controller import ladder
 from sglang_kvshare.guard.measure import compare
 from sglang_kvshare.guard.target import FidelityTarget
 
@@ -202,9 +204,14 @@ class Bench:
             arm = guarded(arm)
             self.server.apply(arm)
             t0, counters = time.time(), self.server.fidelity()["counters"]
-            if warm:
-                self.run_samples(fr.Runner(self.server.url, arm, self.args.seed, self.tok.eos_token_id),
-                                 spec, warm, max_tokens, f"{spec.name}/{arm.name} warm-up")
+            runner = fr.Runner(self.server.url, arm, self.args.seed, self.tok.eos_token_id)
+            step = self.args.concurrency
+            for i in tqdm(range(0, len(warm), step), desc=f"{spec.name}/{arm.name} warm-up",
+                          disable=self.args.no_progress or not warm):
+                # A round of samples, then the guard's references: under a load that never pauses a reference
+                # waits IDLE_WAIT_S for its turn, and the unscored traffic stands for earlier traffic with gaps.
+                self.run_samples(runner, spec, warm[i:i + step], max_tokens, "", progress=False)
+                self.server.drain()
             snap = self.server.drain()
             self.after_warmup[arm.name] = {"t0": t0, "t1": time.time(), "counters": counters, "snapshot": snap}
             yield self.server.url
@@ -212,14 +219,15 @@ class Bench:
         return serve
 
     def run_samples(self, runner: fr.Runner, spec: fr.TaskSpec, samples: Sequence, max_tokens: int, desc: str,
-                    after: Optional[Callable[[list[dict]], Any]] = None) -> list:
+                    after: Optional[Callable[[list[dict]], Any]] = None, progress: bool = True) -> list:
         """Each sample's workflow (``after`` on its rows, in the same worker), ``--concurrency`` at once."""
         def one(smp) -> Any:
             rows = runner.sample(spec.program(smp, self.enc, max_tokens), smp.id)
             return after(rows) if after else rows
 
         with ThreadPoolExecutor(self.args.concurrency) as pool:
-            return list(tqdm(pool.map(one, samples), total=len(samples), desc=desc, disable=self.args.no_progress))
+            return list(tqdm(pool.map(one, samples), total=len(samples), desc=desc,
+                             disable=self.args.no_progress or not progress))
 
     def run_arm(self, arm: GuardedArm, spec: fr.TaskSpec, samples, warm, off: Optional[dict], max_tokens: int,
                 server_warm: Sequence = ()) -> dict:
@@ -377,14 +385,14 @@ class Sizes(NamedTuple):
 def task_sizes(name: str, args: argparse.Namespace) -> Sizes:
     """The sizes of ``name``: the options where given, else the defaults (``--quick``: small ones)."""
     q, retrieval = args.quick, name == "retrieval"
-    limit = args.limit or ((8 if q else 100) if retrieval else (3 if q else 30))
+    limit = args.limit or ((8 if q else 60) if retrieval else (3 if q else 10))
     return Sizes(limit=limit,
-                 warmup=args.warmup if args.warmup is not None else (12 if q else 8),
-                 calibration=max(limit, args.calibration_samples or ((40 if q else 200) if retrieval else
-                                                                     (4 if q else 50))),
+                 warmup=args.warmup if args.warmup is not None else (12 if q else 4),
+                 calibration=max(limit, args.calibration_samples or ((40 if q else 120) if retrieval else
+                                                                     (4 if q else 20))),
                  controlled_warmup=args.controlled_warmup if args.controlled_warmup is not None else (
-                     (24 if q else 200) if retrieval else (4 if q else 30)),
-                 max_tokens=args.max_tokens or (8 if retrieval else (32 if q else 128)))
+                     (24 if q else 60) if retrieval else (4 if q else 30)),
+                 max_tokens=args.max_tokens or (8 if retrieval else (32 if q else 48)))
 
 
 def arm_cell(a: dict) -> dict:
@@ -436,7 +444,7 @@ def run_task(name: str, bench: Bench) -> dict:
     out: dict = {"samples": len(samples), "warmup_samples": len(warm), "sizes": size._asdict()}
 
     calibration = run_calibration(bench, spec, spec.load(size.calibration, 0), warm, size.max_tokens)
-    budget = int(args.verify_rate * size.controlled_warmup)  # verified requests per scope its warm-up gives
+    budget = controlled_budget(args.verify_rate, size.controlled_warmup)
     choice = choose_min_samples(warm_values(calibration["records"]), bound, budget, ceiling=args.max_min_samples)
     out.update({"calibration_within_ci": calibration["within_ci"], "calibration": calibration, "min_samples": choice})
 
@@ -454,6 +462,15 @@ def run_task(name: str, bench: Bench) -> dict:
     out["detection"] = run_detection(bench, spec, both[:n + 1], both[n + 1:], size.max_tokens, choice["chosen"])
     out["detection_samples"] = out["detection"]["detection_samples"]
     return out
+
+
+def controlled_budget(rate: float, warmup: int) -> int:
+    """Verified requests per scope and setting that the controlled warm-up can supply: at the rate alone
+    ``rate * warmup``; with the server's burst (``--kvshare-verify-burst``, on by default) every setting gets its
+    minimum at once, so a minimum of ``warmup / steps`` still lets a scope climb the whole ladder (five steps from
+    head 0 to dense) before the scored samples."""
+    steps = len(ladder(0)) - 1
+    return max(int(rate * warmup), warmup // steps)
 
 
 # ------------------------------------------------------------------ overhead
@@ -644,15 +661,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                     help="retrieval only (unless --task), small sizes, heads 0 32 64, min samples at most 6")
     ap.add_argument("--task", choices=fr.TASKS + ("all",), default=None, help="default: all (--quick: retrieval)")
     ap.add_argument("--limit", type=int, default=None,
-                    help="scored samples (default retrieval 100, gsm8k/humaneval 30; --quick 8 / 3)")
-    ap.add_argument("--warmup", type=int, default=None, help="unscored samples before each arm (default 8; quick 12)")
+                    help="scored samples (default retrieval 60, gsm8k/humaneval 10; --quick 8 / 3)")
+    ap.add_argument("--warmup", type=int, default=None, help="unscored samples before each arm (default 4; quick 12)")
     ap.add_argument("--calibration-samples", type=int, default=None,
                     help="samples of the calibration run after its warm-up, at least --limit (default retrieval "
-                         "200, others 50; --quick 40 / 4)")
+                         "120, others 20; --quick 40 / 4)")
     ap.add_argument("--controlled-warmup", type=int, default=None,
                     help="unscored samples the guarded arm runs first, so the controller can act before scoring "
-                         "(default retrieval 200, others 30; --quick 24 / 4)")
-    ap.add_argument("--max-tokens", type=int, default=None, help="default retrieval 8, others 128 (--quick 32)")
+                         "(default retrieval 60, others 30; --quick 24 / 4)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="default retrieval 8, others 48 (--quick 32)")
     ap.add_argument("--heads", type=int, nargs="+", default=None,
                     help="fixed K arms (default 0 8 16 32 64; --quick 0 32 64)")
     ap.add_argument("--verify-rate", type=float, default=0.1, help="the guard's rate in calibration and control")

@@ -22,7 +22,8 @@ MODES: tuple[str, ...] = ("off", "fullshared", "kvcmas")
 # What POST /kvshare/config may change on a running server.
 RUNTIME_FIELDS: tuple[str, ...] = ("tau", "capacity", "rank", "mode", "recompute_head", "recompute_ratio",
                                    "recompute_policy", "sparse_extend", "staged", "verify_rate",
-                                   "fidelity_target", "fidelity_min_samples", "fault_perturb_slot")
+                                   "fidelity_target", "fidelity_min_samples", "verify_burst",
+                                   "fault_perturb_slot")
 RecomputePolicy = Literal["head", "correction"]
 RECOMPUTE_POLICIES: tuple[str, ...] = ("head", "correction")
 ReuseScope = Literal["workflow", "salt"]
@@ -90,6 +91,7 @@ class KVShareConfig:
     learn_async: bool = _option(True, GROUP_ADVANCED, "Record anchors from dense prefills on a background thread (keeps the SVD out of the scheduler loop); false records them inside the scheduler step, deterministic (always so at --tp-size > 1, where every rank must hold the same anchors).")
     verify_top_k: int = _option(5, GROUP_ADVANCED, "Tokens per position the guard compares (top-k of both distributions); at most 20.")
     verify_queue_max: int = _option(16, GROUP_ADVANCED, "Most verified requests waiting for their dense reference; a full queue drops new ones (counted).")
+    verify_burst: bool = _option(True, GROUP_ADVANCED, "With a fidelity target: verify every approximated request of a scope until its current setting has --kvshare-fidelity-min-samples verified (or waiting) requests, then sample at --kvshare-verify-rate. A new scope, and one the guard has just moved, gets its verdict after min-samples requests instead of min-samples / verify-rate; it costs at most min-samples references per scope and change. false = sample at the rate only.")
     fidelity_min_samples: int = _option(20, GROUP_ADVANCED, "Verified requests a scope needs before the guard changes its setting (twice as many to relax).")
     fault_perturb_slot: Optional[str] = _option(None, GROUP_ADVANCED, "Test only: add noise to the KV assembled for this slot, so a test can show the guard catching a bad scope. Never set it on a server users reach.")
 

@@ -56,7 +56,8 @@ _RESTORE = {"mode": "fullshared", "tau": _DEFAULTS.tau, "rank": _DEFAULTS.rank,
             "recompute_head": _DEFAULTS.recompute_head, "recompute_ratio": _DEFAULTS.recompute_ratio,
             "recompute_policy": _DEFAULTS.recompute_policy,
             "sparse_extend": _DEFAULTS.sparse_extend, "staged": _DEFAULTS.staged, "verify_rate": 0.0,
-            "fidelity_target": "", "fidelity_min_samples": _DEFAULTS.fidelity_min_samples, "fault_perturb_slot": ""}
+            "fidelity_target": "", "fidelity_min_samples": _DEFAULTS.fidelity_min_samples,
+            "verify_burst": _DEFAULTS.verify_burst, "fault_perturb_slot": ""}
 
 
 def _post(server, path: str, body: dict | None = None, headers: dict = ADMIN_HEADERS) -> dict:

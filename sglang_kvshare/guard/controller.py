@@ -131,6 +131,21 @@ class Controller:
             return None
         return self.settings[state.level - 1]
 
+    def wants_evidence(self, scope: Hashable, waiting: int) -> bool:
+        """Whether the scope's current setting lacks the ``min_samples`` a decision needs, counting ``waiting``
+        requests already drawn for it: the guard then verifies its next approximated request whatever the rate
+        (a burst), so a new or just-moved scope is judged after ``min_samples`` requests, not ``min_samples /
+        rate``. Never for a pinned or ``dense`` scope (a pin decides nothing; a dense scope's probes stay at the
+        rate: relaxing may be slow) nor without a target (measuring only: the samples stay a uniform draw)."""
+        if self.target is None:
+            return False
+        state = self._scopes.get(scope)
+        if state is None:
+            return waiting < self.min_samples
+        if state.pinned is not None or self.settings[state.level] == DENSE:
+            return False
+        return state.top1.n + waiting < self.min_samples
+
     def observe(self, scope: Hashable, served_under: int, fidelity: RequestFidelity) -> Optional[Action]:
         """Add one verified request of ``scope`` served under ``served_under``; the setting change it causes."""
         state = self._state(scope)

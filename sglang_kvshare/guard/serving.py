@@ -8,7 +8,10 @@ kvshare annotated), ``Guard.prepare`` runs before SGLang sees it:
   segment ``reuse: false``);
 * with probability ``--kvshare-verify-rate`` it asks SGLang for the request's
   own top-k next-token distributions (``return_logprob``, ``top_logprobs_num``),
-  which the response does not carry unless the client asked for them.
+  which the response does not carry unless the client asked for them; with a
+  target and ``--kvshare-verify-burst``, always while the scope's setting has
+  fewer verified or waiting requests than a decision needs
+  (``Controller.wants_evidence``).
 
 The returned ``Collector`` watches the outputs as they pass, adds the guard's
 part to the report (``kvshare.guard``: scope, setting, whether verified) and,
@@ -65,6 +68,7 @@ class Job:
     lora_path: Any = None
     extra_key: Optional[str] = None
     cache_salt: Optional[str] = None
+    counted: bool = False  # counted among the scope's waiting samples until it is verified or dropped
 
     @property
     def approx_bytes(self) -> int:
@@ -86,6 +90,7 @@ class Collector:
     obj: Any
     manager: Any
     probe: bool = False  # a request of a dense scope served under the next looser setting
+    counted: bool = False  # counted among the scope's waiting samples (released here unless a job carries it)
     finished: bool = False
     approximated: int = 0
     _dists: list = field(default_factory=list)
@@ -115,16 +120,18 @@ class Collector:
     def finish(self) -> None:
         """Queue the verification when the answer is complete and was served approximated KV."""
         if not (self.sampled and self.finished and self.approximated and self.prompt):
+            self.guard.release(self.scope, self.counted)
             return
         output = [int(t) for part in self._ids for t in part]
         served = [row for part in self._dists for row in part]
         if not output or len(served) < len(output):
             self.guard.counters["verify_incomplete"] += 1
+            self.guard.release(self.scope, self.counted)
             return
         obj = self.obj
         self.guard.enqueue(Job(self.scope, self.setting, list(self.prompt), output, served[:len(output)],
                                self.manager, getattr(obj, "lora_path", None), getattr(obj, "extra_key", None),
-                               getattr(obj, "cache_salt", None)))
+                               getattr(obj, "cache_salt", None), counted=self.counted))
 
 
 class Guard:
@@ -141,6 +148,7 @@ class Guard:
         self._displays: dict[Hashable, str] = {}
         self.last_actions: list[dict] = []
         self._queued_bytes = 0
+        self._waiting: dict[Hashable, int] = {}  # per scope: sampled requests not yet verified (in flight or queued)
         self._metrics: Any = None  # GuardMetrics where SGLang runs with --enable-metrics; False where not
 
     # ------------------------------------------------------------ configuration
@@ -193,6 +201,8 @@ class Guard:
         scope, display = self._scope(obj, ann.agent)
         setting = controller.setting(scope)
         draw = config.verify_rate > 0 and self._rng.random() < config.verify_rate
+        burst = (not draw and config.verify_rate > 0 and config.verify_burst
+                 and controller.wants_evidence(scope, self._waiting.get(scope, 0)))
         probe = controller.probe_setting(scope) if draw else None
         if probe is not None:  # a dense scope: this request probes the next looser setting
             setting = probe
@@ -201,11 +211,14 @@ class Guard:
             custom[CUSTOM_PARAMS_KEY] = _with_setting(ann, setting).to_custom_params()[CUSTOM_PARAMS_KEY]
             self.counters[f"served_{'dense' if setting == DENSE else 'longer_head'}"] += 1
         sampled, strip = False, False
-        if draw:
+        if draw or burst:
             sampled, strip = _ask_logprobs(obj, config.verify_top_k)
             self.counters["sampled" if sampled else "not_sampled_logprobs_taken"] += 1
+            if sampled:
+                self._waiting[scope] = self._waiting.get(scope, 0) + 1
+                self.counters["sampled_burst" if burst else "sampled_rate"] += 1
         return Collector(self, scope, display, setting, list(ids), sampled, strip, obj, manager,
-                         probe=probe is not None)
+                         probe=probe is not None, counted=sampled)
 
     # ------------------------------------------------------------ the worker
     def enqueue(self, job: Job) -> None:
@@ -213,6 +226,7 @@ class Guard:
             self._queue = asyncio.Queue()
         if self._queue.qsize() >= live_config().verify_queue_max:
             self.counters["dropped_queue_full"] += 1
+            self.release(job.scope, job.counted)
             return
         self._queue.put_nowait(job)
         self._queued_bytes += job.approx_bytes
@@ -229,6 +243,18 @@ class Guard:
             except Exception:  # noqa: BLE001 - a failed reference only costs one sample
                 logger.exception("sglang-kvshare: a fidelity reference failed")
                 self.counters["verify_errors"] += 1
+            finally:
+                self.release(job.scope, job.counted)
+
+    def release(self, scope: Hashable, counted: bool) -> None:
+        """One sampled request of ``scope`` is verified or will not be: it no longer counts as waiting."""
+        if not counted:
+            return
+        left = self._waiting.get(scope, 0) - 1
+        if left > 0:
+            self._waiting[scope] = left
+        else:
+            self._waiting.pop(scope, None)
 
     async def _verify(self, manager: Any, job: Job) -> None:
         from sglang.srt.managers.io_struct import GenerateReqInput
@@ -293,6 +319,7 @@ class Guard:
         self.counters.clear()
         self.last_actions = []
         self._displays.clear()
+        self._waiting.clear()
         if self._queue is not None:
             while not self._queue.empty():
                 self._queued_bytes -= self._queue.get_nowait().approx_bytes

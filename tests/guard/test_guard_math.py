@@ -96,6 +96,20 @@ def test_samples_of_a_setting_the_scope_has_left_are_dropped():
     assert ctl.pin("s", None).reason == "unpinned" and ctl.setting("s") == 0
 
 
+def test_a_scope_wants_evidence_until_its_setting_can_be_judged():
+    ctl = Controller(FidelityTarget.parse("top1>=0.99"), ladder(0), min_samples=4)
+    assert ctl.wants_evidence("new", 0) and ctl.wants_evidence("new", 3) and not ctl.wants_evidence("new", 4)
+    _feed(ctl, "s", 0.90, 3)
+    assert ctl.wants_evidence("s", 0) and not ctl.wants_evidence("s", 1)  # three verified, one waiting
+    _feed(ctl, "s", 0.90, 1)
+    assert ctl.setting("s") == 8 and ctl.wants_evidence("s", 0)  # moved: the new setting starts afresh
+    ctl.pin("s", 16)
+    assert not ctl.wants_evidence("s", 0)  # a pin decides nothing
+    _feed(ctl, "bad", 0.1, 4)
+    assert ctl.setting("bad") == DENSE and not ctl.wants_evidence("bad", 0)  # dense: probes at the rate only
+    assert not Controller(None, ladder(0), min_samples=4).wants_evidence("new", 0)  # measuring only: uniform
+
+
 def test_scopes_are_bounded():
     ctl = Controller(None, ladder(0), max_scopes=3)
     for i in range(10):

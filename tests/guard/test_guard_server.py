@@ -105,6 +105,25 @@ def test_a_perturbed_scope_goes_dense_within_the_minimum_samples_and_the_others_
         assert after["per_scope"] == {} and after["recent_actions"] == [] and after["actions"] == {}
 
 
+@pytest.mark.parametrize("burst", [True, False])
+def test_a_new_scope_is_verified_until_it_can_be_judged_then_at_the_rate(server_pool, tokenizer, burst):
+    """At a rate that draws nothing, the burst alone verifies a new scope's first approximated requests, exactly
+    as many as a decision needs; without it the scope stays unjudged."""
+    server = shared_server(server_pool)
+    agent = f"burst-reader-{burst}"
+    with reconfigured(server, verify_rate=1e-9, fidelity_target="top1>=0.5", fidelity_min_samples=3,
+                      verify_burst=burst):
+        for i in range(5):
+            _ask(server, tokenizer, "burst-writer", _doc(f"burst{burst}", i), f"burst-{burst}")  # the first copy
+            reader = _ask(server, tokenizer, agent, _doc(f"burst{burst}", i), f"burst-{burst}")
+            assert reader["tokens_aligned"] > 0, reader  # approximated: a candidate for verification
+            _drain(server)
+        snap = _drain(server)
+    samples = snap["per_scope"].get(agent, {}).get("samples", 0)
+    assert samples == (3 if burst else 0), snap["per_scope"]
+    assert "burst-writer" not in snap["per_scope"]  # its requests were sampled but exact: nothing to verify
+
+
 @pytest.mark.parametrize("change, fix", [({"verify_rate": 1.5}, "verify_rate"),
                                          ({"fidelity_target": "top1>0.99"}, "top1>="),
                                          ({"fidelity_min_samples": 1}, "fidelity_min_samples")])
