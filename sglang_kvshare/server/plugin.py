@@ -96,11 +96,15 @@ def build_cache(ctx: Any) -> Any:
         logger.warning("sglang-kvshare: --tp-size %d: anchors are learned inside the scheduler step on every rank "
                        "(--kvshare-learn-async false, no slot interval), so all ranks hold the same pools",
                        ctx.tp_size)
-    install(scheduler_hooks(config))
-    from sglang_kvshare.server.sparse_extend import unsupported_reason
+    from sglang_kvshare.server.sparse_extend import prefill_backend, unsupported_reason
 
+    sparse_unsupported = unsupported_reason(ctx.model_config)
+    hooks = scheduler_hooks(config)
+    if sparse_unsupported is None and prefill_backend() == "triton":
+        hooks += sglang_targets.TRITON_SPARSE_HOOKS
+    install(hooks)
     cache = KVShareRadixCache(ctx.params, config=config, model_config=ctx.model_config,
-                              reducer=tp_gate_reducer(ctx.tp_size), sparse_unsupported=unsupported_reason())
+                              reducer=tp_gate_reducer(ctx.tp_size), sparse_unsupported=sparse_unsupported)
     if config.learn_on_idle and config.learn_async:
         cache.learner.use_idle_steps()  # the scheduler's idle hook runs the learner's steps
     logger.info("sglang-kvshare: KVShareRadixCache live (mode=%s%s)", config.mode,

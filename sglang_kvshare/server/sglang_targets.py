@@ -69,6 +69,7 @@ _RADIX = "sglang.srt.mem_cache.radix_cache.RadixCache"
 _BASE_CACHE = "sglang.srt.mem_cache.base_prefix_cache"
 _FORWARD_BATCH = "sglang.srt.model_executor.forward_batch_info.ForwardBatch"
 _TORCH_NATIVE = "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend"
+_TRITON = "sglang.srt.layers.attention.triton_backend.TritonAttnBackend"
 
 # ------------------------------------------------------------------ hooks
 SETUP_HTTP_SERVER = Target(
@@ -142,6 +143,17 @@ SCHEDULER_HOOKS: tuple[Hook, ...] = (
     Hook(Target(f"{_TORCH_NATIVE}.forward_extend", "the sparse extend: queries at their true positions",
                 params=("self", "q", "k", "v", "layer", "forward_batch")),
          "around", "sglang_kvshare.server.sparse_extend:around_torch_native_forward_extend", "scheduler"),
+)
+
+# Installed only where the prefill attention backend is triton (GPU): the sparse extend as a custom mask.
+TRITON_SPARSE_HOOKS: tuple[Hook, ...] = (
+    Hook(Target(f"{_TRITON}.init_forward_metadata",
+                "the sparse extend: a forward's folded rows as a custom mask over the whole prefix",
+                params=("self", "forward_batch")),
+         "after", "sglang_kvshare.server.sparse_extend_triton:after_triton_init_forward_metadata", "scheduler"),
+    Hook(Target(f"{_TRITON}.forward_extend", "the sparse extend: the mask applied to the prefix keys too",
+                params=("self", "q", "k", "v", "layer", "forward_batch")),
+         "around", "sglang_kvshare.server.sparse_extend_triton:around_triton_forward_extend", "scheduler"),
 )
 
 # Installed only with --kvshare-learn-on-idle (and --kvshare-learn-async): learning steps on the
@@ -220,6 +232,15 @@ CALLS: tuple[Target, ...] = (
     Target("sglang.srt.model_executor.forward_batch_info.ForwardMode", "only plain prefill forwards fold rows",
            attrs=("EXTEND",)),
     Target("sglang.srt.runtime_context.attention_backends", "whether the sparse extend is supported", params=()),
+    Target(_TRITON, "the sparse extend swaps the kernel for one call, replaces the metadata, reads the rows",
+           attrs=("extend_attention_fwd", "forward_metadata", "req_to_token")),
+    Target("sglang.kernels.ops.attention.extend_attention.extend_attention_fwd",
+           "the triton extend kernel: a custom mask over prefix and extend keys",
+           params=("q_extend", "k_extend", "v_extend", "o_extend", "k_buffer", "v_buffer", "qo_indptr",
+                   "kv_indptr", "kv_indices", "custom_mask", "is_causal", "mask_indptr", "max_len_extend",
+                   "k_scale", "v_scale", "sm_scale", "logit_cap", "skip_prefix_custom_mask")),
+    Target("sglang.srt.layers.attention.triton_backend.ForwardMetadata", "the sparse extend replaces four fields",
+           attrs=("kv_indptr", "kv_indices", "custom_mask", "mask_indptr")),
     Target("sglang.srt.runtime_context.get_server_args", "speculative decoding, mixed chunks, DP attention",
            params=()),
     Target(f"{_TOKENIZER}.get_internal_state", "the admin read channel", params=("self",)),
@@ -258,7 +279,7 @@ CALLS: tuple[Target, ...] = (
 
 def hook_targets() -> tuple[Target, ...]:
     """Every target some kvshare hook wraps."""
-    hooks = HTTP_HOOKS + SCHEDULER_HOOKS + (IDLE_LEARNING_HOOK, DECODE_LEARNING_HOOK)
+    hooks = HTTP_HOOKS + SCHEDULER_HOOKS + TRITON_SPARSE_HOOKS + (IDLE_LEARNING_HOOK, DECODE_LEARNING_HOOK)
     return tuple(h.target for h in hooks)
 
 

@@ -45,10 +45,20 @@ from sglang_kvshare.cache.plan import plan_of
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_BACKENDS = ("torch_native",)
+SUPPORTED_BACKENDS = ("torch_native", "triton")  # triton: as a custom mask (``sparse_extend_triton``)
 
 
-def unsupported_reason() -> Optional[str]:
+def prefill_backend() -> Optional[str]:
+    """The attention backend of this scheduler's prefill forwards, or None where it cannot be read."""
+    try:
+        from sglang.srt.runtime_context import attention_backends
+
+        return attention_backends()[0]
+    except Exception:  # noqa: BLE001 - read again (with its reason) by ``unsupported_reason``
+        return None
+
+
+def unsupported_reason(model_config: Any = None) -> Optional[str]:
     """Why this scheduler process cannot run the sparse extend, or None when it can (read at cache build)."""
     try:
         from sglang.srt.runtime_context import attention_backends, get_server_args
@@ -59,6 +69,16 @@ def unsupported_reason() -> Optional[str]:
         return f"backend_unknown: {type(exc).__name__}"
     if prefill_backend not in SUPPORTED_BACKENDS:
         return f"attention backend {prefill_backend} has no sparse extend (supported: {', '.join(SUPPORTED_BACKENDS)})"
+    if prefill_backend == "triton":
+        hf_config = getattr(model_config, "hf_config", None)
+        if getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", True):
+            return "triton: sliding-window attention"
+        if getattr(args, "enable_deterministic_inference", False):
+            return "triton: --enable-deterministic-inference (its unified kernel takes no prefix mask)"
+        if (getattr(args, "dcp_size", 1) or 1) > 1:
+            return "triton: decode context parallelism"
+        if getattr(args, "enable_piecewise_cuda_graph", False):
+            return "triton: --enable-piecewise-cuda-graph (a captured prefill takes no custom mask)"
     if getattr(args, "speculative_algorithm", None):
         return "speculative decoding"
     if getattr(args, "enable_mixed_chunk", False):
