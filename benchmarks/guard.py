@@ -591,7 +591,7 @@ def plot(out: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 4, figsize=(20, 4.6))
+    fig, axes = plt.subplots(1, 5, figsize=(25, 4.6))
     tasks = out.get("tasks", {})
     ax = axes[0]
     labels = []
@@ -625,6 +625,23 @@ def plot(out: dict, path: Path) -> None:
     ax.set_title("controlled vs one global K", fontsize=9)
     ax.legend(fontsize=7)
     ax = axes[2]
+    for name, t in tasks.items():
+        ks = [k for k in out["heads"] if f"fullshared_k{k}" in t["arms"]]
+        cells = [t["arms"][f"fullshared_k{k}"] for k in ks]
+        line, = ax.plot([c["reuse_ratio"] or 0.0 for c in cells],
+                        [(c.get("ttft_agents_2_4_s") or {}).get("median") for c in cells], "o-", label=f"{name}: fixed K")
+        guarded, off = t["arms"].get("guarded") or {}, t["arms"].get("off") or {}
+        if guarded:
+            ax.plot(guarded["reuse_ratio"] or 0.0, (guarded.get("ttft_agents_2_4_s") or {}).get("median"), "*",
+                    ms=14, color=line.get_color(), label=f"{name}: guarded")
+        if off:
+            ax.plot(0.0, (off.get("ttft_agents_2_4_s") or {}).get("median"), "s", color=line.get_color(),
+                    label=f"{name}: off")
+    ax.set_xlabel("reuse ratio (consumers)")
+    ax.set_ylabel("TTFT of agents 2-4, median (s)")
+    ax.set_title("what the reuse buys: TTFT", fontsize=9)
+    ax.legend(fontsize=7)
+    ax = axes[3]
     names = list(tasks)
     det = [tasks[n].get("detection_samples") or 0 for n in names]
     ax.bar(range(len(names)), det, color=["tab:red" if tasks[n].get("detection_samples") else "lightgray"
@@ -635,7 +652,7 @@ def plot(out: dict, path: Path) -> None:
     ax.set_ylabel("verified samples until dense")
     ax.set_title("detection of a perturbed slot (gray: not caught)", fontsize=9)
     ax.legend(fontsize=7)
-    ax = axes[3]
+    ax = axes[4]
     ov = out.get("overhead")
     if ov:
         for x, key in enumerate(("ttft", "throughput")):
