@@ -17,8 +17,9 @@ teacher-forced scoring against ``off``, ``summarize_arm``):
 * **controlled** (``controlled_reuse``, ``controlled_top1``): fullshared K=0 with the guard at ``--verify-rate`` and
   ``--target`` (and the server's verify burst: a new or just-moved scope's first ``min_samples`` approximated
   requests are verified); its own unscored warm-up (``--controlled-warmup``, in rounds of ``--concurrency``
-  samples with the guard's queue drained after each) lets the controller act before the scored samples. Reuse and teacher-forced top-1 (along ``off``'s continuation, the frontier's metric) over the scored
-  samples, TTFT of agents 2-4.
+  samples with the guard's queue drained after each) lets the controller act before the scored samples. Reuse
+  and teacher-forced top-1 (along ``off``'s continuation, the frontier's metric) over the scored samples, TTFT
+  of agents 2-4.
 * **fixed K** (``best_global_k``): fullshared with one ``--kvshare-recompute-head K`` for every agent, guard off;
   the best is the highest reuse among those whose teacher-forced top-1 meets the target's bound (None if none).
 * **detection** (``detection_samples``): ``--kvshare-fault-perturb-slot`` on the task's shared input slot, the
@@ -629,7 +630,8 @@ def plot(out: dict, path: Path) -> None:
         ks = [k for k in out["heads"] if f"fullshared_k{k}" in t["arms"]]
         cells = [t["arms"][f"fullshared_k{k}"] for k in ks]
         line, = ax.plot([c["reuse_ratio"] or 0.0 for c in cells],
-                        [(c.get("ttft_agents_2_4_s") or {}).get("median") for c in cells], "o-", label=f"{name}: fixed K")
+                        [(c.get("ttft_agents_2_4_s") or {}).get("median") for c in cells], "o-",
+                        label=f"{name}: fixed K")
         guarded, off = t["arms"].get("guarded") or {}, t["arms"].get("off") or {}
         if guarded:
             ax.plot(guarded["reuse_ratio"] or 0.0, (guarded.get("ttft_agents_2_4_s") or {}).get("median"), "*",

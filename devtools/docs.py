@@ -71,8 +71,7 @@ def targets_markdown() -> str:
              "**Hooks** (installed only in a kvshare server: HTTP ones when the server starts, scheduler ones "
              "when SGLang builds the kvshare cache)", "",
              "| process | kind | SGLang target | kvshare function | why |", "|---|---|---|---|---|"]
-    hooks = st.HTTP_HOOKS + st.SCHEDULER_HOOKS + (st.IDLE_LEARNING_HOOK, st.DECODE_LEARNING_HOOK)
-    for h in hooks:
+    for h in st.ALL_HOOKS:
         lines.append(f"| {h.process} | {h.kind} | `{h.target.path}{params(h.target)}` | `{h.hook}` | "
                      f"{_cell(h.target.why)} |")
     lines += ["", "**Overrides** (`KVShareRadixCache`, a subclass of SGLang's Python `RadixCache`)", "",

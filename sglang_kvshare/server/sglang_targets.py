@@ -148,10 +148,11 @@ SCHEDULER_HOOKS: tuple[Hook, ...] = (
 # Installed only where the prefill attention backend is triton (GPU): the sparse extend as a custom mask.
 TRITON_SPARSE_HOOKS: tuple[Hook, ...] = (
     Hook(Target(f"{_TRITON}.init_forward_metadata",
-                "the sparse extend: a forward's folded rows as a custom mask over the whole prefix",
+                "the sparse extend on the triton backend: the folded rows as a custom mask over the whole prefix",
                 params=("self", "forward_batch")),
          "after", "sglang_kvshare.server.sparse_extend_triton:after_triton_init_forward_metadata", "scheduler"),
-    Hook(Target(f"{_TRITON}.forward_extend", "the sparse extend: the mask applied to the prefix keys too",
+    Hook(Target(f"{_TRITON}.forward_extend",
+                "the sparse extend on the triton backend: the mask applied to the prefix keys too",
                 params=("self", "q", "k", "v", "layer", "forward_batch")),
          "around", "sglang_kvshare.server.sparse_extend_triton:around_triton_forward_extend", "scheduler"),
 )
@@ -277,10 +278,13 @@ CALLS: tuple[Target, ...] = (
 )
 
 
+ALL_HOOKS: tuple[Hook, ...] = (HTTP_HOOKS + SCHEDULER_HOOKS + TRITON_SPARSE_HOOKS
+                                + (IDLE_LEARNING_HOOK, DECODE_LEARNING_HOOK))  # every hook some server installs
+
+
 def hook_targets() -> tuple[Target, ...]:
     """Every target some kvshare hook wraps."""
-    hooks = HTTP_HOOKS + SCHEDULER_HOOKS + TRITON_SPARSE_HOOKS + (IDLE_LEARNING_HOOK, DECODE_LEARNING_HOOK)
-    return tuple(h.target for h in hooks)
+    return tuple(h.target for h in ALL_HOOKS)
 
 
 def all_targets() -> tuple[Target, ...]:

@@ -43,8 +43,7 @@ def _call_shape(hook: Hook) -> int:
     return n + 1 if hook.kind in ("around", "after") else n  # the original function / the result first
 
 
-@pytest.mark.parametrize("hook", st.HTTP_HOOKS + st.SCHEDULER_HOOKS + st.TRITON_SPARSE_HOOKS
-                         + (st.IDLE_LEARNING_HOOK, st.DECODE_LEARNING_HOOK),
+@pytest.mark.parametrize("hook", st.ALL_HOOKS,
                          ids=lambda h: h.hook.rsplit(":", 1)[-1])
 def test_every_hook_function_exists_and_takes_the_call(hook):
     fn = st.resolve_hook(hook)
