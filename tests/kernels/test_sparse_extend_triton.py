@@ -13,6 +13,7 @@ from sglang_kvshare.server.sparse_extend import sparse_sdpa_extend
 from sglang_kvshare.server.sparse_extend_triton import (MOVED_ATTR, RequestLayout, after_triton_init_forward_metadata,
                                                         around_triton_forward_extend, mask_metadata,
                                                         request_layouts, request_mask)
+from tests.kv_pools import scattered_pool
 
 HEADS, KV_HEADS, DIM = 4, 2, 16
 
@@ -37,17 +38,7 @@ def test_the_mask_lets_a_folded_row_see_the_prefix_up_to_itself_and_own_tokens_e
 
 
 def _pool(seq_lens, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    total = sum(seq_lens)
-    k = torch.randn(total + 3, KV_HEADS, DIM, generator=g)
-    v = torch.randn(total + 3, KV_HEADS, DIM, generator=g)
-    slots = torch.randperm(total, generator=g) + 3
-    table = torch.zeros(len(seq_lens), max(seq_lens), dtype=torch.int64)
-    off = 0
-    for i, s in enumerate(seq_lens):
-        table[i, :s] = slots[off:off + s]
-        off += s
-    return k, v, table
+    return scattered_pool(seq_lens, KV_HEADS, DIM, seed)
 
 
 @pytest.mark.triton

@@ -11,23 +11,13 @@ from sglang_kvshare.cache.pending_recompute import PendingRecompute
 from sglang_kvshare.cache.plan import PLAN_ATTR
 from sglang_kvshare.server.sparse_extend import (Fold, fold_batch, owed_rows, queries_moved, settle,
                                                  sparse_sdpa_extend)
+from tests.kv_pools import scattered_pool
 
 HEADS, KV_HEADS, DIM = 4, 2, 8
 
 
 def _pool(seq_lens: list[int], seed: int = 0):
-    """A KV pool holding each request's rows at shuffled slots, and its ``req_to_token`` table."""
-    g = torch.Generator().manual_seed(seed)
-    total = sum(seq_lens)
-    k = torch.randn(total + 3, KV_HEADS, DIM, generator=g)
-    v = torch.randn(total + 3, KV_HEADS, DIM, generator=g)
-    slots = torch.randperm(total, generator=g) + 3
-    table = torch.zeros(len(seq_lens), max(seq_lens), dtype=torch.int64)
-    off = 0
-    for i, s in enumerate(seq_lens):
-        table[i, :s] = slots[off:off + s]
-        off += s
-    return k, v, table
+    return scattered_pool(seq_lens, KV_HEADS, DIM, seed)
 
 
 def _reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor, scale: float):
