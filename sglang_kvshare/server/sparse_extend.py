@@ -58,6 +58,16 @@ def prefill_backend() -> Optional[str]:
         return None
 
 
+def prefill_cuda_graph() -> str:
+    """The prefill phase's CUDA-graph backend (``disabled`` when prefills run eagerly), or ``unknown``."""
+    try:
+        from sglang.srt.runtime_context import get_exec
+
+        return str(get_exec().graph.cuda_graph_config.prefill.backend)
+    except Exception:  # noqa: BLE001 - an unknown graph setup is served staged heads
+        return "unknown"
+
+
 def unsupported_reason(model_config: Any = None) -> Optional[str]:
     """Why this scheduler process cannot run the sparse extend, or None when it can (read at cache build)."""
     try:
@@ -77,8 +87,10 @@ def unsupported_reason(model_config: Any = None) -> Optional[str]:
             return "triton: --enable-deterministic-inference (its unified kernel takes no prefix mask)"
         if (getattr(args, "dcp_size", 1) or 1) > 1:
             return "triton: decode context parallelism"
-        if getattr(args, "enable_piecewise_cuda_graph", False):
-            return "triton: --enable-piecewise-cuda-graph (a captured prefill takes no custom mask)"
+        graph = prefill_cuda_graph()
+        if graph != "disabled":
+            return (f"triton: the prefill CUDA graph ({graph}) replays without the sparse mask; "
+                    "--disable-prefill-cuda-graph serves the sparse extend")
     if getattr(args, "speculative_algorithm", None):
         return "speculative decoding"
     if getattr(args, "enable_mixed_chunk", False):

@@ -110,18 +110,22 @@ def test_the_hooks_replace_the_metadata_and_unmask_nothing_for_a_stock_forward()
     assert calls == [True, False, True]  # restored
 
 
-@pytest.mark.parametrize("args, hf, reason", [
-    ({}, {}, None),
-    ({}, {"sliding_window": 4096}, "sliding-window"),
-    ({"enable_deterministic_inference": True}, {}, "deterministic"),
-    ({"enable_piecewise_cuda_graph": True}, {}, "piecewise"),
+@pytest.mark.parametrize("args, hf, graph, reason", [
+    ({}, {}, "disabled", None),
+    ({}, {"sliding_window": 4096}, "disabled", "sliding-window"),
+    ({"enable_deterministic_inference": True}, {}, "disabled", "deterministic"),
+    ({"dcp_size": 2}, {}, "disabled", "context parallelism"),
+    ({}, {}, "breakable", "--disable-prefill-cuda-graph"),
 ])
-def test_triton_serves_the_sparse_extend_except_where_its_kernel_cannot_take_the_mask(monkeypatch, args, hf, reason):
+def test_triton_serves_the_sparse_extend_except_where_its_kernel_cannot_take_the_mask(monkeypatch, args, hf, graph,
+                                                                                      reason):
     import sglang.srt.runtime_context as rc
 
     from sglang_kvshare.server.sparse_extend import unsupported_reason
 
     monkeypatch.setattr(rc, "attention_backends", lambda: ("triton", "triton"))
     monkeypatch.setattr(rc, "get_server_args", lambda: SimpleNamespace(**args))
+    prefill = SimpleNamespace(prefill=SimpleNamespace(backend=graph))
+    monkeypatch.setattr(rc, "get_exec", lambda: SimpleNamespace(graph=SimpleNamespace(cuda_graph_config=prefill)))
     got = unsupported_reason(SimpleNamespace(hf_config=SimpleNamespace(**hf)))
     assert got is None if reason is None else reason in got
