@@ -35,7 +35,7 @@ import logging
 import os
 import random
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Optional
 
@@ -53,6 +53,7 @@ LOGPROB_KEYS = ("output_token_logprobs", "output_top_logprobs", "input_token_log
 TOKEN_BYTES = 36  # a token id in a Python list: the int object and its pointer
 ROW_BYTES = 160  # one (logprob, token id, text) entry of a top-k row
 APPROXIMATED = ("tokens_aligned", "tokens_corrected", "tokens_estimate_hit")
+EXACT_SCOPES_MAX = 1024  # scopes whose last sampled request was served exact KV, kept out of the burst
 
 
 @dataclass
@@ -121,6 +122,8 @@ class Collector:
         """Queue the verification when the answer is complete and was served approximated KV."""
         if not (self.sampled and self.finished and self.approximated and self.prompt):
             self.guard.release(self.scope, self.counted)
+            if self.sampled and self.finished and not self.approximated:
+                self.guard.served_exact(self.scope)
             return
         output = [int(t) for part in self._ids for t in part]
         served = [row for part in self._dists for row in part]
@@ -149,6 +152,10 @@ class Guard:
         self.last_actions: list[dict] = []
         self._queued_bytes = 0
         self._waiting: dict[Hashable, int] = {}  # per scope: sampled requests not yet verified (in flight or queued)
+        # Scopes whose last sampled request had nothing approximated (a producer that prefills its text first):
+        # a burst there would only make SGLang compute logprobs nobody verifies; a rate draw that finds the scope
+        # approximated lets it burst again.
+        self._exact_scopes: OrderedDict[Hashable, None] = OrderedDict()
         self._metrics: Any = None  # GuardMetrics where SGLang runs with --enable-metrics; False where not
 
     # ------------------------------------------------------------ configuration
@@ -201,7 +208,7 @@ class Guard:
         scope, display = self._scope(obj, ann.agent)
         setting = controller.setting(scope)
         draw = config.verify_rate > 0 and self._rng.random() < config.verify_rate
-        burst = (not draw and config.verify_rate > 0 and config.verify_burst
+        burst = (not draw and config.verify_rate > 0 and config.verify_burst and scope not in self._exact_scopes
                  and controller.wants_evidence(scope, self._waiting.get(scope, 0)))
         probe = controller.probe_setting(scope) if draw else None
         if probe is not None:  # a dense scope: this request probes the next looser setting
@@ -221,7 +228,14 @@ class Guard:
                          probe=probe is not None, counted=sampled)
 
     # ------------------------------------------------------------ the worker
+    def served_exact(self, scope: Hashable) -> None:
+        self._exact_scopes[scope] = None
+        self._exact_scopes.move_to_end(scope)
+        while len(self._exact_scopes) > EXACT_SCOPES_MAX:
+            self._exact_scopes.popitem(last=False)
+
     def enqueue(self, job: Job) -> None:
+        self._exact_scopes.pop(job.scope, None)
         if self._queue is None:
             self._queue = asyncio.Queue()
         if self._queue.qsize() >= live_config().verify_queue_max:
@@ -320,6 +334,7 @@ class Guard:
         self.last_actions = []
         self._displays.clear()
         self._waiting.clear()
+        self._exact_scopes.clear()
         if self._queue is not None:
             while not self._queue.empty():
                 self._queued_bytes -= self._queue.get_nowait().approx_bytes

@@ -66,6 +66,12 @@ def test_min_samples_without_two_warm_values_or_at_the_bound_is_conservative():
     assert on_bound["n_resolve"] is None and on_bound["chosen"] == 20
 
 
+def test_the_warm_up_budget_counts_the_burst_a_setting_gets_at_once():
+    assert g.controlled_budget(0.1, 30) == 6  # five steps from head 0 to dense, six samples each
+    assert g.controlled_budget(0.1, 60) == 12
+    assert g.controlled_budget(1.0, 4) == 4  # at rate 1 the rate alone supplies more
+
+
 def test_best_global_k_is_the_most_reuse_that_meets_the_bound():
     fixed = {0: {"reuse_ratio": 0.94, "teacher_forced_top1": 0.985},
              8: {"reuse_ratio": 0.90, "teacher_forced_top1": 0.991},

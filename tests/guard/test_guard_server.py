@@ -113,6 +113,7 @@ def test_a_new_scope_is_verified_until_it_can_be_judged_then_at_the_rate(server_
     agent = f"burst-reader-{burst}"
     with reconfigured(server, verify_rate=1e-9, fidelity_target="top1>=0.5", fidelity_min_samples=3,
                       verify_burst=burst):
+        bursts_before = _fidelity(server)["counters"].get("sampled_burst", 0)
         for i in range(5):
             _ask(server, tokenizer, "burst-writer", _doc(f"burst{burst}", i), f"burst-{burst}")  # the first copy
             reader = _ask(server, tokenizer, agent, _doc(f"burst{burst}", i), f"burst-{burst}")
@@ -121,7 +122,10 @@ def test_a_new_scope_is_verified_until_it_can_be_judged_then_at_the_rate(server_
         snap = _drain(server)
     samples = snap["per_scope"].get(agent, {}).get("samples", 0)
     assert samples == (3 if burst else 0), snap["per_scope"]
-    assert "burst-writer" not in snap["per_scope"]  # its requests were sampled but exact: nothing to verify
+    assert "burst-writer" not in snap["per_scope"]  # its requests were exact: nothing to verify
+    # The writer's first request was drawn and found exact; its later ones are not drawn again (only the reader's
+    # three, and the writer's one).
+    assert snap["counters"].get("sampled_burst", 0) - bursts_before == (4 if burst else 0), snap["counters"]
 
 
 @pytest.mark.parametrize("change, fix", [({"verify_rate": 1.5}, "verify_rate"),
