@@ -69,7 +69,6 @@ class Job:
     lora_path: Any = None
     extra_key: Optional[str] = None
     cache_salt: Optional[str] = None
-    counted: bool = False  # counted among the scope's waiting samples until it is verified or dropped
 
     @property
     def approx_bytes(self) -> int:
@@ -91,7 +90,6 @@ class Collector:
     obj: Any
     manager: Any
     probe: bool = False  # a request of a dense scope served under the next looser setting
-    counted: bool = False  # counted among the scope's waiting samples (released here unless a job carries it)
     finished: bool = False
     approximated: int = 0
     _dists: list = field(default_factory=list)
@@ -120,21 +118,23 @@ class Collector:
 
     def finish(self) -> None:
         """Queue the verification when the answer is complete and was served approximated KV."""
-        if not (self.sampled and self.finished and self.approximated and self.prompt):
-            self.guard.release(self.scope, self.counted)
-            if self.sampled and self.finished and not self.approximated:
+        if not self.sampled:
+            return
+        if not (self.finished and self.approximated and self.prompt):
+            self.guard.release(self.scope)  # every sampled request waits until verified or dropped
+            if self.finished and not self.approximated:
                 self.guard.served_exact(self.scope)
             return
         output = [int(t) for part in self._ids for t in part]
         served = [row for part in self._dists for row in part]
         if not output or len(served) < len(output):
             self.guard.counters["verify_incomplete"] += 1
-            self.guard.release(self.scope, self.counted)
+            self.guard.release(self.scope)
             return
         obj = self.obj
         self.guard.enqueue(Job(self.scope, self.setting, list(self.prompt), output, served[:len(output)],
                                self.manager, getattr(obj, "lora_path", None), getattr(obj, "extra_key", None),
-                               getattr(obj, "cache_salt", None), counted=self.counted))
+                               getattr(obj, "cache_salt", None)))
 
 
 class Guard:
@@ -225,7 +225,7 @@ class Guard:
                 self._waiting[scope] = self._waiting.get(scope, 0) + 1
                 self.counters["sampled_burst" if burst else "sampled_rate"] += 1
         return Collector(self, scope, display, setting, list(ids), sampled, strip, obj, manager,
-                         probe=probe is not None, counted=sampled)
+                         probe=probe is not None)
 
     # ------------------------------------------------------------ the worker
     def served_exact(self, scope: Hashable) -> None:
@@ -240,7 +240,7 @@ class Guard:
             self._queue = asyncio.Queue()
         if self._queue.qsize() >= live_config().verify_queue_max:
             self.counters["dropped_queue_full"] += 1
-            self.release(job.scope, job.counted)
+            self.release(job.scope)
             return
         self._queue.put_nowait(job)
         self._queued_bytes += job.approx_bytes
@@ -258,12 +258,10 @@ class Guard:
                 logger.exception("sglang-kvshare: a fidelity reference failed")
                 self.counters["verify_errors"] += 1
             finally:
-                self.release(job.scope, job.counted)
+                self.release(job.scope)
 
-    def release(self, scope: Hashable, counted: bool) -> None:
+    def release(self, scope: Hashable) -> None:
         """One sampled request of ``scope`` is verified or will not be: it no longer counts as waiting."""
-        if not counted:
-            return
         left = self._waiting.get(scope, 0) - 1
         if left > 0:
             self._waiting[scope] = left
