@@ -2,7 +2,7 @@
 scope, and what does it cost?
 
     python -m benchmarks.guard --quick                 # retrieval only, small sizes: under 10 minutes here
-    python -m benchmarks.guard                         # retrieval, gsm8k, humaneval: about 70 minutes here
+    python -m benchmarks.guard --seed 1 --offset 50     # retrieval, gsm8k, humaneval: about 80 minutes here
 
 Per task (the frontier's workflows, ``benchmarks.frontier``: task specs, programs, ``Runner``, ``run_arm``,
 teacher-forced scoring against ``off``, ``summarize_arm``):
@@ -16,8 +16,9 @@ teacher-forced scoring against ``off``, ``summarize_arm``):
   is the metric's whole range and decides nothing).
 * **controlled** (``controlled_reuse``, ``controlled_top1``): fullshared K=0 with the guard at ``--verify-rate`` and
   ``--target`` (and the server's verify burst: a new or just-moved scope's first ``min_samples`` approximated
-  requests are verified); its own unscored warm-up (``--controlled-warmup``, in rounds of ``--concurrency``
-  samples with the guard's queue drained after each) lets the controller act before the scored samples. Reuse
+  requests are verified, up to 3 x that while its interval straddles the target); its own unscored warm-up
+  (``--controlled-warmup``, in rounds of ``--concurrency`` samples with the guard's queue drained after each) lets
+  the controller act before the scored samples. Reuse
   and teacher-forced top-1 (along ``off``'s continuation, the frontier's metric) over the scored samples, TTFT
   of agents 2-4.
 * **fixed K** (``best_global_k``): fullshared with one ``--kvshare-recompute-head K`` for every agent, guard off;
@@ -392,7 +393,7 @@ def task_sizes(name: str, args: argparse.Namespace) -> Sizes:
                  calibration=max(limit, args.calibration_samples or ((40 if q else 120) if retrieval else
                                                                      (4 if q else 50))),
                  controlled_warmup=args.controlled_warmup if args.controlled_warmup is not None else (
-                     (24 if q else 60) if retrieval else (4 if q else 30)),
+                     (24 if q else 80) if retrieval else (4 if q else 40)),
                  max_tokens=args.max_tokens or (8 if retrieval else (32 if q else 48)))
 
 
@@ -421,7 +422,7 @@ def run_controlled(bench: Bench, spec: fr.TaskSpec, samples, off: dict, size: Si
     args = bench.args
     arm = GuardedArm("guarded", "fullshared", 0, verify_rate=args.verify_rate, target=args.target,
                      min_samples=min_samples)
-    warm = fr.load_warmup(spec, size.limit, size.controlled_warmup)
+    warm = fr.load_warmup(spec, bench.args.offset + size.limit, size.controlled_warmup)
     run = bench.run_arm(arm, spec, samples, [], off, size.max_tokens, server_warm=warm)
     summary = fr.summarize_arm(run, off, spec, samples, bench.decode)
     after, end = bench.after_warmup[arm.name], bench.server.fidelity()
@@ -439,12 +440,12 @@ def run_task(name: str, bench: Bench) -> dict:
     args = bench.args
     spec = fr.task_spec(name, args.seed)
     size = task_sizes(name, args)
-    samples = spec.load(size.limit, 0)
-    warm = fr.load_warmup(spec, size.limit, size.warmup)
+    samples = spec.load(size.limit, args.offset)
+    warm = fr.load_warmup(spec, args.offset + size.limit, size.warmup)
     bound = FidelityTarget.parse(args.target).bound
     out: dict = {"samples": len(samples), "warmup_samples": len(warm), "sizes": size._asdict()}
 
-    calibration = run_calibration(bench, spec, spec.load(size.calibration, 0), warm, size.max_tokens)
+    calibration = run_calibration(bench, spec, spec.load(size.calibration, args.offset), warm, size.max_tokens)
     budget = controlled_budget(args.verify_rate, size.controlled_warmup)
     choice = choose_min_samples(warm_values(calibration["records"]), bound, budget, ceiling=args.max_min_samples)
     out.update({"calibration_within_ci": calibration["within_ci"], "calibration": calibration, "min_samples": choice})
@@ -459,7 +460,7 @@ def run_task(name: str, bench: Bench) -> dict:
                 "arms": {n: arm_cell(a) for n, a in arms.items()}})
 
     n = 2 * choice["chosen"] + 4  # enough for a victim caught at the minimum, with room for a slower one
-    both = spec.load(2 * (n + 1), 0)  # + 1: the sample served after the loop
+    both = spec.load(2 * (n + 1), args.offset)  # + 1: the sample served after the loop
     out["detection"] = run_detection(bench, spec, both[:n + 1], both[n + 1:], size.max_tokens, choice["chosen"])
     out["detection_samples"] = out["detection"]["detection_samples"]
     return out
@@ -687,7 +688,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                          "120, others 50; --quick 40 / 4)")
     ap.add_argument("--controlled-warmup", type=int, default=None,
                     help="unscored samples the guarded arm runs first, so the controller can act before scoring "
-                         "(default retrieval 60, others 30; --quick 24 / 4)")
+                         "(default retrieval 80, others 40; --quick 24 / 4)")
     ap.add_argument("--max-tokens", type=int, default=None, help="default retrieval 8, others 48 (--quick 32)")
     ap.add_argument("--heads", type=int, nargs="+", default=None,
                     help="fixed K arms (default 0 8 16 32 64; --quick 0 32 64)")
@@ -703,7 +704,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--overhead-tokens", type=int, default=16, help="output tokens of an overhead consumer")
     ap.add_argument("--no-overhead", action="store_true")
     ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="retrieval: which generated documents (a new seed, new ones)")
+    ap.add_argument("--offset", type=int, default=0,
+                    help="index of the first scored, calibration and detection sample: held-out samples that an "
+                         "earlier run, read while designing, did not score")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--out-dir", default=str(RESULTS))
     ap.add_argument("--no-progress", action="store_true")
@@ -736,7 +740,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out: dict = {"meta": run_meta(command), "command": command, "machine": machine(), "model": args.model,
                  "quick": args.quick, "verify_rate": args.verify_rate, "target": args.target,
                  "target_bound": FidelityTarget.parse(args.target).bound, "heads": args.heads, "top_k": TOP_K,
-                 "seed": args.seed, "concurrency": args.concurrency, "complete": False, "tasks": {}}
+                 "seed": args.seed, "offset": args.offset, "concurrency": args.concurrency, "complete": False,
+                 "tasks": {}}
     t0 = time.monotonic()
     server = GuardServer(args.model_path).start()
     try:

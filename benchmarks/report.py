@@ -306,7 +306,7 @@ def render_guard(d: dict) -> str:
              + ", ".join(f"{n} {t['samples']} scored + {t['warmup_samples']} warm-up, calibration "
                          f"{t['sizes']['calibration']} + warm-up, guarded arm {t['sizes']['controlled_warmup']} "
                          f"warm-up" for n, t in d["tasks"].items())
-             + f". Complete: {'yes' if d.get('complete') else 'no'}.", "", table(header, rows)]
+             + f"; scored samples from index {d.get('offset', 0)}, seed {d.get('seed', 0)}. Complete: {'yes' if d.get('complete') else 'no'}.", "", table(header, rows)]
     ov = d.get("overhead")
     if ov:
         cells = []
@@ -655,7 +655,7 @@ REGISTRY: list[Benchmark] = [
         "give the same tokens.",
         render_soak),
     Benchmark(
-        "guard", "guard.json", "python -m benchmarks.guard",
+        "guard", "guard.json", "python -m benchmarks.guard --seed 1 --offset 50",
         "Does the fidelity guard's estimate hold the truth, does it keep a target at more reuse than one global "
         "recomputed head, does it catch a bad scope, and what does it cost?",
         "Calibration: every request served approximated KV is replayed densely by the benchmark; each agent's mean "

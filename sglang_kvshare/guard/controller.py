@@ -13,6 +13,14 @@ longer heads to ``dense`` (no reuse at all):
   fixes, is caught within ``min_samples`` verified requests);
 * relax one step when it lies wholly on the right side by a margin
   (``met_with_margin``) and at least twice the minimum samples back it;
+* tighten one step when, after ``DECIDE_AFTER`` x ``min_samples`` verified
+  requests, the interval still straddles the target and the mean lies on the
+  wrong side (``undecided_below``). Why: a scope a few thousandths below the
+  target needs hundreds of verified requests before its interval excludes it
+  ((1.96 sigma / gap)^2 with a per-request spread of 0.02-0.05); a rule that
+  waits for that serves the miss indefinitely. Past that count the guard errs
+  towards exact KV: it keeps a scope whose mean meets the target, and a relax
+  still needs the whole interval on the right side;
 * otherwise stay. Every change starts the scope's estimates afresh (they
   measured the old setting), and samples of requests served under another
   setting than the current one are dropped as stale.
@@ -22,7 +30,7 @@ guard serves a small share of its requests under the next looser setting as
 probes (``probe_setting``), and those samples decide whether it relaxes.
 
 So a scope moves only on evidence (``min_samples`` verified requests at the
-least), never back and forth on noise (a relax needs more evidence and a
+least, ``DECIDE_AFTER`` times that to tighten on the mean alone), never back and forth on noise (a relax needs more evidence and a
 margin). An operator may pin a scope to a setting. Bounded: at most
 ``max_scopes`` scopes, least recently verified dropped first.
 """
@@ -42,6 +50,10 @@ DENSE = -1  # the setting "no reuse": every segment prefilled
 # answers at K=0 on SmolLM2-135M (top-1 0.95-1.0 per answer; KL a few 1e-3).
 TOP1_PRIOR_STD = 0.03
 KL_PRIOR_STD = 0.005
+# An undecided scope is judged on its mean after this many times min_samples verified requests (and the verify
+# burst keeps sampling an undecided scope until then): at 3, a setting costs at most 3 x min_samples
+# verifications, and the mean of 3 x 6 requests with a spread of 0.03 has a standard error of 0.007.
+DECIDE_AFTER = 3
 
 
 def ladder(base_head: int, steps: tuple[int, ...] = (8, 16, 32, 64)) -> tuple[int, ...]:
@@ -60,7 +72,7 @@ class Action:
     scope: Hashable
     before: int
     after: int
-    reason: str  # target_missed | met_with_margin | pinned | unpinned
+    reason: str  # target_missed | undecided_below | met_with_margin | pinned | unpinned
 
 
 @dataclass
@@ -131,12 +143,24 @@ class Controller:
             return None
         return self.settings[state.level - 1]
 
+    @property
+    def decide_after(self) -> int:
+        """Verified requests after which an undecided scope is judged on its mean."""
+        return DECIDE_AFTER * self.min_samples
+
+    def _undecided(self, state: ScopeState) -> bool:
+        """The interval of the scope's current setting straddles the target: neither missed nor met."""
+        low, high = state.estimate(self.target.metric).interval()
+        return low < self.target.bound <= high if self.target.metric == "top1" else low <= self.target.bound < high
+
     def wants_evidence(self, scope: Hashable, waiting: int) -> bool:
-        """Whether the scope's current setting lacks the ``min_samples`` a decision needs, counting ``waiting``
-        requests already drawn for it: the guard then verifies its next approximated request whatever the rate
-        (a burst), so a new or just-moved scope is judged after ``min_samples`` requests, not ``min_samples /
-        rate``. Never for a pinned or ``dense`` scope (a pin decides nothing; a dense scope's probes stay at the
-        rate: relaxing may be slow) nor without a target (measuring only: the samples stay a uniform draw)."""
+        """Whether the scope's current setting lacks the evidence a decision needs, counting ``waiting``
+        requests already drawn for it: fewer than ``min_samples``, or fewer than ``decide_after`` while its
+        interval straddles the target. The guard then verifies its next approximated request whatever the rate
+        (a burst), so a new or just-moved scope is judged after ``min_samples`` (at most ``decide_after``)
+        requests, not that many divided by the rate. Never for a pinned or ``dense`` scope (a pin decides
+        nothing; a dense scope's probes stay at the rate: relaxing may be slow) nor without a target (measuring
+        only: the samples stay a uniform draw)."""
         if self.target is None:
             return False
         state = self._scopes.get(scope)
@@ -144,7 +168,10 @@ class Controller:
             return waiting < self.min_samples
         if state.pinned is not None or self.settings[state.level] == DENSE:
             return False
-        return state.top1.n + waiting < self.min_samples
+        drawn = state.top1.n + waiting
+        if drawn < self.min_samples:
+            return True
+        return drawn < self.decide_after and self._undecided(state)
 
     def observe(self, scope: Hashable, served_under: int, fidelity: RequestFidelity) -> Optional[Action]:
         """Add one verified request of ``scope`` served under ``served_under``; the setting change it causes."""
@@ -165,6 +192,10 @@ class Controller:
         if self.target.missed(interval) and state.level < last:
             step = last - state.level if self.target.severe(interval) else 1
             return self._move(scope, state, step, "target_missed")
+        estimate = state.estimate(self.target.metric)
+        if (state.level < last and estimate.n >= self.decide_after and self._undecided(state)
+                and self.target.missed((estimate.mean, estimate.mean))):
+            return self._move(scope, state, 1, "undecided_below")
         if (state.level > 0 and state.top1.n >= 2 * self.min_samples
                 and self.target.met_with_margin(interval, self.margin)):
             return self._move(scope, state, -1, "met_with_margin")

@@ -85,6 +85,37 @@ def test_a_scope_relaxes_only_with_margin_and_twice_the_evidence():
     assert actions and actions[0].reason == "met_with_margin" and ctl.setting("s") == 0
 
 
+def _cycle(ctl, scope, values, n):
+    """``n`` verified requests cycling through ``values``: their mean, with a wide interval."""
+    actions = []
+    for i in range(n):
+        action = ctl.observe(scope, ctl.setting(scope), RequestFidelity(32, values[i % len(values)], 0.01))
+        actions += [action] if action else []
+    return actions
+
+
+def test_an_undecided_scope_below_the_target_tightens_on_its_mean_after_decide_after_samples():
+    ctl = Controller(FidelityTarget.parse("top1>=0.99"), ladder(0), min_samples=6)
+    assert ctl.decide_after == 18
+    below = [1.0] * 8 + [0.9]  # mean 0.989, spread 0.033: the interval straddles 0.99 for hundreds of requests
+    assert _cycle(ctl, "below", below, 17) == []  # not yet
+    assert ctl.wants_evidence("below", 0)  # undecided: the burst keeps verifying it
+    actions = _cycle(ctl, "below", below[8:], 1)
+    assert [(a.after, a.reason) for a in actions] == [(8, "undecided_below")]
+    assert ctl.counters["undecided_below"] == 1
+    assert _cycle(ctl, "above", [1.0] * 19 + [0.9], 60) == [] and ctl.setting("above") == 0  # mean 0.995: stays
+    assert not ctl.wants_evidence("above", 0)  # judged: the rate applies again
+
+
+def test_a_decided_scope_leaves_the_burst_at_min_samples():
+    ctl = Controller(FidelityTarget.parse("top1>=0.9"), ladder(0), min_samples=4)
+    _cycle(ctl, "clear", [0.999, 1.0], 4)  # the whole interval above 0.9
+    assert not ctl.wants_evidence("clear", 0)
+    _cycle(ctl, "unclear", [0.8, 1.0], 4)
+    assert ctl.wants_evidence("unclear", 0) and ctl.wants_evidence("unclear", 7)
+    assert not ctl.wants_evidence("unclear", 8)  # 4 verified + 8 waiting = decide_after
+
+
 def test_samples_of_a_setting_the_scope_has_left_are_dropped():
     ctl = Controller(FidelityTarget.parse("top1>=0.99"), ladder(0), min_samples=2)
     ctl.pin("s", 16)
