@@ -93,6 +93,9 @@ PYDOC_MODULES = ["collections", "itertools", "functools", "json", "re", "argpars
                  "configparser", "gzip", "io", "operator", "os", "pickle", "shlex", "time", "uuid", "weakref"]
 
 
+RETRIEVAL_FIRST, RETRIEVAL_DOCS = 300_000, 400
+
+
 # --------------------------------------------------------------------- data
 def _source_texts(source: str) -> list[str]:
     """Raw documents of a source, in a fixed order."""
@@ -120,6 +123,10 @@ def _source_texts(source: str) -> list[str]:
                         parts.append(f"{attr}: {doc}")
             docs.append("\n\n".join(p for p in parts if p))
         return docs
+    if source == "retrieval":  # the frontier's fact lists, from indices no frontier run scores
+        from benchmarks.workloads import retrieval
+
+        return [retrieval.make_sample(i).document for i in range(RETRIEVAL_FIRST, RETRIEVAL_FIRST + RETRIEVAL_DOCS)]
     raise ValueError(source)
 
 
@@ -674,7 +681,8 @@ def add_study_args(ap: argparse.ArgumentParser, name: str, quick_help: str) -> N
     ap.add_argument("--tau", type=float, default=0.3)
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--gate-len", type=int, default=256, help="gate comparison length cap k")
-    ap.add_argument("--sources", nargs="+", default=["gsm8k", "humaneval", "pydoc"])
+    ap.add_argument("--sources", nargs="+", default=["gsm8k", "humaneval", "pydoc"],
+                    choices=["gsm8k", "humaneval", "pydoc", "retrieval"])
     ap.add_argument("--greedy-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
 

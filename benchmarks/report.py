@@ -660,7 +660,8 @@ REGISTRY: list[Benchmark] = [
         "recomputed head, does it catch a bad scope, and what does it cost?",
         "Calibration: every request served approximated KV is replayed densely by the benchmark; each agent's mean "
         "over all of them should lie inside the interval the guard reports from its sample. Guarded: fullshared K=0 "
-        "with the guard keeping the target per agent (verify burst on), against fixed heads for every agent "
+        "with the guard keeping the target per agent (verify burst on; a scope still undecided after 3 x min_samples "
+        "verified requests is judged on its mean), against fixed heads for every agent "
         "(best: the most reuse "
         "whose teacher-forced top-1 against `off` meets the bound). Detection: noise in one shared slot's KV; the "
         "verified samples until its readers were served dense, while renamed twins of the workflow on intact slots "
