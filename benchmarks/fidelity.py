@@ -85,6 +85,16 @@ AGENTS = [
 ]
 CHAIN = [a.name for a in AGENTS]
 
+
+def use_retrieval_roles() -> None:
+    """Make the chain the live retrieval workflow's roles (``benchmarks.workloads.retrieval``): short, alike
+    system prompts, a lookup question as the instruction. Why: to tell the live frontier's workflow apart from the
+    study's own agents when the two disagree. In place, because the study's functions read the module's chain."""
+    from benchmarks.workloads.retrieval import ROLES, question
+
+    AGENTS[:] = [Agent(r.name, r.system, "", question("Falcon").strip()) for r in ROLES]
+    CHAIN[:] = [a.name for a in AGENTS]
+
 PYDOC_MODULES = ["collections", "itertools", "functools", "json", "re", "argparse", "logging", "datetime",
                  "pathlib", "subprocess", "typing", "textwrap", "string", "heapq", "bisect", "random",
                  "statistics", "csv", "shutil", "inspect", "dataclasses", "enum", "contextlib", "tempfile",
@@ -703,7 +713,11 @@ def main(argv=None) -> None:
     ap.add_argument("--select-ratios", type=float, nargs="*", default=None,
                     help="shares of the segment's rows recomputed (default 0.1 0.15 0.2 0.3; quick 0.15)")
     ap.add_argument("--only", nargs="*", default=None, help="run only these arm labels (plus fullshared)")
+    ap.add_argument("--roles", choices=["study", "retrieval"], default="study",
+                    help="the chain's agents: the study's own, or the live retrieval workflow's roles")
     args = ap.parse_args(argv)
+    if args.roles == "retrieval":
+        use_retrieval_roles()
     args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.quick:
         defaults = dict(warm=2, eval=1, lengths=[256], sweep_taus=[], sweep_ranks=[], select_ratios=[0.15])
