@@ -95,6 +95,7 @@ def use_retrieval_roles() -> None:
     AGENTS[:] = [Agent(r.name, r.system, "", question("Falcon").strip()) for r in ROLES]
     CHAIN[:] = [a.name for a in AGENTS]
 
+
 PYDOC_MODULES = ["collections", "itertools", "functools", "json", "re", "argparse", "logging", "datetime",
                  "pathlib", "subprocess", "typing", "textwrap", "string", "heapq", "bisect", "random",
                  "statistics", "csv", "shutil", "inspect", "dataclasses", "enum", "contextlib", "tempfile",
@@ -102,7 +103,7 @@ PYDOC_MODULES = ["collections", "itertools", "functools", "json", "re", "argpars
                  "difflib", "pprint", "unittest", "doctest", "sqlite3", "decimal", "fractions", "calendar",
                  "configparser", "gzip", "io", "operator", "os", "pickle", "shlex", "time", "uuid", "weakref"]
 
-
+# Retrieval contents: fact lists from indices no frontier or guard run scores.
 RETRIEVAL_FIRST, RETRIEVAL_DOCS = 300_000, 400
 
 
@@ -133,7 +134,7 @@ def _source_texts(source: str) -> list[str]:
                         parts.append(f"{attr}: {doc}")
             docs.append("\n\n".join(p for p in parts if p))
         return docs
-    if source == "retrieval":  # the frontier's fact lists, from indices no frontier run scores
+    if source == "retrieval":
         from benchmarks.workloads import retrieval
 
         return [retrieval.make_sample(i).document for i in range(RETRIEVAL_FIRST, RETRIEVAL_FIRST + RETRIEVAL_DOCS)]

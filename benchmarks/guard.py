@@ -18,9 +18,8 @@ teacher-forced scoring against ``off``, ``summarize_arm``):
   ``--target`` (and the server's verify burst: a new or just-moved scope's first ``min_samples`` approximated
   requests are verified, up to 3 x that while its interval straddles the target); its own unscored warm-up
   (``--controlled-warmup``, in rounds of ``--concurrency`` samples with the guard's queue drained after each) lets
-  the controller act before the scored samples. Reuse
-  and teacher-forced top-1 (along ``off``'s continuation, the frontier's metric) over the scored samples, TTFT
-  of agents 2-4.
+  the controller act before the scored samples. Reuse and teacher-forced top-1 (along ``off``'s continuation, the
+  frontier's metric) over the scored samples, TTFT of agents 2-4.
 * **fixed K** (``best_global_k``): fullshared with one ``--kvshare-recompute-head K`` for every agent, guard off;
   the best is the highest reuse among those whose teacher-forced top-1 meets the target's bound (None if none).
 * **detection** (``detection_samples``): ``--kvshare-fault-perturb-slot`` on the task's shared input slot, the
@@ -422,7 +421,7 @@ def run_controlled(bench: Bench, spec: fr.TaskSpec, samples, off: dict, size: Si
     args = bench.args
     arm = GuardedArm("guarded", "fullshared", 0, verify_rate=args.verify_rate, target=args.target,
                      min_samples=min_samples)
-    warm = fr.load_warmup(spec, bench.args.offset + size.limit, size.controlled_warmup)
+    warm = fr.load_warmup(spec, args.offset + size.limit, size.controlled_warmup)
     run = bench.run_arm(arm, spec, samples, [], off, size.max_tokens, server_warm=warm)
     summary = fr.summarize_arm(run, off, spec, samples, bench.decode)
     after, end = bench.after_warmup[arm.name], bench.server.fidelity()

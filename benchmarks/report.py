@@ -309,7 +309,8 @@ def render_guard(d: dict) -> str:
              + ", ".join(f"{n} {t['samples']} scored + {t['warmup_samples']} warm-up, calibration "
                          f"{t['sizes']['calibration']} + warm-up, guarded arm {t['sizes']['controlled_warmup']} "
                          f"warm-up" for n, t in d["tasks"].items())
-             + f"; scored samples from index {d.get('offset', 0)}, seed {d.get('seed', 0)}. Complete: {'yes' if d.get('complete') else 'no'}.", "", table(header, rows)]
+             + f"; scored samples from index {d.get('offset', 0)}, seed {d.get('seed', 0)}. "
+               f"Complete: {'yes' if d.get('complete') else 'no'}.", "", table(header, rows)]
     ov = d.get("overhead")
     if ov:
         cells = []

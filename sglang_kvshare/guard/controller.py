@@ -30,9 +30,10 @@ guard serves a small share of its requests under the next looser setting as
 probes (``probe_setting``), and those samples decide whether it relaxes.
 
 So a scope moves only on evidence (``min_samples`` verified requests at the
-least, ``DECIDE_AFTER`` times that to tighten on the mean alone), never back and forth on noise (a relax needs more evidence and a
-margin). An operator may pin a scope to a setting. Bounded: at most
-``max_scopes`` scopes, least recently verified dropped first.
+least, ``DECIDE_AFTER`` times that to tighten on the mean alone), never back
+and forth on noise (a relax needs more evidence and a margin). An operator may
+pin a scope to a setting. Bounded: at most ``max_scopes`` scopes, least
+recently verified dropped first.
 """
 
 from __future__ import annotations
