@@ -149,11 +149,6 @@ class Controller:
         """Verified requests after which an undecided scope is judged on its mean."""
         return DECIDE_AFTER * self.min_samples
 
-    def _undecided(self, state: ScopeState) -> bool:
-        """The interval of the scope's current setting straddles the target: neither missed nor met."""
-        low, high = state.estimate(self.target.metric).interval()
-        return low < self.target.bound <= high if self.target.metric == "top1" else low <= self.target.bound < high
-
     def wants_evidence(self, scope: Hashable, waiting: int) -> bool:
         """Whether the scope's current setting lacks the evidence a decision needs, counting ``waiting``
         requests already drawn for it: fewer than ``min_samples``, or fewer than ``decide_after`` while its
@@ -172,7 +167,7 @@ class Controller:
         drawn = state.top1.n + waiting
         if drawn < self.min_samples:
             return True
-        return drawn < self.decide_after and self._undecided(state)
+        return drawn < self.decide_after and self.target.straddles(state.estimate(self.target.metric).interval())
 
     def observe(self, scope: Hashable, served_under: int, fidelity: RequestFidelity) -> Optional[Action]:
         """Add one verified request of ``scope`` served under ``served_under``; the setting change it causes."""
@@ -188,13 +183,13 @@ class Controller:
         self.counters["samples"] += 1
         if self.target is None or state.pinned is not None or state.top1.n < self.min_samples:
             return None
-        interval = state.estimate(self.target.metric).interval()
+        estimate = state.estimate(self.target.metric)
+        interval = estimate.interval()
         last = len(self.settings) - 1
         if self.target.missed(interval) and state.level < last:
             step = last - state.level if self.target.severe(interval) else 1
             return self._move(scope, state, step, "target_missed")
-        estimate = state.estimate(self.target.metric)
-        if (state.level < last and estimate.n >= self.decide_after and self._undecided(state)
+        if (state.level < last and estimate.n >= self.decide_after and self.target.straddles(interval)
                 and self.target.missed((estimate.mean, estimate.mean))):
             return self._move(scope, state, 1, "undecided_below")
         if (state.level > 0 and state.top1.n >= 2 * self.min_samples

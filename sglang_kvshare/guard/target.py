@@ -45,6 +45,11 @@ class FidelityTarget:
         low, high = interval
         return high < self.bound if self.metric == "top1" else low > self.bound
 
+    def straddles(self, interval: tuple[float, float]) -> bool:
+        """The interval holds the bound: neither missed nor met, the evidence decides nothing yet."""
+        low, high = interval
+        return low < self.bound <= high if self.metric == "top1" else low <= self.bound < high
+
     def severe(self, interval: tuple[float, float]) -> bool:
         """Missed by far (top-1 below 90 % of the bound, or KL above twice it): no head will fix it."""
         low, high = interval
