@@ -178,7 +178,7 @@ class Controller:
             self.counters["stale_samples"] += 1
             return None
         state.samples += 1
-        state.top1.add(fidelity.top1)
+        state.top1.add(fidelity.top1, step=1.0 / max(fidelity.positions, 1))  # one flip: the least it moves
         state.kl.add(fidelity.kl)
         self.counters["samples"] += 1
         if self.target is None or state.pinned is not None or state.top1.n < self.min_samples:

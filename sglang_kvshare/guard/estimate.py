@@ -10,6 +10,16 @@ the whole range. The variance carries a prior (``prior_std``, worth
 ``PRIOR_WEIGHT`` requests): a few identical values (every position agreed in
 each of five answers) must not give a zero-width interval that lets the
 controller act on five requests; as evidence grows the prior fades.
+
+A value that moves in steps (top-1 of an answer of P positions moves by 1/P
+per disagreeing position) may pass its mean step with each value
+(``add(value, step=1/P)``); the prior spread is then at least that step: one
+flip per answer. Why: on short answers (8 positions) a run of answers that
+all agree says little about a rate of rare flips, and a fixed small prior
+gave intervals that excluded the truth. With a prior of one step at weight 2,
+``n`` answers that all agree give a lower end of about ``1 - 2.8 / (n P)``,
+near the exact zero-event bound ``1 - 3 / (n P)`` on the rate of answers with
+one flip; on long answers (1/P below ``prior_std``) nothing changes.
 """
 
 from __future__ import annotations
@@ -24,7 +34,8 @@ PRIOR_WEIGHT = 2.0  # pseudo-requests behind the prior variance
 @dataclass
 class RunningEstimate:
     """Count, mean and variance of the values added so far; ``lo``/``hi`` bound what the metric can be,
-    ``prior_std`` is the per-request spread assumed before evidence (0: none)."""
+    ``prior_std`` is the per-request spread assumed before evidence (0: none), raised to the mean step of the
+    values added with one."""
 
     lo: float = 0.0
     hi: float = 1.0
@@ -32,9 +43,12 @@ class RunningEstimate:
     n: int = 0
     mean: float = 0.0
     _m2: float = 0.0
+    _step_sum: float = 0.0
 
-    def add(self, value: float) -> None:
+    def add(self, value: float, step: float = 0.0) -> None:
+        """One request's value; ``step``: the smallest change it can show (1/positions for a share), or 0."""
         self.n += 1
+        self._step_sum += max(step, 0.0)
         delta = value - self.mean
         self.mean += delta / self.n
         self._m2 += delta * (value - self.mean)
@@ -44,8 +58,9 @@ class RunningEstimate:
         """The sample spread, shrunk towards ``prior_std`` by ``PRIOR_WEIGHT`` pseudo-requests."""
         if self.n < 2:
             return float("inf")
-        weight = PRIOR_WEIGHT if self.prior_std > 0 else 0.0
-        return math.sqrt((self._m2 + weight * self.prior_std ** 2) / (self.n - 1 + weight))
+        prior = max(self.prior_std, self._step_sum / self.n)
+        weight = PRIOR_WEIGHT if prior > 0 else 0.0
+        return math.sqrt((self._m2 + weight * prior ** 2) / (self.n - 1 + weight))
 
     def interval(self, z: float = Z95) -> tuple[float, float]:
         """The 95 % interval of the mean (the metric's whole range below two samples)."""

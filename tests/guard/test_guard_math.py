@@ -185,3 +185,27 @@ def test_identical_values_do_not_give_a_zero_width_interval():
     for _ in range(5):
         plain.add(1.0)
     assert plain.interval() == (1.0, 1.0)  # without the prior: the collapse the prior prevents
+
+
+def test_short_answers_that_all_agree_leave_room_for_rare_flips():
+    short = RunningEstimate(0.0, 1.0, prior_std=0.03)
+    for _ in range(10):
+        short.add(1.0, step=1 / 8)  # ten 8-token answers, every position agreed
+    low, _ = short.interval()
+    assert low < 0.98  # a flip in one answer of six (truth 0.98) is still inside
+    assert abs(low - (1 - 2.8 / 80)) < 0.005  # about the zero-event bound 1 - 3/(n P)
+    long = RunningEstimate(0.0, 1.0, prior_std=0.03)
+    fixed = RunningEstimate(0.0, 1.0, prior_std=0.03)
+    for _ in range(10):
+        long.add(1.0, step=1 / 64)  # one step of a long answer is below the fixed prior: no change
+        fixed.add(1.0)
+    assert long.interval() == fixed.interval()
+
+
+def test_the_controller_passes_the_answer_length_as_the_step():
+    ctl = Controller(FidelityTarget.parse("top1>=0.99"), ladder(0), min_samples=6)
+    for _ in range(6):
+        ctl.observe("short", 0, RequestFidelity(8, 1.0, 0.0))
+        ctl.observe("long", 0, RequestFidelity(64, 1.0, 0.0))
+    short, long = (ctl._state(s).top1.interval()[0] for s in ("short", "long"))
+    assert short < long
