@@ -643,6 +643,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out-dir", default=str(RESULTS))
     ap.add_argument("--tag", default="", help="suffix of the output names (frontier_<task><tag>.json)")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--reports", default=None, metavar="JSONL",
+                    help="also write every request's kvshare report (generation and teacher-forced passes), one "
+                         "JSON line each: how each segment was served, its source agent, gate and pool")
     ap.add_argument("--rescore", nargs="+", metavar="JSON", default=None,
                     help="start no server: recompute the line gaps (and their intervals) of finished results "
                          "files from their recorded per-item answers, rewrite them and their plots")
@@ -696,6 +699,8 @@ def run_task(name: str, args, tok, argv_used: Sequence[str]) -> dict:
         run = run_arm(arm, spec, samples, warm, tok, args, off, max_tokens)
         if arm.name == "off":
             off = run
+        if args.reports:
+            write_reports(Path(args.reports), name, arm.name, samples, run)
         out["arms"][arm.name] = summarize_arm(run, off, spec, samples, decode)
         out["scored_items"] = out["arms"]["off"]["scored_items"]
         add_line_gaps(out["arms"])
@@ -707,6 +712,19 @@ def run_task(name: str, args, tok, argv_used: Sequence[str]) -> dict:
     out["complete"] = True
     save(out, path)
     return out
+
+
+def write_reports(path: Path, task: str, arm: str, samples, run: dict) -> None:
+    """Append the kvshare reports of one arm's scored requests to ``path`` (a diagnostic: which copy each
+    consumer reused, and how; the results files keep only the totals)."""
+    with path.open("a") as f:
+        for si, rows in enumerate(run["raw"]):
+            for ri, row in enumerate(rows):
+                for kind, rep in (("generate", row["report"]), ("teacher_forced", run["tf"].get((si, ri), {}).get(
+                        "report"))):
+                    if rep is not None:
+                        f.write(json.dumps({"task": task, "arm": arm, "sample": samples[si].id, "agent": row["agent"],
+                                            "position": row["position"], "pass": kind, "report": rep}) + "\n")
 
 
 def main(argv=None, *, arm_server: Optional[ArmServer] = None) -> int:
