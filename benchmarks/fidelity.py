@@ -61,6 +61,7 @@ class Agent:
     system: str
     glue: str
     instruction: str
+    answer: str = ""  # the start of the assistant's answer, part of the tail (a lookup's "The code of X is")
 
 
 AGENTS = [
@@ -86,13 +87,20 @@ AGENTS = [
 CHAIN = [a.name for a in AGENTS]
 
 
-def use_retrieval_roles() -> None:
+def use_retrieval_roles(lookup: bool = False) -> None:
     """Make the chain the live retrieval workflow's roles (``benchmarks.workloads.retrieval``): short, alike
     system prompts, a lookup question as the instruction. Why: to tell the live frontier's workflow apart from the
-    study's own agents when the two disagree. In place, because the study's functions read the module's chain."""
-    from benchmarks.workloads.retrieval import ROLES, question
+    study's own agents when the two disagree. In place, because the study's functions read the module's chain.
 
-    AGENTS[:] = [Agent(r.name, r.system, "", question("Falcon").strip()) for r in ROLES]
+    ``lookup``: as the live workflow asks, a key every retrieval content holds (``RETRIEVAL_KEY``: only documents
+    that state it are used) and the tail ends with the answer's start, so the last tail position predicts the value.
+    """
+    from benchmarks.workloads.retrieval import ROLES, answer_prefix, question
+
+    global RETRIEVAL_KEY
+    RETRIEVAL_KEY = LOOKUP_KEY if lookup else None
+    AGENTS[:] = [Agent(r.name, r.system, "", question(LOOKUP_KEY).strip(),
+                       answer_prefix(LOOKUP_KEY) if lookup else "") for r in ROLES]
     CHAIN[:] = [a.name for a in AGENTS]
 
 
@@ -105,6 +113,8 @@ PYDOC_MODULES = ["collections", "itertools", "functools", "json", "re", "argpars
 
 # Retrieval contents: fact lists from indices no frontier or guard run scores.
 RETRIEVAL_FIRST, RETRIEVAL_DOCS = 300_000, 400
+LOOKUP_KEY = "Falcon"  # the key the retrieval roles ask for
+RETRIEVAL_KEY: str | None = None  # when set: only retrieval documents that state this key's value
 
 
 # --------------------------------------------------------------------- data
@@ -137,7 +147,9 @@ def _source_texts(source: str) -> list[str]:
     if source == "retrieval":
         from benchmarks.workloads import retrieval
 
-        return [retrieval.make_sample(i).document for i in range(RETRIEVAL_FIRST, RETRIEVAL_FIRST + RETRIEVAL_DOCS)]
+        docs = [retrieval.make_sample(i).document for i in range(RETRIEVAL_FIRST, RETRIEVAL_FIRST + RETRIEVAL_DOCS)]
+        # NOTE: the key's line must sit near the top, inside the first content length (160 tokens ~ 600 chars).
+        return [d for d in docs if RETRIEVAL_KEY is None or f"The code of {RETRIEVAL_KEY} is" in d[:600]]
     raise ValueError(source)
 
 
@@ -170,7 +182,7 @@ def build_contents(tok, source: str, lengths: list[int], n_warm: int, n_eval: in
 def agent_token_parts(tok, agent: Agent) -> tuple[list[int], list[int]]:
     """(prefix ids up to the segment, suffix ids after it) in ChatML."""
     prefix = f"<|im_start|>system\n{agent.system}<|im_end|>\n<|im_start|>user\n{agent.glue}\n"
-    suffix = f"\n\n{agent.instruction}<|im_end|>\n<|im_start|>assistant\n"
+    suffix = f"\n\n{agent.instruction}<|im_end|>\n<|im_start|>assistant\n{agent.answer}"
     return tok(prefix, add_special_tokens=False)["input_ids"], tok(suffix, add_special_tokens=False)["input_ids"]
 
 
@@ -318,7 +330,8 @@ def run(args, out_path: Path | None = None, arms_fn=None) -> dict:
                 served[arm.label] = serve_chain(model, arm, slot, key, ids, exact, ref, prefix_kv, phase,
                                                 tails={name: tail for name, (_, tail) in parts.items()})
             if phase == "eval":
-                evaluate(model, arms, served, exact, prefix_kv, parts, slot, len(ids), args.greedy_tokens)
+                evaluate(model, arms, served, exact, prefix_kv, parts, slot, len(ids), args.greedy_tokens,
+                         last_only=args.score == "last")
                 done += 1
                 if out_path is not None and done < len(held):  # checkpoint: a partial result survives a kill
                     part = summarize(args, arms, spec, model, dense_secs / max(dense_tokens, 1), done, len(warm),
@@ -487,8 +500,9 @@ def _record_errors(arm: Arm, kv: KV, target: SegmentCache) -> None:
     arm.err_coarse.append(coarse_errors(kv.k, kv.v, target.k, target.v))
 
 
-def evaluate(model, arms, served, exact, prefix_kv, parts, slot, seg_len, greedy_tokens):
-    """Suffix KL / top-1 / greedy of every arm against NonShared, per consumer (one batch)."""
+def evaluate(model, arms, served, exact, prefix_kv, parts, slot, seg_len, greedy_tokens, last_only: bool = False):
+    """Suffix KL / top-1 / greedy of every arm against NonShared, per consumer (one batch); ``last_only``: KL and
+    top-1 at the tail's last position only (with ``--roles lookup``: the value's first token)."""
     order = sorted(arms, key=lambda a: not a.greedy)  # greedy rows first
     n_greedy = 1 + sum(a.greedy for a in arms)
     for hop, name in enumerate(CHAIN[1:], start=1):
@@ -496,6 +510,8 @@ def evaluate(model, arms, served, exact, prefix_kv, parts, slot, seg_len, greedy
         contexts = [pre.cat(KV(exact[name].k, exact[name].v))]
         contexts += [pre.cat(served[a.label][name][0]) for a in order]
         logp, greedy = suffix_eval(model, contexts, parts[name][1], greedy_tokens, n_greedy)
+        if last_only:
+            logp = logp[:, -1:]
         p0 = logp[0].exp()
         for i, arm in enumerate(order, start=1):
             kl = (p0 * (logp[0] - logp[i])).sum(-1).clamp_min(0)  # [T]
@@ -714,11 +730,14 @@ def main(argv=None) -> None:
     ap.add_argument("--select-ratios", type=float, nargs="*", default=None,
                     help="shares of the segment's rows recomputed (default 0.1 0.15 0.2 0.3; quick 0.15)")
     ap.add_argument("--only", nargs="*", default=None, help="run only these arm labels (plus fullshared)")
-    ap.add_argument("--roles", choices=["study", "retrieval"], default="study",
-                    help="the chain's agents: the study's own, or the live retrieval workflow's roles")
+    ap.add_argument("--roles", choices=["study", "retrieval", "lookup"], default="study",
+                    help="the chain's agents: the study's own, or the live retrieval workflow's roles (lookup: "
+                         "asking for a key the document holds, the tail ending with the answer's start)")
+    ap.add_argument("--score", choices=["tail", "last"], default="tail",
+                    help="KL and top-1 over the whole tail, or at its last position only")
     args = ap.parse_args(argv)
-    if args.roles == "retrieval":
-        use_retrieval_roles()
+    if args.roles in ("retrieval", "lookup"):
+        use_retrieval_roles(lookup=args.roles == "lookup")
     args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.quick:
         defaults = dict(warm=2, eval=1, lengths=[256], sweep_taus=[], sweep_ranks=[], select_ratios=[0.15])

@@ -1,0 +1,36 @@
+"""The offline study's chain as the live retrieval workflow asks: roles, lookup key, answer prefix (no model)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import fidelity as fid
+from benchmarks.workloads.retrieval import answer_prefix
+
+
+def _chars(text: str, add_special_tokens: bool = False) -> dict:
+    return {"input_ids": [ord(c) for c in text]}
+
+
+@pytest.fixture
+def restored_chain():
+    agents, chain, key = list(fid.AGENTS), list(fid.CHAIN), fid.RETRIEVAL_KEY
+    yield
+    fid.AGENTS[:], fid.CHAIN[:], fid.RETRIEVAL_KEY = agents, chain, key
+
+
+def test_lookup_roles_ask_for_a_key_every_document_states(restored_chain):
+    fid.use_retrieval_roles(lookup=True)
+    docs = fid._source_texts("retrieval")
+    assert docs and all(f"The code of {fid.LOOKUP_KEY} is" in d[:600] for d in docs)
+    assert len(docs) < fid.RETRIEVAL_DOCS  # some documents do not state it: the filter did something
+    for agent in fid.AGENTS:
+        _, suffix = fid.agent_token_parts(_chars, agent)
+        assert "".join(map(chr, suffix)).endswith("<|im_start|>assistant\n" + answer_prefix(fid.LOOKUP_KEY))
+
+
+def test_plain_retrieval_roles_keep_every_document_and_an_open_answer(restored_chain):
+    fid.use_retrieval_roles()
+    assert len(fid._source_texts("retrieval")) == fid.RETRIEVAL_DOCS
+    _, suffix = fid.agent_token_parts(_chars, fid.AGENTS[0])
+    assert "".join(map(chr, suffix)).endswith("<|im_start|>assistant\n")
