@@ -92,13 +92,13 @@ def use_retrieval_roles(lookup: bool = False) -> None:
     system prompts, a lookup question as the instruction. Why: to tell the live frontier's workflow apart from the
     study's own agents when the two disagree. In place, because the study's functions read the module's chain.
 
-    ``lookup``: as the live workflow asks, a key every retrieval content holds (``RETRIEVAL_KEY``: only documents
+    ``lookup``: as the live workflow asks, a key every retrieval content holds (``LOOKUP_DOCS``: only documents
     that state it are used) and the tail ends with the answer's start, so the last tail position predicts the value.
     """
     from benchmarks.workloads.retrieval import ROLES, answer_prefix, question
 
-    global RETRIEVAL_KEY
-    RETRIEVAL_KEY = LOOKUP_KEY if lookup else None
+    global LOOKUP_DOCS
+    LOOKUP_DOCS = lookup
     AGENTS[:] = [Agent(r.name, r.system, "", question(LOOKUP_KEY).strip(),
                        answer_prefix(LOOKUP_KEY) if lookup else "") for r in ROLES]
     CHAIN[:] = [a.name for a in AGENTS]
@@ -114,7 +114,7 @@ PYDOC_MODULES = ["collections", "itertools", "functools", "json", "re", "argpars
 # Retrieval contents: fact lists from indices no frontier or guard run scores.
 RETRIEVAL_FIRST, RETRIEVAL_DOCS = 300_000, 400
 LOOKUP_KEY = "Falcon"  # the key the retrieval roles ask for
-RETRIEVAL_KEY: str | None = None  # when set: only retrieval documents that state this key's value
+LOOKUP_DOCS = False  # only retrieval documents that state LOOKUP_KEY's value
 
 
 # --------------------------------------------------------------------- data
@@ -149,7 +149,7 @@ def _source_texts(source: str) -> list[str]:
 
         docs = [retrieval.make_sample(i).document for i in range(RETRIEVAL_FIRST, RETRIEVAL_FIRST + RETRIEVAL_DOCS)]
         # NOTE: the key's line must sit near the top, inside the first content length (160 tokens ~ 600 chars).
-        return [d for d in docs if RETRIEVAL_KEY is None or f"The code of {RETRIEVAL_KEY} is" in d[:600]]
+        return [d for d in docs if not LOOKUP_DOCS or retrieval.answer_prefix(LOOKUP_KEY) in d[:600]]
     raise ValueError(source)
 
 

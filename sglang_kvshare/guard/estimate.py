@@ -17,9 +17,10 @@ per disagreeing position) may pass its mean step with each value
 flip per answer. Why: on short answers (8 positions) a run of answers that
 all agree says little about a rate of rare flips: with the fixed prior of
 0.03 alone, ten such answers give [0.992, 1.0] whatever the true mean. With
-a prior of one step at weight 2, ``n`` answers that all agree give a lower end of about ``1 - 2.8 / (n P)``,
-near the exact zero-event bound ``1 - 3 / (n P)`` on the rate of answers with
-one flip; on long answers (1/P below ``prior_std``) nothing changes.
+a prior of one step at weight 2, ``n`` answers that all agree give a lower
+end of about ``1 - 2.8 / (n P)``, near the exact zero-event bound
+``1 - 3 / (n P)`` on the rate of answers with one flip; on long answers
+(1/P below ``prior_std``) nothing changes.
 """
 
 from __future__ import annotations

@@ -14,9 +14,9 @@ def _chars(text: str, add_special_tokens: bool = False) -> dict:
 
 @pytest.fixture
 def restored_chain():
-    agents, chain, key = list(fid.AGENTS), list(fid.CHAIN), fid.RETRIEVAL_KEY
+    agents, chain, docs = list(fid.AGENTS), list(fid.CHAIN), fid.LOOKUP_DOCS
     yield
-    fid.AGENTS[:], fid.CHAIN[:], fid.RETRIEVAL_KEY = agents, chain, key
+    fid.AGENTS[:], fid.CHAIN[:], fid.LOOKUP_DOCS = agents, chain, docs
 
 
 def test_lookup_roles_ask_for_a_key_every_document_states(restored_chain):
