@@ -331,7 +331,7 @@ def run(args, out_path: Path | None = None, arms_fn=None) -> dict:
                                                 tails={name: tail for name, (_, tail) in parts.items()})
             if phase == "eval":
                 evaluate(model, arms, served, exact, prefix_kv, parts, slot, len(ids), args.greedy_tokens,
-                         last_only=args.score == "last")
+                         score=args.score)
                 done += 1
                 if out_path is not None and done < len(held):  # checkpoint: a partial result survives a kill
                     part = summarize(args, arms, spec, model, dense_secs / max(dense_tokens, 1), done, len(warm),
@@ -500,17 +500,31 @@ def _record_errors(arm: Arm, kv: KV, target: SegmentCache) -> None:
     arm.err_coarse.append(coarse_errors(kv.k, kv.v, target.k, target.v))
 
 
-def evaluate(model, arms, served, exact, prefix_kv, parts, slot, seg_len, greedy_tokens, last_only: bool = False):
-    """Suffix KL / top-1 / greedy of every arm against NonShared, per consumer (one batch); ``last_only``: KL and
-    top-1 at the tail's last position only (with ``--roles lookup``: the value's first token)."""
+ANSWER_TOKENS = 8  # --score answer: positions scored (the live retrieval frontier's max_tokens)
+
+
+def evaluate(model, arms, served, exact, prefix_kv, parts, slot, seg_len, greedy_tokens, score: str = "tail"):
+    """Suffix KL / top-1 / greedy of every arm against NonShared, per consumer (one batch).
+
+    ``score``: ``tail`` every position of the tail; ``last`` its last position only (with ``--roles lookup``:
+    the value's first token); ``answer`` the positions that predict NonShared's greedy answer (up to
+    ``ANSWER_TOKENS`` tokens and its end), teacher-forced, as the live frontier scores. Why ``answer``: a
+    lookup copies the value's digits from the document's rows, and an error there shows only at the
+    answer's later tokens, which the tail never reaches."""
     order = sorted(arms, key=lambda a: not a.greedy)  # greedy rows first
     n_greedy = 1 + sum(a.greedy for a in arms)
     for hop, name in enumerate(CHAIN[1:], start=1):
         pre = prefix_kv[name]
         contexts = [pre.cat(KV(exact[name].k, exact[name].v))]
         contexts += [pre.cat(served[a.label][name][0]) for a in order]
-        logp, greedy = suffix_eval(model, contexts, parts[name][1], greedy_tokens, n_greedy)
-        if last_only:
+        suffix = parts[name][1]
+        if score == "answer":
+            answer = _answer(model, contexts[0], suffix)
+            logp, greedy = suffix_eval(model, contexts, suffix + answer[:-1], greedy_tokens, n_greedy)
+            logp = logp[:, len(suffix) - 1:]
+        else:
+            logp, greedy = suffix_eval(model, contexts, suffix, greedy_tokens, n_greedy)
+        if score == "last":
             logp = logp[:, -1:]
         p0 = logp[0].exp()
         for i, arm in enumerate(order, start=1):
@@ -529,6 +543,16 @@ def evaluate(model, arms, served, exact, prefix_kv, parts, slot, seg_len, greedy
             if arm.greedy and greedy is not None:
                 same = bool(torch.equal(greedy[0], greedy[i]))
                 arm.greedy_same.append(float(same))
+
+
+def _answer(model, context: KV, suffix: list[int]) -> list[int]:
+    """NonShared's greedy answer after ``suffix``: up to ``ANSWER_TOKENS`` tokens, ending at the first end token."""
+    _, greedy = suffix_eval(model, [context], suffix, ANSWER_TOKENS, 1)
+    tokens = greedy[0].tolist()
+    ends = {t for t in (model.config.eos_token_id if isinstance(model.config.eos_token_id, list)
+                        else [model.config.eos_token_id]) if t is not None}
+    cut = next((i for i, t in enumerate(tokens) if t in ends), len(tokens) - 1)
+    return tokens[:cut + 1]
 
 
 def _p90(xs):
@@ -733,8 +757,9 @@ def main(argv=None) -> None:
     ap.add_argument("--roles", choices=["study", "retrieval", "lookup"], default="study",
                     help="the chain's agents: the study's own, or the live retrieval workflow's roles (lookup: "
                          "asking for a key the document holds, the tail ending with the answer's start)")
-    ap.add_argument("--score", choices=["tail", "last"], default="tail",
-                    help="KL and top-1 over the whole tail, or at its last position only")
+    ap.add_argument("--score", choices=["tail", "last", "answer"], default="tail",
+                    help="KL and top-1 over the whole tail, at its last position only, or along NonShared's greedy "
+                         "answer (teacher-forced, as the live frontier scores)")
     args = ap.parse_args(argv)
     if args.roles in ("retrieval", "lookup"):
         use_retrieval_roles(lookup=args.roles == "lookup")

@@ -78,7 +78,8 @@ class KVShareConfig:
     rank: Optional[int] = _option(32, GROUP_ADVANCED, "Rank r of the factors of new anchors; 0 means full dimension.")
     evict_window: int = _option(5, GROUP_ADVANCED, "W: evict the least-activated among the W oldest anchors.")
     gate_max_tokens: Optional[int] = _option(128, GROUP_ADVANCED, "Cap on the comparison length k of the gate; 0 = the whole segment. With --kvshare-min-anchor-len 0 the gate only considers anchors at least k tokens long, so without a cap a new content longer than every earlier one always falls back.")
-    cold_pool_align: bool = _option(True, GROUP_ADVANCED, "kvcmas: while a slot's pool cannot gate an edge yet (too_few_anchors, no_edge) and the dense prefills it needs (two) are already queued for learning, align the copy (as fullshared, with the recompute head) instead of prefilling it again (not with tau 0); false = prefill densely until the anchors are learned.")
+    cold_pool_align: bool = _option(True, GROUP_ADVANCED, "kvcmas: while a slot's pool cannot correct an edge yet (too_few_anchors, no_edge: fewer than --kvshare-edge-anchors contents learned or queued), align the copies of the contents that do not teach the pool (as fullshared, with the recompute head) instead of prefilling them (not with tau 0); false = prefill densely until the anchors are learned.")
+    edge_anchors: int = _option(8, GROUP_ADVANCED, "kvcmas corrects an edge (source agent -> target agent of a slot) once its pool holds anchors of this many contents for it; until then the edge's requests are aligned (as fullshared, with the recompute head), and about every other new content is prefilled densely to teach the pool. Why more than the gate's two: a correction weighs the anchors row by row, and with few anchors the rows of a new document get other contents' deltas; on lookups in retrieval documents two anchors gave 1.5x the KL of alignment, eight 0.7x (docs/ALGORITHM.md, section 7). Capped at the pool capacity.")
     min_anchor_len: int = _option(16, GROUP_ADVANCED, "Anchors of at least this many tokens (holding the edge) help a segment: the gate compares on their common prefix and rows past every anchor stay aligned only; 0 = an anchor must cover the whole comparison length (the papers' rule; it leaves short single contents with too few anchors).")
     learn_cpu_share: float = _option(0.5, GROUP_ADVANCED, "Most share of wall time the learning thread may be busy: after learning for t seconds it sleeps t*(1/share-1), scaled by the learning queue's free share (a burst is learned, not dropped). On a machine with few cores the learner's SVDs compete with the forward; 1 = no pause.")
     learn_yield_s: float = _option(10.0, GROUP_ADVANCED, "Learning yields to serving, at most this many seconds per observation: with --kvshare-learn-on-idle each step waits for the scheduler to take it (idle, or in front of a decode batch) and runs beside it once the budget is spent; without, the learning thread waits until no prefill is in flight (and none ended in the last 0.2 s). Under steady load it learns after the wait anyway, so pools fill. 0 = never wait.")
@@ -112,6 +113,8 @@ class KVShareConfig:
             raise ValueError(f"tau must lie in [0, 1], got {self.tau}")
         if self.capacity is not None and self.capacity < 2:
             raise ValueError(f"capacity must be at least 2 (the gate needs two anchors), got {self.capacity}")
+        if self.edge_anchors < 2:
+            raise ValueError(f"edge_anchors must be >= 2 (the gate weighs at least two anchors), got {self.edge_anchors}")
         if self.rank is not None and self.rank < 0:
             raise ValueError(f"rank must be >= 0 (0 = full dimension), got {self.rank}")
         if self.evict_window < 1:
@@ -145,6 +148,11 @@ class KVShareConfig:
     @property
     def effective_capacity(self) -> int:
         return self.capacity if self.capacity is not None else 10
+
+    @property
+    def effective_edge_anchors(self) -> int:
+        """An edge holds at most the pool's anchors."""
+        return min(self.edge_anchors, self.effective_capacity)
 
     @property
     def effective_rank(self) -> Optional[int]:

@@ -72,6 +72,7 @@ class CorrectionState:
         return make_estimator(cfg.mode, self.spec, tau=cfg.tau, capacity=cfg.effective_capacity,
                               rank=cfg.effective_rank, window=cfg.evict_window,
                               gate_len=cfg.gate_max_tokens or None, min_anchor_len=cfg.min_anchor_len or None,
+                              min_edge_anchors=cfg.effective_edge_anchors,
                               max_slots=cfg.max_pools, budget_bytes=int(cfg.pool_budget_mb * 2**20),
                               step_layers=cfg.learn_step_layers or None, reducer=self.reducer,
                               svd_method="gram")  # serving: exact and the cheapest on the learning thread
@@ -98,5 +99,6 @@ class CorrectionState:
                 self.estimator = self._make_estimator()
                 return True
             if self.estimator is not None and new.mode == "kvcmas":
-                self.estimator.configure(tau=new.tau, capacity=new.effective_capacity, rank=new.effective_rank)
+                self.estimator.configure(tau=new.tau, capacity=new.effective_capacity, rank=new.effective_rank,
+                                         min_edge_anchors=new.effective_edge_anchors)
             return False

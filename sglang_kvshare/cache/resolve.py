@@ -7,8 +7,8 @@ agent's own earlier copy of a private segment), locks it, and decides:
 * ``alignment``: private segments, and every shared segment in ``fullshared``;
 * ``correction``: ``kvcmas`` asks the estimator (gate on the slot's anchor
   pool) and gets a correction plan, or a reason to prefill densely; while a
-  pool cannot gate yet but the observations it needs are queued, ``alignment``
-  (``Resolver._learning_covers``).
+  pool cannot correct an edge yet, ``alignment`` for the contents that do not
+  teach it (``Resolver._align_while_learning``).
 
 ``resolve_segments`` walks a request's segments in order from the matched
 prefix on and stops at the first it cannot serve; the reason goes into the
@@ -20,6 +20,8 @@ resume reuse after a dense stretch.
 from __future__ import annotations
 
 import math
+import zlib
+from array import array
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -211,27 +213,47 @@ class Resolver:
         o.pool_anchors = est.pool_anchors
         o.entropy = None if est.entropy is None else float(est.entropy)
         if not est.accepted:
-            if est.reason in COLD_REASONS and self._learning_covers(plan, seg, source, est.edge_anchors):
+            if est.reason in COLD_REASONS and self._align_while_learning(plan, o, seg, source, est.edge_anchors):
                 o.gate_fallback = est.reason
                 self.counters.add("cold_pool_aligned")
                 return Resolution("alignment", source, src_idx)
             raise Unresolved(est.reason)
         return Resolution("correction", source, src_idx, est.plan)
 
-    def _learning_covers(self, plan: RequestPlan, seg: Any, source: Materialization, edge_anchors: int) -> bool:
-        """The dense prefills the gate still needs for this edge are already queued for learning.
+    def _align_while_learning(self, plan: RequestPlan, o: SegmentOutcome, seg: Any, source: Materialization,
+                              edge_anchors: int) -> bool:
+        """True: align this segment while its edge learns; False: prefill it densely, so that it teaches the pool.
 
-        Why: the pool learns only from dense prefills, and learning waits for lulls
-        in serving (seconds per observation on a busy CPU). Without this rule every
-        request of the edge that arrives meanwhile is prefilled again, although its
-        observation adds nothing the gate lacks; with it, such a request is aligned
-        (``fullshared`` with the server's head) until the anchors are in.
+        Why: the pool learns only from dense prefills, and it corrects an edge
+        only once it holds ``--kvshare-edge-anchors`` contents for it; until
+        then alignment is the better estimate (``KVShareConfig.edge_anchors``).
+        The first two contents of an edge teach (without them nothing is
+        learned), then every content whose tokens' checksum is even, until the
+        observations queued or learned reach the target; a content the pool
+        already holds for this edge teaches nothing and is aligned. The rule
+        reads only the tokens and the pool, so every tensor-parallel rank
+        decides alike. Learning waits for lulls in serving, so an observation
+        may still be queued: it counts as learned.
         """
         config = self.state.config
         if not config.cold_pool_align or config.tau <= 0:
             return False  # tau 0: the operator wants no correction, and so no stand-in for one
-        queued = self.learner.queued_for((plan.namespace, seg.slot), source.agent, plan.agent_id)
-        return edge_anchors + queued >= MIN_GATE_ANCHORS
+        have = edge_anchors + self.learner.queued_for((plan.namespace, seg.slot), source.agent, plan.agent_id)
+        if have >= config.effective_edge_anchors:
+            return True
+        if have < MIN_GATE_ANCHORS:
+            return False
+        with self.state.lock:
+            known = self.state.estimator.has_observation((plan.namespace, seg.slot), plan.hashes[o.index],
+                                                         source.agent, plan.agent_id)
+        if known:
+            return True
+        return not teaches(plan.tokens[seg.start:seg.end])
+
+
+def teaches(tokens: Any) -> bool:
+    """Half of all contents, chosen by their tokens alone (the same on every rank and in every run)."""
+    return zlib.crc32(array("q", (int(t) for t in tokens)).tobytes()) % 2 == 0
 
 
 def resolve_segments(resolver: Resolver, records: NamespaceRecords, plan: RequestPlan, m: int, limit: int,

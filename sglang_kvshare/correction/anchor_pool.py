@@ -71,6 +71,10 @@ class PoolConfig:
     """None: an anchor is eligible only if it covers the whole comparison length (``min(L, gate_len)``).
     An int n: anchors of at least ``min(n, comparison length)`` tokens are eligible; the gate compares
     on the common prefix of the eligible anchors and rows past every anchor stay aligned only."""
+    min_edge_anchors: int = MIN_GATE_ANCHORS
+    """Anchors holding the edge that the gate needs before it weighs them (at least ``MIN_GATE_ANCHORS``).
+    The papers gate at two; the server waits for more because row-wise weights over few anchors give the rows
+    of a new content other contents' deltas (``KVShareConfig.edge_anchors``)."""
     step_layers: int | None = None
     """Layers per learning step: ``observation_steps`` factorizes this many layers at a time and yields
     between them (None: every layer in one step). The factors are the same; the server's learner runs one
@@ -87,6 +91,8 @@ class PoolConfig:
             raise ValueError(f"gate_len must be >= 1 or None (whole segment), got {self.gate_len}")
         if self.step_layers is not None and self.step_layers < 1:
             raise ValueError(f"step_layers must be >= 1 or None (all layers in one step), got {self.step_layers}")
+        if self.min_edge_anchors < MIN_GATE_ANCHORS:
+            raise ValueError(f"min_edge_anchors must be >= {MIN_GATE_ANCHORS}, got {self.min_edge_anchors}")
         if self.min_anchor_len is not None and self.min_anchor_len < 1:
             raise ValueError(f"min_anchor_len must be >= 1 or None (anchors cover the comparison), "
                              f"got {self.min_anchor_len}")
@@ -302,8 +308,8 @@ class AnchorPool:
         long_enough = [a for a in self._anchors if a.length >= need]
         eligible = [a for a in long_enough if edge in a.deltas]
         size = len(self._anchors)
-        if len(eligible) < MIN_GATE_ANCHORS:
-            reason = "no_edge" if len(long_enough) >= MIN_GATE_ANCHORS else "too_few_anchors"
+        if len(eligible) < cfg.min_edge_anchors:
+            reason = "no_edge" if len(long_enough) >= cfg.min_edge_anchors else "too_few_anchors"
             return EstimateResult(False, reason, compare_len=k_len, pool_anchors=size, edge_anchors=len(eligible))
         k_len = min(k_len, min(a.length for a in eligible))  # the common prefix (unchanged by default)
         work = torch.float64 if source_v.dtype == torch.float64 else torch.float32

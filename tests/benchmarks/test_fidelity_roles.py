@@ -34,3 +34,23 @@ def test_plain_retrieval_roles_keep_every_document_and_an_open_answer(restored_c
     assert len(fid._source_texts("retrieval")) == fid.RETRIEVAL_DOCS
     _, suffix = fid.agent_token_parts(_chars, fid.AGENTS[0])
     assert "".join(map(chr, suffix)).endswith("<|im_start|>assistant\n")
+
+
+def test_the_scored_answer_is_the_exact_contexts_greedy_answer_up_to_its_end_token():
+    """``--score answer`` teacher-forces NonShared's own greedy answer: ANSWER_TOKENS tokens, or fewer when
+    it ends; a served context is then scored at the positions that predict those tokens."""
+    from benchmarks.common import KV, prefill, suffix_eval
+    from tests.tiny_models import tiny_llama
+
+    model = tiny_llama(eos_token_id=None)
+    context = prefill(model, list(range(10, 30)))[0]
+    suffix = [40, 41, 42]
+    full = fid._answer(model, context, suffix)
+    assert len(full) == fid.ANSWER_TOKENS  # no end token: the whole budget
+    _, greedy = suffix_eval(model, [context], suffix, fid.ANSWER_TOKENS, 1)
+    assert full == greedy[0].tolist()
+    model.config.eos_token_id = full[2]
+    assert fid._answer(model, context, suffix) == full[:full.index(full[2]) + 1]  # cut after its first end token
+    # the exact context predicts every answer token at the scored positions
+    logp, _ = suffix_eval(model, [KV(context.k, context.v)], suffix + full[:-1])
+    assert logp[0, len(suffix) - 1:].argmax(-1).tolist() == full

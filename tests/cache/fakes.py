@@ -144,7 +144,9 @@ def make_cache(mode: str = "fullshared", pool_tokens: int = 512, sparse_unsuppor
                              token_to_kv_pool_allocator=allocator, page_size=1)
     hf = LlamaConfig(hidden_size=HEADS * HEAD_DIM * 2, num_attention_heads=2, num_key_value_heads=HEADS,
                      head_dim=HEAD_DIM, num_hidden_layers=LAYERS, rope_theta=10000.0)
-    cfg = KVShareConfig(mode=mode, **{"learn_async": False, **config})
+    # NOTE: the gate's own minimum (two anchors per edge), so a test reaches a correction after two contents;
+    # tests of the learning rule set edge_anchors themselves.
+    cfg = KVShareConfig(mode=mode, **{"learn_async": False, "edge_anchors": 2, **config})
     return KVShareRadixCache(params, config=cfg, model_config=SimpleNamespace(hf_config=hf),
                              sparse_unsupported=sparse_unsupported)
 

@@ -431,7 +431,7 @@ def test_a_prefill_counts_as_in_flight_from_match_until_its_prompt_is_in(sched, 
 
 @pytest.mark.parametrize("cold_pool_align", [True, False])
 def test_a_cold_pool_aligns_once_the_observations_it_needs_are_queued(cold_pool_align):
-    """The gate needs two anchors holding the edge; while two observations of it wait to be learned, a third
+    """With edge_anchors 2 (the gate's minimum): while two observations of the edge wait to be learned, a third
     reader is aligned (fullshared with the head) instead of prefilled again, and says why in its report."""
     sched = MiniScheduler(make_cache("kvcmas", tau=1.0, learn_async=True, cold_pool_align=cold_pool_align))
     sched.cache.learner._ensure_worker = lambda: None  # learning lags: nothing is learned during the test
@@ -444,3 +444,35 @@ def test_a_cold_pool_aligns_once_the_observations_it_needs_are_queued(cold_pool_
     else:
         assert segments[2]["resolved_by"] == "dense" and segments[2]["reason"] == "too_few_anchors"
         assert sched.cache.counters.get("cold_pool_aligned") == 0
+
+
+def test_while_an_edge_learns_half_the_contents_teach_and_the_rest_are_aligned():
+    """edge_anchors 4: the first two contents are prefilled (nothing to gate on), then a content is prefilled
+    only when its checksum says it teaches, the others aligned, until four observations are queued; from
+    then on every reader is aligned until they are learned."""
+    from sglang_kvshare.cache.resolve import teaches
+
+    sched = MiniScheduler(make_cache("kvcmas", tau=1.0, learn_async=True, edge_anchors=4))
+    sched.cache.learner._ensure_worker = lambda: None  # learning lags: nothing is learned during the test
+    queries = _queries(14)
+    segments = _a_then_b(sched, len(queries))
+    dense = [s["resolved_by"] == "dense" for s in segments]
+    expected, queued = [], 0
+    for q in queries:
+        learn = queued < 2 or (queued < 4 and teaches(q))
+        expected.append(learn)
+        queued += learn
+    assert dense == expected
+    assert sum(dense) == 4 and not all(dense[:4]), "the checksum must skip some contents for this test to mean much"
+    assert all(s["gate_fallback"] == "too_few_anchors" for s, d in zip(segments, dense) if not d)
+    assert sched.cache.learner.pending() == 4
+
+
+def test_an_edge_is_corrected_only_once_it_holds_edge_anchors_contents():
+    sched = MiniScheduler(make_cache("kvcmas", tau=1.0, edge_anchors=3))  # learns synchronously
+    segments = _a_then_b(sched, 12)
+    first = next(i for i, s in enumerate(segments) if s["resolved_by"] == "correction")
+    assert sum(s["resolved_by"] == "dense" for s in segments[:first]) == 3  # three contents taught the edge
+    assert all(s["resolved_by"] == "alignment" for s in segments[:first] if s["resolved_by"] != "dense")
+    assert all(s["resolved_by"] == "correction" for s in segments[first:])
+    assert segments[first]["pool_anchors"] == 3

@@ -240,3 +240,18 @@ def test_learning_steps_of_a_few_layers_give_the_same_factors_in_more_steps(gen,
     torch.testing.assert_close(grouped.base_v_gram, whole.base_v_gram)
     with pytest.raises(ValueError, match="step_layers"):
         PoolConfig(step_layers=0)
+
+
+def test_the_gate_waits_for_min_edge_anchors_contents_holding_the_edge(gen):
+    spec = RopeSpec.default(head_dim=8)
+    pool = AnchorPool(spec, PoolConfig(tau=1.0, rank=None, min_edge_anchors=3))
+    segs = [_rand_seg(gen) for _ in range(3)]
+    for key, (k, v) in enumerate(segs[:2]):
+        pool.add_observation(k, v, 3, k, v, 3, "e", key)
+    pool.add_observation(*segs[2], 3, *segs[2], 3, "other edge", 2)
+    res = pool.estimate(*segs[0], 3, 3, "e")
+    assert not res.accepted and res.reason == "no_edge" and res.edge_anchors == 2  # three anchors, two hold "e"
+    pool.add_observation(*segs[2], 3, *segs[2], 3, "e", 2)
+    assert pool.estimate(*segs[0], 3, 3, "e").accepted
+    with pytest.raises(ValueError, match="min_edge_anchors"):
+        PoolConfig(min_edge_anchors=1)

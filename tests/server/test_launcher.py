@@ -29,6 +29,10 @@ def test_bad_kvshare_value_is_a_clear_cli_error():
         parse_kvshare(["--kvshare-mode", "magic"])
     with pytest.raises(SystemExit):
         parse_kvshare(["--kvshare-mode", "kvcomm"])  # an offline baseline, never served
+    with pytest.raises(SystemExit):
+        parse_kvshare(["--kvshare-edge-anchors", "1"])
+    config, _ = parse_kvshare(["--kvshare-edge-anchors", "12", "--kvshare-capacity", "6"])
+    assert config.edge_anchors == 12 and config.effective_edge_anchors == 6  # an edge holds at most the pool
 
 
 @pytest.mark.parametrize("flag, value, says", [("--kvshare-verify-rate", "1.5", "verify_rate"),
