@@ -1,7 +1,7 @@
 """Soak and fault harness: is a kvshare server safe to leave running in front of clients?
 
 ``python -m benchmarks.soak`` starts its own kvshare server on 127.0.0.1 (mode
-``kvcmas`` with ``--kvshare-tau 1`` by default, so that corrections really happen,
+``kvcmas`` with ``--kvshare-tau 1`` and ``--kvshare-edge-anchors 2`` by default, so that corrections really happen,
 a small KV pool, ``--max-total-tokens 3072``, so that the tree evicts and SGLang
 retracts, ``--kvshare-auto true`` and ``--enable-metrics``), runs N client threads
 for M minutes against it, stops by itself and writes a JSON verdict.
@@ -1225,7 +1225,9 @@ def scan_log(text: str) -> dict:
 
 def soak_launch_args(mode: str, tau: float, max_total_tokens: int, admin_key: str) -> dict:
     """``ServerProcess`` keyword arguments of the soak's server (``kvshare_args``, ``extra_args``)."""
-    return {"kvshare_args": ("--kvshare-mode", mode, "--kvshare-tau", str(tau), "--kvshare-auto", "true"),
+    # NOTE: edge anchors 2 (the gate's minimum), so that corrections start within the soak's minutes.
+    return {"kvshare_args": ("--kvshare-mode", mode, "--kvshare-tau", str(tau), "--kvshare-auto", "true",
+                             "--kvshare-edge-anchors", "2"),
             "extra_args": ("--max-total-tokens", str(max_total_tokens), "--admin-api-key", admin_key,
                            "--enable-metrics")}
 

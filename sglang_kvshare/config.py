@@ -20,8 +20,8 @@ from sglang_kvshare.guard.target import FidelityTarget
 Mode = Literal["off", "fullshared", "kvcmas"]
 MODES: tuple[str, ...] = ("off", "fullshared", "kvcmas")
 # What POST /kvshare/config may change on a running server.
-RUNTIME_FIELDS: tuple[str, ...] = ("tau", "capacity", "rank", "mode", "recompute_head", "recompute_ratio",
-                                   "recompute_policy", "sparse_extend", "staged", "verify_rate",
+RUNTIME_FIELDS: tuple[str, ...] = ("tau", "capacity", "rank", "edge_anchors", "mode", "recompute_head",
+                                   "recompute_ratio", "recompute_policy", "sparse_extend", "staged", "verify_rate",
                                    "fidelity_target", "fidelity_min_samples", "verify_burst",
                                    "fault_perturb_slot")
 RecomputePolicy = Literal["head", "correction"]

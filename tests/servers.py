@@ -52,7 +52,7 @@ _DEFAULTS = KVShareConfig()
 # What every runtime-settable field is restored to after a test changed it (capacity: the
 # kvcmas default that ``None`` means; the POST body cannot say ``None``).
 _RESTORE = {"mode": "fullshared", "tau": _DEFAULTS.tau, "rank": _DEFAULTS.rank,
-            "capacity": _DEFAULTS.replace(mode="kvcmas").effective_capacity,
+            "capacity": _DEFAULTS.replace(mode="kvcmas").effective_capacity, "edge_anchors": _DEFAULTS.edge_anchors,
             "recompute_head": _DEFAULTS.recompute_head, "recompute_ratio": _DEFAULTS.recompute_ratio,
             "recompute_policy": _DEFAULTS.recompute_policy,
             "sparse_extend": _DEFAULTS.sparse_extend, "staged": _DEFAULTS.staged, "verify_rate": 0.0,

@@ -85,10 +85,10 @@ def _top_logprobs(out: dict) -> dict[int, float]:
 
 
 def test_kvcmas_after_warmup_accepts_corrections_and_stays_close_to_off(off_chain, server_pool, tokenizer):
-    # tau = 1 accepts whenever two anchors cover the segment: this tests the
-    # mechanism (warm-up, acceptance, written KV), not the gate's threshold.
+    # tau = 1 and edge_anchors = 2 accept whenever two anchors cover the segment: this tests the
+    # mechanism (warm-up, acceptance, written KV), not the gate's threshold or how many anchors pay.
     contents = [context(20 + 3 * i, 3) for i in range(4)]
-    with reconfigured(shared_server(server_pool), mode="kvcmas", tau=1.0) as server:
+    with reconfigured(shared_server(server_pool), mode="kvcmas", tau=1.0, edge_anchors=2) as server:
         warm_agents(server, tokenizer)
         for text in contents[:3]:
             run_chain(server, tokenizer, text, max_new_tokens=1)

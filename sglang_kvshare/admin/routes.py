@@ -70,6 +70,7 @@ class ConfigUpdate(BaseModel):
                                  description=_HELP["tau"])
     capacity: Optional[int] = Field(None, ge=2, le=MAX_CAPACITY, strict=True, description=_HELP["capacity"])
     rank: Optional[int] = Field(None, ge=0, le=MAX_RANK, strict=True, description=_HELP["rank"])
+    edge_anchors: Optional[int] = Field(None, ge=2, le=MAX_CAPACITY, strict=True, description=_HELP["edge_anchors"])
     mode: Optional[Literal["off", "fullshared", "kvcmas"]] = Field(
         None, description="off | fullshared | kvcmas; switching between "
                           "fullshared and kvcmas starts with empty pools.")

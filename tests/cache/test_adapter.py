@@ -476,3 +476,14 @@ def test_an_edge_is_corrected_only_once_it_holds_edge_anchors_contents():
     assert all(s["resolved_by"] == "alignment" for s in segments[:first] if s["resolved_by"] != "dense")
     assert all(s["resolved_by"] == "correction" for s in segments[first:])
     assert segments[first]["pool_anchors"] == 3
+
+
+def test_edge_anchors_change_at_runtime_capped_at_the_capacity():
+    cache = make_cache("kvcmas")
+    cache.kvshare_admin.configure(edge_anchors=5)
+    assert cache.estimator.config.min_edge_anchors == 5
+    cache.kvshare_admin.configure(capacity=4)
+    assert cache.estimator.config.min_edge_anchors == 4  # an edge holds at most the pool's anchors
+    with pytest.raises(ValueError, match="edge_anchors"):
+        cache.kvshare_admin.configure(edge_anchors=1)
+    assert cache.kvshare_config.edge_anchors == 5

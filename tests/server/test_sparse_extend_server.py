@@ -129,7 +129,7 @@ def test_the_correction_policy_recomputes_rows_inside_the_segment_in_one_forward
     log-probabilities stay close to the dense request's."""
     # Distinct first words: contents sharing their first tokens would also share estimate rows in the tree.
     texts = [f"{word}: {context(40 + i, 2)}" for i, word in enumerate(("Alpha", "Bravo", "Charlie", "Delta"))]
-    with reconfigured(shared_server(server_pool), mode="kvcmas", tau=1.0, recompute_ratio=0.25,
+    with reconfigured(shared_server(server_pool), mode="kvcmas", tau=1.0, edge_anchors=2, recompute_ratio=0.25,
                       recompute_policy="correction") as server:
         for text in texts[:3]:  # the A -> B edge learned from B's dense prefills (learning is synchronous here)
             _second_agent(server, tokenizer, text)

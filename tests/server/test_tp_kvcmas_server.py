@@ -19,7 +19,9 @@ from tests.agent_chain import agent_request, context, report, warm_request
 pytestmark = pytest.mark.server
 
 TP3 = ("--tp-size", "3", "--max-total-tokens", "4096")
-KVSHARE = ("--kvshare-mode", "kvcmas", "--kvshare-verify-rate", "0", "--kvshare-admin-open", "true")
+# edge anchors 2: the gate's minimum, so that five contents reach corrections on every rank
+KVSHARE = ("--kvshare-mode", "kvcmas", "--kvshare-verify-rate", "0", "--kvshare-admin-open", "true",
+           "--kvshare-edge-anchors", "2")
 AGENTS = ("solver", "analyst", "coder")
 
 
