@@ -549,8 +549,8 @@ def _answer(model, context: KV, suffix: list[int]) -> list[int]:
     """NonShared's greedy answer after ``suffix``: up to ``ANSWER_TOKENS`` tokens, ending at the first end token."""
     _, greedy = suffix_eval(model, [context], suffix, ANSWER_TOKENS, 1)
     tokens = greedy[0].tolist()
-    ends = {t for t in (model.config.eos_token_id if isinstance(model.config.eos_token_id, list)
-                        else [model.config.eos_token_id]) if t is not None}
+    eos = model.config.eos_token_id
+    ends = set(eos if isinstance(eos, list) else [eos]) - {None}
     cut = next((i for i, t in enumerate(tokens) if t in ends), len(tokens) - 1)
     return tokens[:cut + 1]
 

@@ -720,8 +720,8 @@ def write_reports(path: Path, task: str, arm: str, samples, run: dict) -> None:
     with path.open("a") as f:
         for si, rows in enumerate(run["raw"]):
             for ri, row in enumerate(rows):
-                for kind, rep in (("generate", row["report"]), ("teacher_forced", run["tf"].get((si, ri), {}).get(
-                        "report"))):
+                replay = run["tf"].get((si, ri), {}).get("report")
+                for kind, rep in (("generate", row["report"]), ("teacher_forced", replay)):
                     if rep is not None:
                         f.write(json.dumps({"task": task, "arm": arm, "sample": samples[si].id, "agent": row["agent"],
                                             "position": row["position"], "pass": kind, "report": rep}) + "\n")
