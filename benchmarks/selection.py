@@ -18,6 +18,9 @@ reference):
   Cost: a forward of the tail's tokens (tens) through the probe layers, and one
   attention row per tail token and head over the context: far below a prefill of
   the segment.
+* ``head_query``: half of the budget the head, the rest as ``query_aware``: the
+  tail's attention alone misses the first rows, where alignment's error is
+  largest (the server's ``--kvshare-recompute-policy query``).
 * ``correction``: ours, on ``kvcmas``'s corrected segment: the rows whose
   correction the anchor pool predicts largest (what the pool learned moves
   most between contexts). Cost: the aligned copy beside the corrected one and
@@ -33,7 +36,7 @@ import torch
 
 from .common import KV, attend_and_mlp, project_qkv
 
-POLICIES = ("head", "random", "kv_deviation", "query_aware", "correction")
+POLICIES = ("head", "random", "kv_deviation", "query_aware", "head_query", "correction")
 PROBE_LAYERS = (2,)  # an early layer: the tail's attention there already points at the rows it reads
 
 
@@ -97,6 +100,15 @@ def tail_attention(model, prefix: KV, reused: KV, tail: Sequence[int],
 def select_query_aware(model, prefix: KV, reused: KV, tail: Sequence[int], ratio: float,
                        probe_layers: Sequence[int] = PROBE_LAYERS) -> torch.Tensor:
     return top_rows(tail_attention(model, prefix, reused, tail, probe_layers), ratio)
+
+
+def select_head_then_query(model, prefix: KV, reused: KV, tail: Sequence[int], ratio: float,
+                           probe_layers: Sequence[int] = PROBE_LAYERS, head_share: float = 0.5) -> torch.Tensor:
+    """``head_share`` of the budget on the first rows (where alignment's error concentrates), the rest by the
+    tail's attention: the server's ``query`` policy (``sglang_kvshare.cache.tail_probe``)."""
+    scores = tail_attention(model, prefix, reused, tail, probe_layers)
+    scores[:int(budget(scores.numel(), ratio) * head_share)] = float("inf")
+    return top_rows(scores, ratio)
 
 
 def recompute_rows(model, prefix: KV, ids: list[int], reused: KV, chosen: torch.Tensor) -> KV:

@@ -78,7 +78,7 @@ class ConfigUpdate(BaseModel):
                                           description=_HELP["recompute_head"])
     recompute_ratio: Optional[float] = Field(None, ge=0.0, le=1.0, strict=True, allow_inf_nan=False,
                                              description=_HELP["recompute_ratio"])
-    recompute_policy: Optional[Literal["head", "correction"]] = Field(None, description=_HELP["recompute_policy"])
+    recompute_policy: Optional[Literal["head", "query", "correction"]] = Field(None, description=_HELP["recompute_policy"])
     sparse_extend: Optional[bool] = Field(None, strict=True, description=_HELP["sparse_extend"])
     staged: Optional[bool] = Field(None, strict=True, description=_HELP["staged"])
     verify_rate: Optional[float] = Field(None, ge=0.0, le=1.0, strict=True, allow_inf_nan=False,

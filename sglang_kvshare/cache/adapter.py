@@ -22,6 +22,7 @@ fail a request (logged, counted, prefilled densely).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any, Optional
@@ -40,6 +41,7 @@ from sglang_kvshare.cache.pending_recompute import PendingRecompute
 from sglang_kvshare.cache.plan import RequestPlan, drop_plan, plan_of, plan_request
 from sglang_kvshare.cache.record import Recorder
 from sglang_kvshare.cache.registry import ContentHasher, PlaceholderRegistry, RegistryLimits
+from sglang_kvshare.cache.tail_probe import TAIL_TOKENS, pick_rows
 from sglang_kvshare.cache.resolve import (HeadRule, Resolver, candidates, mark_matched, mark_unreached,
                                           next_stage, resolve_segments)
 from sglang_kvshare.config import KVShareConfig
@@ -58,10 +60,14 @@ class KVShareRadixCache(RadixCache):
     ``sparse_unsupported``: why this server cannot recompute heads inside the
     prefill forward (``server.sparse_extend.unsupported_reason``), or None when
     it can; heads are then staged.
+    ``tail_probe``: scores rows by the attention of a request's tail, for the
+    ``query`` recompute policy (``cache.tail_probe.TailProbe``); None with
+    ``tail_probe_unsupported`` saying why (the policy then recomputes the head).
     """
 
     def __init__(self, params: CacheInitParams, *, config: KVShareConfig, model_config: Optional[Any] = None,
-                 reducer: Optional[Any] = None, sparse_unsupported: Optional[str] = "not_checked") -> None:
+                 reducer: Optional[Any] = None, sparse_unsupported: Optional[str] = "not_checked",
+                 tail_probe: Optional[Any] = None, tail_probe_unsupported: Optional[str] = "not_checked") -> None:
         # NOTE: set before RadixCache.__init__, which calls reset().
         self.state = CorrectionState(config, model_config, page_size=params.page_size, reducer=reducer)
         self.hasher = ContentHasher()
@@ -71,6 +77,8 @@ class KVShareRadixCache(RadixCache):
         self.counters.add("plain_tokens_from_estimates", 0)  # reported even while it stays 0 (the soak checks it)
         self.activity = ServingActivity()
         self.sparse_unsupported = sparse_unsupported
+        self.tail_probe = tail_probe
+        self.tail_probe_unsupported = None if tail_probe is not None else tail_probe_unsupported
         self.pending_recompute = PendingRecompute(self.counters)
         self.learner = Learner(lambda: self.state.estimator, self.state.lock, self.counters,
                                max_jobs=config.learn_queue_max, max_bytes=int(config.learn_queue_mb * 2**20),
@@ -243,6 +251,7 @@ class KVShareRadixCache(RadixCache):
                 plan.est_start = m
             self.recorder.assembled(plan, pieces)
             if head.sparse:
+                pieces = self._pick_by_tail(plan, pieces, last, end, head)
                 self._owe_heads(plan, pieces, last)
         plan.assembled_end = max(plan.assembled_end, end)
         plan.next_stage = None
@@ -262,6 +271,46 @@ class KVShareRadixCache(RadixCache):
             plan.recompute_via = "sparse" if rule.sparse else "staged"
             plan.sparse_fallback = self.sparse_unsupported if config.sparse_extend and not rule.sparse else None
         return rule
+
+    def _pick_by_tail(self, plan: RequestPlan, pieces: list, last: Any, end: int, head: HeadRule) -> list:
+        """The ``query`` policy: the rows of ``pieces`` past their fixed head, chosen by the attention of the
+        request's last prompt tokens on the rows just assembled (``cache.tail_probe``).
+
+        The number of rows per piece stays what ``resolve_segments`` counted;
+        only which ones changes. Without a probe, or when it fails, the rows
+        stay the head's (``query_fallback`` in the report).
+        """
+        picks = [i for i, p in enumerate(pieces) if head.by_query(plan.annotation.segments[p.index])]
+        if not picks:
+            return pieces
+        scores, why = None, self.tail_probe_unsupported
+        if self.tail_probe is not None:
+            tail_start = max(end, len(plan.tokens) - TAIL_TOKENS)
+            try:
+                with self.counters.timed("probe"):
+                    scores = self.tail_probe.row_scores(self.path_device_indices(last)[:end],
+                                                        plan.tokens[tail_start:], tail_start)
+                self.counters.add("probe_calls")
+            except Exception as exc:  # noqa: BLE001 - the head is a valid choice of rows; never fail a request
+                logger.exception("sglang-kvshare: the tail probe failed; the rows recomputed are the head's")
+                self.counters.add("internal_errors")
+                why = f"probe_failed: {type(exc).__name__}"
+        if scores is None:
+            for i in picks:
+                plan.outcomes[pieces[i].index].recompute_policy = None
+            plan.query_fallback = why
+            self.counters.add("probe_fallbacks", len(picks))
+            return pieces
+        out = list(pieces)
+        for i in picks:
+            p = pieces[i]
+            seg = plan.annotation.segments[p.index]
+            fixed_n = head.fixed_rows(seg)
+            fixed = range(p.lo, min(p.hi, fixed_n))
+            count = len(p.recompute) - len(fixed)
+            rows = pick_rows(scores[seg.start:seg.start + p.hi], fixed, range(max(p.lo, fixed_n), p.hi), count)
+            out[i] = dataclasses.replace(p, recompute=rows)
+        return out
 
     def _owe_heads(self, plan: RequestPlan, pieces: list, last: Any) -> None:
         """Register the assembled rows of ``pieces`` chosen for recompute (``Piece.recompute``) for the request's

@@ -99,6 +99,10 @@ class HeadRule:
     stage before the segment's reuse resumes. ``policy`` ``correction``: with
     the sparse extend, a corrected segment's rows past the first ``head`` are
     the ones its correction moves most (``chosen``), not the next ones.
+    ``query``: with the sparse extend, the first half of the rows (at least
+    ``head``) are the head and the others are picked after assembly by the
+    request's tail (``cache.tail_probe``); ``chosen`` holds their place with
+    the next rows, so the counts are known before the probe runs.
     """
 
     head: int = 0
@@ -116,6 +120,21 @@ class HeadRule:
         """Whether the rows of ``seg`` served by ``res`` are chosen by the size of its correction."""
         return (self.sparse and self.policy == "correction" and res.correction is not None
                 and self.rows(seg) > self.head)
+
+    def fixed_rows(self, seg: Any) -> int:
+        """Rows of ``seg`` recomputed as its head whatever the policy: with ``query`` half the budget."""
+        n = self.rows(seg)
+        return max(min(self.head, n), n // 2) if self.policy == "query" else n
+
+    def by_query(self, seg: Any) -> bool:
+        """Whether some rows of ``seg`` are to be chosen by the request's tail (after assembly)."""
+        return self.sparse and self.policy == "query" and self.rows(seg) > self.fixed_rows(seg)
+
+    def policy_of(self, seg: Any, res: Resolution) -> Optional[str]:
+        """The report's ``recompute_policy`` of the rows of ``seg`` served by ``res`` (None: the head)."""
+        if self.by_correction(seg, res):
+            return "correction"
+        return "query" if self.by_query(seg) else None
 
     def chosen(self, seg: Any, res: Resolution, lo: int, hi: int) -> tuple[int, ...]:
         """The segment-relative rows of ``[lo, hi)`` that a sparse extend recomputes (none when staged).
@@ -296,7 +315,7 @@ def resolve_segments(resolver: Resolver, records: NamespaceRecords, plan: Reques
         pieces.append(Piece(o.index, lo, hi, res, owed))
         o.resolved_by, o.reason, o.resolved_tokens = res.how, None, hi - lo - len(owed)
         o.head_recomputed = head.rows(seg) or None
-        o.recompute_policy = "correction" if head.by_correction(seg, res) else None
+        o.recompute_policy = head.policy_of(seg, res)
         pos = row_end
         if row_end < seg.end:
             o.reason = "partial" if row_end < limit else None

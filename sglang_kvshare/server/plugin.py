@@ -26,7 +26,7 @@ import logging
 import multiprocessing
 import os
 import sys
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from sglang_kvshare.config import BACKEND_NAME, ENV_VAR, KVShareConfig
 from sglang_kvshare.server import sglang_targets
@@ -103,13 +103,28 @@ def build_cache(ctx: Any) -> Any:
     if sparse_unsupported is None and prefill_backend() == "triton":
         hooks += sglang_targets.TRITON_SPARSE_HOOKS
     install(hooks)
-    cache = KVShareRadixCache(ctx.params, config=config, model_config=ctx.model_config,
-                              reducer=tp_gate_reducer(ctx.tp_size), sparse_unsupported=sparse_unsupported)
+    reducer = tp_gate_reducer(ctx.tp_size)
+    probe, probe_unsupported = tail_probe(ctx, reducer)
+    cache = KVShareRadixCache(ctx.params, config=config, model_config=ctx.model_config, reducer=reducer,
+                              sparse_unsupported=sparse_unsupported, tail_probe=probe,
+                              tail_probe_unsupported=probe_unsupported)
     if config.learn_on_idle and config.learn_async:
         cache.learner.use_idle_steps()  # the scheduler's idle hook runs the learner's steps
     logger.info("sglang-kvshare: KVShareRadixCache live (mode=%s%s)", config.mode,
                 f", disabled: {cache.state.unsupported_reason}" if cache.state.unsupported_reason else "")
     return cache
+
+
+def tail_probe(ctx: Any, reducer: Any) -> tuple[Any, Optional[str]]:
+    """The ``query`` recompute policy's probe over this rank's model and KV pool, or (None, why not)."""
+    from sglang_kvshare.cache.tail_probe import TailProbe
+
+    try:
+        model = ctx.tp_worker.model_runner.model
+        kvcache = ctx.params.token_to_kv_pool_allocator.get_kvcache()
+        return TailProbe(model, kvcache, reducer), None
+    except Exception as exc:  # noqa: BLE001 - the policy falls back to the head, with this reason
+        return None, str(exc) if isinstance(exc, ValueError) else f"query policy: {type(exc).__name__}: {exc}"
 
 
 def tp_gate_reducer(tp_size: int) -> Any:

@@ -58,6 +58,11 @@ def test_tail_attention_is_the_models_own_attention_from_the_tail(tiny):
     torch.testing.assert_close(scores, want, atol=1e-5, rtol=1e-4)
     chosen = sel.select_query_aware(tiny, prefix, exact, tail, 0.1, probe_layers=(1,))
     assert set(chosen.tolist()) == set(torch.topk(want, 4).indices.tolist())
+    mixed = sel.select_head_then_query(tiny, prefix, exact, tail, 0.2, probe_layers=(1,))  # 8 rows: 4 + 4
+    rest = want.clone()
+    rest[:4] = -1
+    assert mixed.tolist()[:4] == [0, 1, 2, 3]
+    assert set(mixed.tolist()[4:]) == set(torch.topk(rest, 4).indices.tolist())
 
 
 def test_budgets_and_simple_policies():
