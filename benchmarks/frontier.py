@@ -6,7 +6,9 @@
 For each task the arms are ``off``; ``fullshared`` and ``kvcmas`` with
 ``--kvshare-recompute-head K`` for K in ``--heads``, and with
 ``--kvshare-recompute-ratio r`` for r in ``--ratios`` (``kvcmas_corr_r<r>``: the rows
-its correction moves most, ``--kvshare-recompute-policy correction``); and the *random-mix
+its correction moves most, ``--kvshare-recompute-policy correction``; ``fullshared_query_r<r>``:
+half of them the head, half the rows the request's own tail attends to most,
+``--kvshare-recompute-policy query``); and the *random-mix
 baseline*: fullshared with a share ``p`` of the consumers' shared segments
 prefilled densely (for this baseline only, client-side: such a segment gets a
 slot name no producer used, so the server finds no source and staged prefill
@@ -106,6 +108,7 @@ def default_arms(heads: Sequence[int], mix: Sequence[float], noise_floor: bool =
     arms += [Arm(f"fullshared_k{k}", "fullshared", k) for k in heads if k != 0]
     arms += [Arm(f"{mode}_r{r:g}", mode, 0, None, r) for mode in ("fullshared", "kvcmas") for r in ratios]
     arms += [Arm(f"kvcmas_corr_r{r:g}", "kvcmas", 0, None, r, "correction") for r in ratios]
+    arms += [Arm(f"fullshared_query_r{r:g}", "fullshared", 0, None, r, "query") for r in ratios]
     if noise_floor:
         # A second off server, same samples and the same request history: bit-identical on this
         # CPU server. It does not show the float32 floor of another history (a kvshare server
@@ -634,7 +637,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--mix", type=float, nargs="*", default=[0.25, 0.5, 0.75])
     ap.add_argument("--ratios", type=float, nargs="*", default=[],
                     help="arms recomputing a share r of each reused segment: fullshared_r<r> and kvcmas_r<r> its "
-                         "first rows, kvcmas_corr_r<r> the rows kvcmas's correction moves most")
+                         "first rows, kvcmas_corr_r<r> the rows kvcmas's correction moves most, fullshared_query_r<r> "
+                         "half the head and half the rows the request's tail attends to most")
     ap.add_argument("--arms", default=None, help="comma-separated subset of arm names (off is always run)")
     ap.add_argument("--noise-floor", action="store_true", help="add off_repeat: a second off server")
     ap.add_argument("--concurrency", type=int, default=4)
