@@ -557,7 +557,12 @@ def merge_runs(runs: Sequence[dict]) -> dict:
     merged["parts_meta"] = [m for run in runs for m in (run["parts_meta"] if "parts_meta" in run else [run.get("meta")])]
     merged["arms"] = {}
     for run in runs:
+        # Seconds move between runs of a shared machine: an arm keeps the off TTFT of the run it was measured
+        # in (a part that is itself a merge no longer knows it for the arms of its later parts).
+        own_off = None if "commands" in run else (run["arms"]["off"].get("ttft_agents_2_4_s") or {}).get("median")
         for name, arm in run["arms"].items():
+            if own_off is not None and name != "off":
+                arm = {**arm, "off_ttft_agents_2_4_median_same_run": own_off}
             merged["arms"].setdefault(name, arm)
     # A part stopped before its last arm is made whole by a later part that ran the missing arms.
     merged["complete"] = all(run.get("complete") or ("command" in run and planned_arms(run["command"])

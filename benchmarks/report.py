@@ -764,7 +764,11 @@ def _frontier_headline(d: dict) -> tuple[str, str, str]:
                 f"{a['teacher_forced_kl']:.5f} ({a['teacher_forced_kl'] / base:.2f}x `fullshared` K=0); {what} "
                 f"{a['agreement_final']:.2f}; accuracy {paired.get('mean', 0):+.3f} {interval(paired.get('ci95'))} "
                 f"vs `off` ({d['scored_items']} items)")
-    if d.get("commands"):  # merged parts: each part had its own off, so no ratio across parts
+    own_off = a.get("off_ttft_agents_2_4_median_same_run")
+    if d.get("commands") and own_off:  # merged parts: the ratio within the arm's own part
+        speed = (f"TTFT agents 2-4 median {t:.2f} s against its own part's `off` {own_off:.2f} s "
+                 f"({own_off / t:.2f}x)")
+    elif d.get("commands"):  # merged parts: each part had its own off, so no ratio across parts
         speed = (f"TTFT agents 2-4 median {t:.2f} s (`off` {off_t:.2f} s; the arms ran in parts, each with its "
                  f"own `off`)")
     else:

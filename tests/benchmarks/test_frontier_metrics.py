@@ -189,13 +189,17 @@ def test_runs_of_the_same_samples_merge_and_runs_with_another_reference_do_not()
     off = arm("off", 0, None, 0.0, ["x"] * 4)
     one = {**head, "command": "a", "arms": {"off": off, "fullshared_k0": arm("fullshared", 0, None, 0.8, ["x", "y", "y", "y"]),
                                           "mix_p0.5": arm("fullshared", 0, 0.5, 0.4, ["x", "x", "y", "y"])}}
-    two = {**head, "command": "b", "arms": {"off": arm("off", 0, None, 0.0, ["x"] * 4),
+    two = {**head, "command": "b", "arms": {"off": {**arm("off", 0, None, 0.0, ["x"] * 4),
+                                                    "ttft_agents_2_4_s": {"median": 1.5}},
                                           "kvcmas_k32": arm("kvcmas", 32, None, 0.6, ["x", "x", "x", "y"])}}
     merged = fr.merge_runs([one, two])
     assert list(merged["arms"]) == ["off", "fullshared_k0", "mix_p0.5", "kvcmas_k32"]
     assert merged["commands"] == ["a", "b"] and "command" not in merged
     assert merged["arms"]["kvcmas_k32"]["above_random_mix"] == pytest.approx(0.75 - 0.375)
     assert merged["arms"]["kvcmas_k32"]["above_random_mix_ci95"] is not None
+    # Each arm keeps its own run's off TTFT (seconds move between runs); the first run's off has none here.
+    assert merged["arms"]["kvcmas_k32"]["off_ttft_agents_2_4_median_same_run"] == 1.5
+    assert "off_ttft_agents_2_4_median_same_run" not in merged["arms"]["fullshared_k0"]
     other_ref = {**two, "arms": {**two["arms"], "off": arm("off", 0, None, 0.0, ["x", "x", "x", "z"])}}
     with pytest.raises(ValueError, match="off answered differently"):
         fr.merge_runs([one, other_ref])
@@ -213,6 +217,7 @@ def test_runs_of_the_same_samples_merge_and_runs_with_another_reference_do_not()
         "fullshared", 0, None, 0.8, ["x", "x", "x", "x"])}}
     again = fr.merge_runs([{**merged, "parts_meta": [{"date": "1"}, {"date": "2"}]}, three])
     assert again["commands"] == ["a", "b", "c"] and [m["date"] for m in again["parts_meta"]] == ["1", "2", "3"]
+    assert again["arms"]["kvcmas_k32"]["off_ttft_agents_2_4_median_same_run"] == 1.5  # carried by the merge
     assert list(again["arms"])[-1] == "fullshared_r0.2" and again["complete"] is True
 
 
