@@ -41,9 +41,9 @@ from sglang_kvshare.cache.pending_recompute import PendingRecompute
 from sglang_kvshare.cache.plan import RequestPlan, drop_plan, plan_of, plan_request
 from sglang_kvshare.cache.record import Recorder
 from sglang_kvshare.cache.registry import ContentHasher, PlaceholderRegistry, RegistryLimits
-from sglang_kvshare.cache.tail_probe import TAIL_TOKENS, pick_rows
 from sglang_kvshare.cache.resolve import (HeadRule, Resolver, candidates, mark_matched, mark_unreached,
                                           next_stage, resolve_segments)
+from sglang_kvshare.cache.tail_probe import TAIL_TOKENS, pick_rows
 from sglang_kvshare.config import KVShareConfig
 from sglang_kvshare.counters import Counters
 from sglang_kvshare.learning.learner import Learner
