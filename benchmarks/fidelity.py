@@ -331,7 +331,7 @@ def run(args, out_path: Path | None = None, arms_fn=None) -> dict:
                                                 tails={name: tail for name, (_, tail) in parts.items()})
             if phase == "eval":
                 evaluate(model, arms, served, exact, prefix_kv, parts, slot, len(ids), args.greedy_tokens,
-                         score=args.score)
+                         score=args.score, answer_tokens=args.answer_tokens)
                 done += 1
                 if out_path is not None and done < len(held):  # checkpoint: a partial result survives a kill
                     part = summarize(args, arms, spec, model, dense_secs / max(dense_tokens, 1), done, len(warm),
@@ -502,15 +502,16 @@ def _record_errors(arm: Arm, kv: KV, target: SegmentCache) -> None:
     arm.err_coarse.append(coarse_errors(kv.k, kv.v, target.k, target.v))
 
 
-ANSWER_TOKENS = 8  # --score answer: positions scored (the live retrieval frontier's max_tokens)
+ANSWER_TOKENS = 8  # --score answer: positions scored by default (the live retrieval frontier's max_tokens)
 
 
-def evaluate(model, arms, served, exact, prefix_kv, parts, slot, seg_len, greedy_tokens, score: str = "tail"):
+def evaluate(model, arms, served, exact, prefix_kv, parts, slot, seg_len, greedy_tokens, score: str = "tail",
+             answer_tokens: int = ANSWER_TOKENS):
     """Suffix KL / top-1 / greedy of every arm against NonShared, per consumer (one batch).
 
     ``score``: ``tail`` every position of the tail; ``last`` its last position only (with ``--roles lookup``:
     the value's first token); ``answer`` the positions that predict NonShared's greedy answer (up to
-    ``ANSWER_TOKENS`` tokens and its end), teacher-forced, as the live frontier scores. Why ``answer``: a
+    ``answer_tokens`` tokens and its end), teacher-forced, as the live frontier scores. Why ``answer``: a
     lookup copies the value's digits from the document's rows, and an error there shows only at the
     answer's later tokens, which the tail never reaches."""
     order = sorted(arms, key=lambda a: not a.greedy)  # greedy rows first
@@ -521,7 +522,7 @@ def evaluate(model, arms, served, exact, prefix_kv, parts, slot, seg_len, greedy
         contexts += [pre.cat(served[a.label][name][0]) for a in order]
         suffix = parts[name][1]
         if score == "answer":
-            answer = _answer(model, contexts[0], suffix)
+            answer = _answer(model, contexts[0], suffix, answer_tokens)
             logp, greedy = suffix_eval(model, contexts, suffix + answer[:-1], greedy_tokens, n_greedy)
             logp = logp[:, len(suffix) - 1:]
         else:
@@ -547,9 +548,9 @@ def evaluate(model, arms, served, exact, prefix_kv, parts, slot, seg_len, greedy
                 arm.greedy_same.append(float(same))
 
 
-def _answer(model, context: KV, suffix: list[int]) -> list[int]:
-    """NonShared's greedy answer after ``suffix``: up to ``ANSWER_TOKENS`` tokens, ending at the first end token."""
-    _, greedy = suffix_eval(model, [context], suffix, ANSWER_TOKENS, 1)
+def _answer(model, context: KV, suffix: list[int], tokens: int = ANSWER_TOKENS) -> list[int]:
+    """NonShared's greedy answer after ``suffix``: up to ``tokens`` tokens, ending at the first end token."""
+    _, greedy = suffix_eval(model, [context], suffix, tokens, 1)
     tokens = greedy[0].tolist()
     eos = model.config.eos_token_id
     ends = set(eos if isinstance(eos, list) else [eos]) - {None}
@@ -762,7 +763,12 @@ def main(argv=None) -> None:
     ap.add_argument("--score", choices=["tail", "last", "answer"], default="tail",
                     help="KL and top-1 over the whole tail, at its last position only, or along NonShared's greedy "
                          "answer (teacher-forced, as the live frontier scores)")
+    ap.add_argument("--answer-tokens", type=int, default=ANSWER_TOKENS,
+                    help="--score answer: the answer's length in tokens (the live frontier scores 8 on retrieval, "
+                         "128 on gsm8k/humaneval)")
     args = ap.parse_args(argv)
+    if args.answer_tokens < 1:
+        ap.error(f"--answer-tokens must be at least 1, got {args.answer_tokens}")
     if args.roles in ("retrieval", "lookup"):
         use_retrieval_roles(lookup=args.roles == "lookup")
     args.argv = list(sys.argv[1:] if argv is None else argv)

@@ -54,3 +54,22 @@ def test_the_scored_answer_is_the_exact_contexts_greedy_answer_up_to_its_end_tok
     # the exact context predicts every answer token at the scored positions
     logp, _ = suffix_eval(model, [KV(context.k, context.v)], suffix + full[:-1])
     assert logp[0, len(suffix) - 1:].argmax(-1).tolist() == full
+
+
+def test_the_answer_takes_the_length_it_is_asked_for():
+    """``--answer-tokens`` scores the longer answers the live GSM8K/HumanEval frontier generates."""
+    from benchmarks.common import prefill
+    from tests.tiny_models import tiny_llama
+
+    model = tiny_llama(eos_token_id=None)
+    context = prefill(model, list(range(10, 30)))[0]
+    long = fid._answer(model, context, [40, 41, 42], 20)
+    assert len(long) == 20
+    assert long[:fid.ANSWER_TOKENS] == fid._answer(model, context, [40, 41, 42])
+
+
+def test_an_answer_of_no_tokens_is_refused_at_launch(capsys):
+    with pytest.raises(SystemExit) as exc:
+        fid.main(["--score", "answer", "--answer-tokens", "0"])
+    assert exc.value.code == 2
+    assert "--answer-tokens must be at least 1" in capsys.readouterr().err
