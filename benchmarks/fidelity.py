@@ -548,9 +548,9 @@ def evaluate(model, arms, served, exact, prefix_kv, parts, slot, seg_len, greedy
                 arm.greedy_same.append(float(same))
 
 
-def _answer(model, context: KV, suffix: list[int], tokens: int = ANSWER_TOKENS) -> list[int]:
-    """NonShared's greedy answer after ``suffix``: up to ``tokens`` tokens, ending at the first end token."""
-    _, greedy = suffix_eval(model, [context], suffix, tokens, 1)
+def _answer(model, context: KV, suffix: list[int], length: int = ANSWER_TOKENS) -> list[int]:
+    """NonShared's greedy answer after ``suffix``: up to ``length`` tokens, ending at the first end token."""
+    _, greedy = suffix_eval(model, [context], suffix, length, 1)
     tokens = greedy[0].tolist()
     eos = model.config.eos_token_id
     ends = set(eos if isinstance(eos, list) else [eos]) - {None}
