@@ -11,7 +11,8 @@ kvshare annotated), ``Guard.prepare`` runs before SGLang sees it:
   which the response does not carry unless the client asked for them; with a
   target and ``--kvshare-verify-burst``, always while the scope's setting has
   fewer verified or waiting requests than a decision needs
-  (``Controller.wants_evidence``).
+  (``Controller.wants_evidence``). A prefill-only request (``max_new_tokens=0``,
+  as a client commits an answer) is never sampled: it has no output to judge.
 
 The returned ``Collector`` watches the outputs as they pass, adds the guard's
 part to the report (``kvshare.guard``: scope, setting, whether verified) and,
@@ -207,8 +208,11 @@ class Guard:
         controller = self._refresh(config)
         scope, display = self._scope(obj, ann.agent)
         setting = controller.setting(scope)
-        draw = config.verify_rate > 0 and self._rng.random() < config.verify_rate
-        burst = (not draw and config.verify_rate > 0 and config.verify_burst and scope not in self._exact_scopes
+        # A prefill-only request (``max_new_tokens=0``: a client committing an answer as a shared segment, a
+        # warm-up) generates nothing to verify; sampled, it would also pass as exact and stop its scope's burst.
+        verifiable = config.verify_rate > 0 and sampling.get("max_new_tokens") != 0
+        draw = verifiable and self._rng.random() < config.verify_rate
+        burst = (not draw and verifiable and config.verify_burst and scope not in self._exact_scopes
                  and controller.wants_evidence(scope, self._waiting.get(scope, 0)))
         probe = controller.probe_setting(scope) if draw else None
         if probe is not None:  # a dense scope: this request probes the next looser setting

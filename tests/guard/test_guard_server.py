@@ -23,10 +23,14 @@ def tokenizer(model_path):
     return AutoTokenizer.from_pretrained(model_path)
 
 
-def _ask(server, tokenizer, agent, doc, slot):
+def _reader_request(tokenizer, agent, doc, slot):
     system = f"<|im_start|>system\nYou are the {agent}; summarize the record in one line.<|im_end|>\n<|im_start|>user\n"
-    ids, custom = build_request(tokenizer, agent, [private_part(system), shared_part(doc, slot=slot),
-                                                   private_part("<|im_end|>\n<|im_start|>assistant\n")])
+    return build_request(tokenizer, agent, [private_part(system), shared_part(doc, slot=slot),
+                                            private_part("<|im_end|>\n<|im_start|>assistant\n")])
+
+
+def _ask(server, tokenizer, agent, doc, slot):
+    ids, custom = _reader_request(tokenizer, agent, doc, slot)
     return server.generate(input_ids=ids, custom_params=custom, max_new_tokens=8)["meta_info"]["kvshare"][0]
 
 
@@ -118,6 +122,10 @@ def test_a_new_scope_is_verified_until_it_can_be_judged_then_at_the_rate(server_
             _ask(server, tokenizer, "burst-writer", _doc(f"burst{burst}", i), f"burst-{burst}")  # the first copy
             reader = _ask(server, tokenizer, agent, _doc(f"burst{burst}", i), f"burst-{burst}")
             assert reader["tokens_aligned"] > 0, reader  # approximated: a candidate for verification
+            # The reader's prompt again, prefill only (as a client commits an answer): it hits the tree (exact),
+            # generates nothing, and is neither sampled nor taken as a sign that the scope is served exact.
+            ids, custom = _reader_request(tokenizer, agent, _doc(f"burst{burst}", i), f"burst-{burst}")
+            server.generate(input_ids=ids, custom_params=custom, max_new_tokens=0)
             _drain(server)
         snap = _drain(server)
     samples = snap["per_scope"].get(agent, {}).get("samples", 0)
