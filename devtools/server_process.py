@@ -8,6 +8,7 @@ stock SGLang for comparison), and all of them must always shut it down.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -21,7 +22,31 @@ from typing import Optional, Sequence
 import requests
 
 
+# Ports for servers and routers come from below the kernel's ephemeral range: bind(0) and every outgoing
+# connection take ports from that range, so one picked there can be taken (by another server's sockets) in the
+# seconds before the server binds it. SGLang picks its own late-bound ports from 22000 up; stay under that too.
+_PORT_LOW, _PORT_HIGH = 12000, 21999
+_BIND_RACE_RETRIES = 2  # relaunches, on a fresh port, of a server whose port was taken before it bound
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
+    """A loopback port free now, outside the range the kernel hands out on its own where it can."""
+    high = min(_PORT_HIGH, _ephemeral_low() - 1)
+    candidates = random.sample(range(_PORT_LOW, high + 1), 64) if high - _PORT_LOW >= 64 else []
+    for port in candidates:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -146,8 +171,14 @@ class ServerProcess:
         if self.ready:
             return
         deadline = time.monotonic() + self.startup_timeout
+        relaunches = _BIND_RACE_RETRIES
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if relaunches > 0 and "address already in use" in self.log_text().lower():
+                    relaunches -= 1  # another process took the port first: not the server's fault
+                    self.port = free_port()
+                    self.launch()
+                    continue
                 raise ServerStartError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
                 if requests.get(self.url + "/health_generate", timeout=30).status_code == 200:
