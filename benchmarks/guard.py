@@ -72,7 +72,7 @@ from benchmarks.harness import RESULTS, command_line, machine, run_meta, stream_
 from benchmarks.stock_vs_off import verdict
 from benchmarks.texts import context_tokens
 from sglang_kvshare.frontend.builder import assemble, build_request, private_part, shared_part
-from sglang_kvshare.guard.controller import ladder
+from sglang_kvshare.guard.controller import ladder, rule
 from sglang_kvshare.guard.measure import compare
 from sglang_kvshare.guard.target import FidelityTarget
 
@@ -421,7 +421,7 @@ def run_controlled(bench: Bench, spec: fr.TaskSpec, samples, off: dict, size: Si
     args = bench.args
     arm = GuardedArm("guarded", "fullshared", 0, verify_rate=args.verify_rate, target=args.target,
                      min_samples=min_samples)
-    warm = fr.load_warmup(spec, args.offset + size.limit, size.controlled_warmup)
+    warm = fr.load_warmup(spec, task_offset(args, spec.name) + size.limit, size.controlled_warmup)
     run = bench.run_arm(arm, spec, samples, [], off, size.max_tokens, server_warm=warm)
     summary = fr.summarize_arm(run, off, spec, samples, bench.decode)
     after, end = bench.after_warmup[arm.name], bench.server.fidelity()
@@ -439,12 +439,13 @@ def run_task(name: str, bench: Bench) -> dict:
     args = bench.args
     spec = fr.task_spec(name, args.seed)
     size = task_sizes(name, args)
-    samples = spec.load(size.limit, args.offset)
-    warm = fr.load_warmup(spec, args.offset + size.limit, size.warmup)
+    offset = task_offset(args, name)
+    samples = spec.load(size.limit, offset)
+    warm = fr.load_warmup(spec, offset + size.limit, size.warmup)
     bound = FidelityTarget.parse(args.target).bound
-    out: dict = {"samples": len(samples), "warmup_samples": len(warm), "sizes": size._asdict()}
+    out: dict = {"samples": len(samples), "warmup_samples": len(warm), "sizes": size._asdict(), "offset": offset}
 
-    calibration = run_calibration(bench, spec, spec.load(size.calibration, args.offset), warm, size.max_tokens)
+    calibration = run_calibration(bench, spec, spec.load(size.calibration, offset), warm, size.max_tokens)
     budget = controlled_budget(args.verify_rate, size.controlled_warmup)
     choice = choose_min_samples(warm_values(calibration["records"]), bound, budget, ceiling=args.max_min_samples)
     out.update({"calibration_within_ci": calibration["within_ci"], "calibration": calibration, "min_samples": choice})
@@ -459,9 +460,25 @@ def run_task(name: str, bench: Bench) -> dict:
                 "arms": {n: arm_cell(a) for n, a in arms.items()}})
 
     n = 2 * choice["chosen"] + 4  # enough for a victim caught at the minimum, with room for a slower one
-    both = spec.load(2 * (n + 1), args.offset)  # + 1: the sample served after the loop
+    both = spec.load(2 * (n + 1), offset)  # + 1: the sample served after the loop
     out["detection"] = run_detection(bench, spec, both[:n + 1], both[n + 1:], size.max_tokens, choice["chosen"])
     out["detection_samples"] = out["detection"]["detection_samples"]
+    return out
+
+
+def task_offset(args: argparse.Namespace, name: str) -> int:
+    """Index of ``name``'s first scored sample: its ``--task-offset`` where given, else ``--offset``."""
+    return args.task_offset.get(name, args.offset)
+
+
+def parse_task_offsets(items: Sequence[str]) -> dict[str, int]:
+    """``["humaneval=60"]`` -> ``{"humaneval": 60}``; a clear error for anything else."""
+    out = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or name not in fr.TASKS or not value.isdigit():
+            raise ValueError(f"--task-offset {item!r}: write TASK=N with TASK one of {', '.join(fr.TASKS)} and N >= 0")
+        out[name] = int(value)
     return out
 
 
@@ -707,6 +724,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--offset", type=int, default=0,
                     help="index of the first scored, calibration and detection sample: held-out samples that an "
                          "earlier run, read while designing, did not score")
+    ap.add_argument("--task-offset", action="append", default=[], metavar="TASK=N",
+                    help="--offset for one task (repeatable): a small set (HumanEval: 164 problems) may need another "
+                         "start than the others to stay clear of samples an earlier run scored")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--out-dir", default=str(RESULTS))
     ap.add_argument("--no-progress", action="store_true")
@@ -720,6 +740,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if args.overhead_pairs < 4 or args.overhead_rounds < 4:
         ap.error("--overhead-pairs and --overhead-rounds need at least 4 (two paired ratios per half)")
     FidelityTarget.parse(args.target)
+    try:
+        args.task_offset = parse_task_offsets(args.task_offset)
+    except ValueError as exc:
+        ap.error(str(exc))
     return args
 
 
@@ -739,7 +763,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out: dict = {"meta": run_meta(command), "command": command, "machine": machine(), "model": args.model,
                  "quick": args.quick, "verify_rate": args.verify_rate, "target": args.target,
                  "target_bound": FidelityTarget.parse(args.target).bound, "heads": args.heads, "top_k": TOP_K,
-                 "seed": args.seed, "offset": args.offset, "concurrency": args.concurrency, "complete": False,
+                 "seed": args.seed, "offset": args.offset, "task_offset": args.task_offset,
+                 "concurrency": args.concurrency, "controller": rule(),
+                 "complete": False,
                  "tasks": {}}
     t0 = time.monotonic()
     server = GuardServer(args.model_path).start()

@@ -298,6 +298,12 @@ def _guard_row(name: str, t: dict) -> list[str]:
             kept[det.get("others_kept_reuse")]]
 
 
+# What a guard.json that does not record its controller was measured with.
+OLD_GUARD_RULE = {"tighten": "one step per decision (straight to dense when missed by far); on the mean once "
+                             "3 x min_samples verified requests leave the interval straddling the target",
+                  "relax": "one step, the whole interval past the target by the margin, 2 x min_samples"}
+
+
 def render_guard(d: dict) -> str:
     header = ["task", "truth inside the guard's 95 % interval (share of scopes)", "min_samples (warm data)",
               "guarded: reuse / teacher-forced top-1", "TTFT agents 2-4 median: guarded / K=0 / `off`",
@@ -306,11 +312,14 @@ def render_guard(d: dict) -> str:
     rows = [_guard_row(name, t) for name, t in d["tasks"].items()]
     parts = [f"Verify rate {d['verify_rate']:g}, target `{d['target']}`, fixed heads "
              f"{', '.join(map(str, d['heads']))}; samples per task: "
-             + ", ".join(f"{n} {t['samples']} scored + {t['warmup_samples']} warm-up, calibration "
+             + ", ".join(f"{n} {t['samples']} scored from index {t.get('offset', d.get('offset', 0))} + "
+                         f"{t['warmup_samples']} warm-up, calibration "
                          f"{t['sizes']['calibration']} + warm-up, guarded arm {t['sizes']['controlled_warmup']} "
                          f"warm-up" for n, t in d["tasks"].items())
-             + f"; scored samples from index {d.get('offset', 0)}, seed {d.get('seed', 0)}. "
+             + f"; seed {d.get('seed', 0)}. "
                f"Complete: {'yes' if d.get('complete') else 'no'}.", "", table(header, rows)]
+    ctl = d.get("controller") or OLD_GUARD_RULE
+    parts += ["", f"Controller: tightens {ctl['tighten']}; relaxes {ctl['relax']}."]
     ov = d.get("overhead")
     if ov:
         cells = []
@@ -664,8 +673,9 @@ REGISTRY: list[Benchmark] = [
         "recomputed head, does it catch a bad scope, and what does it cost?",
         "Calibration: every request served approximated KV is replayed densely by the benchmark; each agent's mean "
         "over all of them should lie inside the interval the guard reports from its sample. Guarded: fullshared K=0 "
-        "with the guard keeping the target per agent (verify burst on; a scope still undecided after 3 x min_samples "
-        "verified requests is judged on its mean), against fixed heads for every agent "
+        "with the guard keeping the target per agent (verify burst on; the controller's rule is given below the "
+        "table), "
+        "against fixed heads for every agent "
         "(best: the most reuse "
         "whose teacher-forced top-1 against `off` meets the bound). Detection: noise in one shared slot's KV; the "
         "verified samples until its readers were served dense, while renamed twins of the workflow on intact slots "

@@ -7,20 +7,27 @@ decides how much reuse moves its outputs. Each scope climbs a ladder of
 settings, from the server's own (its ``--kvshare-recompute-head``) through
 longer heads to ``dense`` (no reuse at all):
 
-* tighten one step when the 95 % interval of the scope's estimate lies wholly
-  on the wrong side of the target (``FidelityTarget.missed``), straight to
-  ``dense`` when it misses by far (``severe``: a broken scope, which no head
-  fixes, is caught within ``min_samples`` verified requests);
-* relax one step when it lies wholly on the right side by a margin
-  (``met_with_margin``) and at least twice the minimum samples back it;
-* tighten one step when, after ``DECIDE_AFTER`` x ``min_samples`` verified
-  requests, the interval still straddles the target and the mean lies on the
-  wrong side (``undecided_below``). Why: a scope a few thousandths below the
+* tighten when the 95 % interval of the scope's estimate lies wholly on the
+  wrong side of the target (``FidelityTarget.missed``), by as many steps as
+  the miss asks for (``steps_for``): each step of the ladder cut the error by
+  about a quarter on the frontier's fixed heads (``RUNG_ERROR_FACTOR``), so an
+  interval whose best end still shows twice the allowed error climbs three
+  steps at once, not one per ``min_samples``; straight to ``dense`` when it
+  misses by far (``severe``: a broken scope, which no head fixes, is caught
+  within ``min_samples`` verified requests);
+* tighten one step when, after ``min_samples`` verified requests, the interval
+  straddles the target and the mean lies on the wrong side
+  (``undecided_below``). Why on the mean: a scope a few thousandths below the
   target needs hundreds of verified requests before its interval excludes it
   ((1.96 sigma / gap)^2 with a per-request spread of 0.02-0.05); a rule that
-  waits for that serves the miss indefinitely. Past that count the guard errs
-  towards exact KV: it keeps a scope whose mean meets the target, and a relax
-  still needs the whole interval on the right side;
+  waits for that serves the miss indefinitely, and one that waits a multiple
+  of the minimum at every step of a five-step ladder does not reach the right
+  setting within a working day's traffic of a quiet agent. The guard errs
+  towards exact KV: it tightens on the mean, and a relax needs the whole
+  interval on the right side with a margin and twice the evidence, so a scope
+  does not swing back and forth between two settings on noise;
+* relax one step when the interval lies wholly on the right side by a margin
+  (``met_with_margin``) and at least twice the minimum samples back it;
 * otherwise stay. Every change starts the scope's estimates afresh (they
   measured the old setting), and samples of requests served under another
   setting than the current one are dropped as stale.
@@ -30,14 +37,16 @@ guard serves a small share of its requests under the next looser setting as
 probes (``probe_setting``), and those samples decide whether it relaxes.
 
 So a scope moves only on evidence (``min_samples`` verified requests at the
-least, ``DECIDE_AFTER`` times that to tighten on the mean alone), never back
-and forth on noise (a relax needs more evidence and a margin). An operator may
+least), never back and forth on noise (a relax needs more evidence and a
+margin). While its interval straddles the target the verify burst keeps
+sampling it, up to ``DECIDE_AFTER`` times the minimum. An operator may
 pin a scope to a setting. Bounded: at most ``max_scopes`` scopes, least
 recently verified dropped first.
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from typing import Hashable, Optional
@@ -51,15 +60,37 @@ DENSE = -1  # the setting "no reuse": every segment prefilled
 # answers at K=0 on SmolLM2-135M (top-1 0.95-1.0 per answer; KL a few 1e-3).
 TOP1_PRIOR_STD = 0.03
 KL_PRIOR_STD = 0.005
-# An undecided scope is judged on its mean after this many times min_samples verified requests (and the verify
-# burst keeps sampling an undecided scope until then): at 3, a setting costs at most 3 x min_samples
-# verifications, and the mean of 3 x 6 requests with a spread of 0.03 has a standard error of 0.007.
+# The verify burst keeps sampling a scope whose interval straddles the target up to this many times
+# min_samples verified requests: at 3, a setting costs at most 3 x min_samples burst verifications, and the mean
+# of 3 x 6 requests with a spread of 0.03 has a standard error of 0.007.
 DECIDE_AFTER = 3
+# The share of a scope's error one step of the ladder leaves: on the frontier's fixed heads (50 GSM8K and 50
+# HumanEval questions, SmolLM2-135M) teacher-forced disagreement fell from head 0 to 8, 16 and 32 by a factor of
+# 0.72-0.81 per step. Only the size of a tightening reads it; a step too short is made up at the next decision.
+RUNG_ERROR_FACTOR = 0.75
 
 
 def ladder(base_head: int, steps: tuple[int, ...] = (8, 16, 32, 64)) -> tuple[int, ...]:
     """The settings a scope may take, loosest first: the server's head, longer heads, then ``DENSE``."""
     return (base_head, *sorted(h for h in set(steps) if h > base_head), DENSE)
+
+
+def steps_for(error_ratio: float) -> int:
+    """Steps up the ladder that bring an error ``error_ratio`` times the allowed one within the target, if each
+    step leaves ``RUNG_ERROR_FACTOR`` of it: at least one."""
+    if not math.isfinite(error_ratio):
+        return 10**6  # the caller caps it at dense
+    if error_ratio <= 1.0:
+        return 1
+    return max(1, math.ceil(math.log(error_ratio) / math.log(1.0 / RUNG_ERROR_FACTOR) - 1e-9))
+
+
+def rule() -> dict:
+    """The controller's rule and constants, for a benchmark to record beside what it measured."""
+    return {"tighten": f"as many steps as the miss asks for (each step leaves {RUNG_ERROR_FACTOR:g} of the error); "
+                       "on the mean from min_samples while the interval straddles the target",
+            "relax": "one step, the whole interval past the target by the margin, 2 x min_samples",
+            "rung_error_factor": RUNG_ERROR_FACTOR, "burst_up_to_x_min_samples": DECIDE_AFTER}
 
 
 def setting_name(head: int) -> str:
@@ -146,17 +177,17 @@ class Controller:
 
     @property
     def decide_after(self) -> int:
-        """Verified requests after which an undecided scope is judged on its mean."""
+        """Verified requests up to which the burst keeps sampling a scope whose interval straddles the target."""
         return DECIDE_AFTER * self.min_samples
 
     def wants_evidence(self, scope: Hashable, waiting: int) -> bool:
         """Whether the scope's current setting lacks the evidence a decision needs, counting ``waiting``
         requests already drawn for it: fewer than ``min_samples``, or fewer than ``decide_after`` while its
         interval straddles the target. The guard then verifies its next approximated request whatever the rate
-        (a burst), so a new or just-moved scope is judged after ``min_samples`` (at most ``decide_after``)
-        requests, not that many divided by the rate. Never for a pinned or ``dense`` scope (a pin decides
-        nothing; a dense scope's probes stay at the rate: relaxing may be slow) nor without a target (measuring
-        only: the samples stay a uniform draw)."""
+        (a burst), so a new or just-moved scope is judged after ``min_samples`` requests, not that many divided
+        by the rate, and one left undecided keeps being judged on fresh evidence up to ``decide_after``. Never
+        for a pinned or ``dense`` scope (a pin decides nothing; a dense scope's probes stay at the rate: relaxing
+        may be slow) nor without a target (measuring only: the samples stay a uniform draw)."""
         if self.target is None:
             return False
         state = self._scopes.get(scope)
@@ -187,9 +218,10 @@ class Controller:
         interval = estimate.interval()
         last = len(self.settings) - 1
         if self.target.missed(interval) and state.level < last:
-            step = last - state.level if self.target.severe(interval) else 1
-            return self._move(scope, state, step, "target_missed")
-        if (state.level < last and estimate.n >= self.decide_after and self.target.straddles(interval)
+            step = last - state.level if self.target.severe(interval) else steps_for(
+                self.target.error_ratio(interval))
+            return self._move(scope, state, min(step, last - state.level), "target_missed")
+        if (state.level < last and self.target.straddles(interval)
                 and self.target.missed((estimate.mean, estimate.mean))):
             return self._move(scope, state, 1, "undecided_below")
         if (state.level > 0 and state.top1.n >= 2 * self.min_samples

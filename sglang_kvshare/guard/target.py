@@ -55,6 +55,16 @@ class FidelityTarget:
         low, high = interval
         return high < 0.9 * self.bound if self.metric == "top1" else low > 2.0 * self.bound
 
+    def error_ratio(self, interval: tuple[float, float]) -> float:
+        """How many times the error the target allows the interval's most favourable end still shows: top-1's
+        disagreement ``1 - high`` over ``1 - bound``, KL's ``low`` over ``bound`` (above 1: missed). Why the
+        favourable end: a tightening sized on it is the least the evidence asks for, never an overshoot on noise."""
+        low, high = interval
+        if self.metric == "top1":
+            allowed = 1.0 - self.bound
+            return math.inf if allowed <= 0.0 else (1.0 - high) / allowed
+        return low / self.bound
+
     def met_with_margin(self, interval: tuple[float, float], margin: float) -> bool:
         """The whole interval is on the right side by ``margin`` (of the distance to the metric's ideal)."""
         low, high = interval

@@ -12,6 +12,7 @@ from benchmarks import guard as g
 from benchmarks import guard_metrics as gm
 from benchmarks import report
 from sglang_kvshare.frontend.builder import Piece
+from sglang_kvshare.guard.controller import rule
 from sglang_kvshare.guard.estimate import Z95
 
 
@@ -138,6 +139,14 @@ def test_small_helpers():
                             "fidelity_target": "top1>=0.99", "fidelity_min_samples": 6, "fault_perturb_slot": ""}
 
 
+def test_task_offsets_parse_and_default_to_the_common_offset():
+    args = g.parse_args(["--offset", "300", "--task-offset", "humaneval=60"])
+    assert g.task_offset(args, "humaneval") == 60 and g.task_offset(args, "gsm8k") == 300
+    for bad in ("humaneval", "mbpp=3", "gsm8k=-1", "gsm8k=x"):
+        with pytest.raises(SystemExit):
+            g.parse_args(["--task-offset", bad])
+
+
 def _results() -> dict:
     """A small guard.json as ``benchmarks.guard`` writes it."""
     ttft = {"n": 3, "median": 0.4, "p10": 0.3, "p90": 0.5}
@@ -171,5 +180,11 @@ def test_the_report_section_and_the_plot_read_a_results_dict(tmp_path):
     assert "| 5 (3 of 3 victim scopes dense; min_samples 5, rate 1) |" in text
     assert "| 0.40 / 0.40 / - s |" in text and "K=32: 0.70 / 0.9910" in text and text.count("| yes |") == 1
     assert "TTFT 1.010 [0.990, 1.030] (4 pairs, unresolved 2%)" in text and "12345 bytes" in text
+    assert "retrieval 2 scored from index 0 + 2 warm-up" in text
+    assert "Controller: tightens one step per decision" in text  # a file that does not record its rule: the old one
+    d["controller"] = rule()
+    d["tasks"]["retrieval"]["offset"] = 60
+    text = report.render_guard(d)
+    assert "Controller: tightens as many steps as the miss asks for" in text and "from index 60 +" in text
     g.plot(d, tmp_path / "guard.png")
     assert (tmp_path / "guard.png").stat().st_size > 0

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from sglang_kvshare.guard.controller import DENSE, Controller, ladder
+from sglang_kvshare.guard.controller import DENSE, Controller, ladder, steps_for
 from sglang_kvshare.guard.estimate import RunningEstimate
 from sglang_kvshare.guard.measure import RequestFidelity, compare
 from sglang_kvshare.guard.target import FidelityTarget
@@ -66,19 +66,40 @@ def _feed(ctl, scope, top1, n, seed=0, sd=0.01):
     return actions
 
 
-def test_a_scope_below_target_tightens_step_by_step_to_dense_and_others_keep_theirs():
+def test_a_miss_climbs_as_many_steps_as_its_error_asks_and_others_keep_theirs():
     ctl = Controller(FidelityTarget.parse("top1>=0.99"), ladder(0), min_samples=10)
     assert ctl.settings == (0, 8, 16, 32, 64, DENSE)
+    # 0.97 for ten requests: the interval's best end, about 0.978, shows twice the allowed disagreement: three
+    # steps at once (0.75 per step: 2 -> 0.84).
+    actions = _cycle(ctl, "twice", [0.97], 10)
+    assert [(a.after, a.reason) for a in actions] == [(32, "target_missed")]
+    # 0.98: the best end a little below the bound, one step.
+    actions = _cycle(ctl, "near", [0.98], 10)
+    assert [(a.after, a.reason) for a in actions] == [(8, "target_missed")]
+    # Ten times it, not yet severe: past the ladder's end, so dense.
     actions = _feed(ctl, "bad", 0.90, 200)
-    assert [a.after for a in actions] == [8, 16, 32, 64, DENSE] and all(a.reason == "target_missed" for a in actions)
-    assert len(actions) == 5 and ctl.setting("bad") == DENSE
+    assert [(a.after, a.reason) for a in actions] == [(DENSE, "target_missed")] and ctl.setting("bad") == DENSE
     assert _feed(ctl, "good", 0.999, 200) == [] and ctl.setting("good") == 0
-    assert ctl.counters["target_missed"] == 5
+    assert ctl.counters["target_missed"] == 3
+
+
+@pytest.mark.parametrize("ratio, steps", [(0.5, 1), (1.0, 1), (1.2, 1), (1.34, 2), (2.0, 3), (4.0, 5),
+                                          (math.inf, 10**6)])
+def test_steps_for_an_error_ratio(ratio, steps):
+    assert steps_for(ratio) == steps
+
+
+def test_the_error_ratio_reads_the_favourable_end():
+    top1 = FidelityTarget.parse("top1>=0.99")
+    assert top1.error_ratio((0.95, 0.98)) == pytest.approx(2.0)
+    assert top1.error_ratio((0.99, 1.0)) == 0.0
+    assert FidelityTarget.parse("top1>=1").error_ratio((0.9, 0.99)) == math.inf
+    assert FidelityTarget.parse("kl<=0.01").error_ratio((0.03, 0.05)) == pytest.approx(3.0)
 
 
 def test_a_scope_relaxes_only_with_margin_and_twice_the_evidence():
     ctl = Controller(FidelityTarget.parse("top1>=0.99"), ladder(0), min_samples=10)
-    _feed(ctl, "s", 0.90, 10)
+    _cycle(ctl, "s", [0.98], 10)
     assert ctl.setting("s") == 8
     assert _feed(ctl, "s", 0.993, 60, seed=1, sd=0.001) == []  # met, but not by the margin: it stays
     actions = _feed(ctl, "s", 0.9999, 120, seed=2, sd=0.0005)
@@ -94,17 +115,20 @@ def _cycle(ctl, scope, values, n):
     return actions
 
 
-def test_an_undecided_scope_below_the_target_tightens_on_its_mean_after_decide_after_samples():
+def test_an_undecided_scope_below_the_target_tightens_on_its_mean_at_min_samples():
     ctl = Controller(FidelityTarget.parse("top1>=0.99"), ladder(0), min_samples=6)
-    assert ctl.decide_after == 18
-    below = [1.0] * 8 + [0.9]  # mean 0.989, spread 0.033: the interval straddles 0.99 for hundreds of requests
-    assert _cycle(ctl, "below", below, 17) == []  # not yet
-    assert ctl.wants_evidence("below", 0)  # undecided: the burst keeps verifying it
-    actions = _cycle(ctl, "below", below[8:], 1)
+    below = [1.0] * 4 + [0.9] + [1.0] * 3 + [0.9]  # mean 0.978 at 9, spread ~0.04: the interval straddles 0.99
+    assert _cycle(ctl, "below", below, 5) == []  # fewer than min_samples: nothing moves
+    assert ctl.wants_evidence("below", 0)
+    actions = _cycle(ctl, "below", below[5:], 1)  # the sixth: mean 0.983, interval still straddling
     assert [(a.after, a.reason) for a in actions] == [(8, "undecided_below")]
     assert ctl.counters["undecided_below"] == 1
     assert _cycle(ctl, "above", [1.0] * 19 + [0.9], 60) == [] and ctl.setting("above") == 0  # mean 0.995: stays
     assert not ctl.wants_evidence("above", 0)  # judged: the rate applies again
+    mixed = Controller(FidelityTarget.parse("top1>=0.99"), ladder(0), min_samples=6)
+    assert _cycle(mixed, "late", [1.0] * 7, 7) == []  # above the bound
+    actions = _cycle(mixed, "late", [0.9], 1)  # mean 0.9875, straddling: the next check tightens
+    assert [(a.after, a.reason) for a in actions] == [(8, "undecided_below")]
 
 
 def test_a_decided_scope_leaves_the_burst_at_min_samples():
@@ -130,9 +154,11 @@ def test_samples_of_a_setting_the_scope_has_left_are_dropped():
 def test_a_scope_wants_evidence_until_its_setting_can_be_judged():
     ctl = Controller(FidelityTarget.parse("top1>=0.99"), ladder(0), min_samples=4)
     assert ctl.wants_evidence("new", 0) and ctl.wants_evidence("new", 3) and not ctl.wants_evidence("new", 4)
-    _feed(ctl, "s", 0.90, 3)
-    assert ctl.wants_evidence("s", 0) and not ctl.wants_evidence("s", 1)  # three verified, one waiting
-    _feed(ctl, "s", 0.90, 1)
+    _cycle(ctl, "s", [0.97], 3)
+    assert ctl.wants_evidence("s", 0) and ctl.wants_evidence("s", 1)  # straddling at three: the burst goes on
+    _cycle(ctl, "wide", [0.9], 3)
+    assert ctl.wants_evidence("wide", 0) and not ctl.wants_evidence("wide", 1)  # missed: one more decides
+    _cycle(ctl, "s", [0.97], 1)  # the interval misses by a step
     assert ctl.setting("s") == 8 and ctl.wants_evidence("s", 0)  # moved: the new setting starts afresh
     ctl.pin("s", 16)
     assert not ctl.wants_evidence("s", 0)  # a pin decides nothing
