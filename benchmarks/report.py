@@ -674,10 +674,7 @@ REGISTRY: list[Benchmark] = [
         "Calibration: every request served approximated KV is replayed densely by the benchmark; each agent's mean "
         "over all of them should lie inside the interval the guard reports from its sample. Guarded: fullshared K=0 "
         "with the guard keeping the target per agent (verify burst on; the controller's rule is given below the "
-        "table), "
-        "against fixed heads for every agent "
-        "(best: the most reuse "
-        "whose teacher-forced top-1 against `off` meets the bound). Detection: noise in one shared slot's KV; the "
+        "table), against fixed heads for every agent (best: the most reuse whose teacher-forced top-1 against `off` meets the bound). Detection: noise in one shared slot's KV; the "
         "verified samples until its readers were served dense, while renamed twins of the workflow on intact slots "
         "keep their reuse. Overhead: two servers up, paired requests in ABBA order, roles swapped halfway.",
         render_guard, _plot_from("benchmarks.guard", "plot"), results_png=True, optional=True),

@@ -21,8 +21,8 @@ longer heads to ``dense`` (no reuse at all):
   target needs hundreds of verified requests before its interval excludes it
   ((1.96 sigma / gap)^2 with a per-request spread of 0.02-0.05); a rule that
   waits for that serves the miss indefinitely, and one that waits a multiple
-  of the minimum at every step of a five-step ladder does not reach the right
-  setting within a working day's traffic of a quiet agent. The guard errs
+  of the minimum at every step of a five-step ladder multiplies that wait by
+  the steps a scope must climb. The guard errs
   towards exact KV: it tightens on the mean, and a relax needs the whole
   interval on the right side with a margin and twice the evidence, so a scope
   does not swing back and forth between two settings on noise;
