@@ -571,9 +571,95 @@ def merge_runs(runs: Sequence[dict]) -> dict:
     return merged
 
 
+# Fields of an arm that are sums over runs, and those kept from the first run (the arm's definition).
+_SUMMED = ("shared_tokens", "shared_tokens_reused", "tokens_head_recomputed", "teacher_forced_positions",
+           "scored_items", "run_s")
+_DEFINITION = ("arm", "mode", "recompute_head", "random_mix_p", "policy", "recompute_ratio")
+
+
+def pool_runs(runs: Sequence[dict]) -> dict:
+    """One results dict over runs of the same arms on different samples (other seeds): more paired items for the
+    same settings.
+
+    Why: an accuracy difference of a point needs more lookups than one run holds in a session on this CPU, and a
+    run on a fresh seed adds items without reading any twice. Every figure that is a mean over items or positions
+    is recomputed over the union: agreement and the paired accuracy difference from the recorded per-item answers
+    (each run's arm against its own run's ``off``), teacher-forced top-1 and KL weighted by positions, reuse from
+    the token counts. Medians do not pool: TTFT stays per run (``ttft_agents_2_4_s_per_run``), and the figures a
+    run does not record per item (teacher-forced reuse, reuse over all requests) are left out. Raises ValueError
+    when the runs differ in task, answer length or arms, or share a seed.
+    """
+    if len(runs) < 2:
+        raise ValueError("pooling needs at least two runs")
+    first = runs[0]
+    seeds = [run.get("seed") for run in runs]
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"runs share a seed ({seeds}): pooled runs must score different samples")
+    for run in runs[1:]:
+        for key in ("task", "max_tokens", "top_k"):
+            if run.get(key) != first.get(key):
+                raise ValueError(f"runs differ in {key}: {first.get(key)!r} vs {run.get(key)!r}")
+        if list(run["arms"]) != list(first["arms"]):
+            raise ValueError(f"runs differ in arms: {list(first['arms'])} vs {list(run['arms'])}")
+    if "off" not in first["arms"]:
+        raise ValueError("every run to pool needs its off arm (the reference its arms were measured against)")
+    arms: dict[str, dict] = {}
+    for name in first["arms"]:
+        parts = [run["arms"][name] for run in runs]
+        for key in _DEFINITION:
+            if len({json.dumps(p.get(key)) for p in parts}) > 1:
+                raise ValueError(f"arm {name} differs in {key} between runs")
+        pooled_arm = {key: parts[0].get(key) for key in _DEFINITION}
+        pooled_arm.update({key: sum(p.get(key) or 0 for p in parts) for key in _SUMMED})
+        shared, reused = pooled_arm["shared_tokens"], pooled_arm["shared_tokens_reused"]
+        pooled_arm["reuse_ratio"] = 0.0 if parts[0]["mode"] == "off" else (reused / shared if shared else None)
+        reasons: dict[str, int] = {}
+        for p in parts:
+            for reason, count in (p.get("fallback_reasons") or {}).items():
+                reasons[reason] = reasons.get(reason, 0) + count
+        pooled_arm["fallback_reasons"] = reasons
+        items = [it for p in parts for it in p["per_item"]]
+        ref = [it for run in runs for it in run["arms"]["off"]["per_item"]]
+        pooled_arm["agreement_final"] = fm.statistics.fmean(
+            1.0 if a["answer"] == b["answer"] else 0.0 for a, b in zip(items, ref))
+        pooled_arm["identical_text"] = (sum(p["identical_text"] * p["scored_items"] for p in parts)
+                                        / pooled_arm["scored_items"])
+        positions = pooled_arm["teacher_forced_positions"]
+        for key in ("teacher_forced_top1", "teacher_forced_kl"):
+            pooled_arm[key] = (sum(p[key] * p["teacher_forced_positions"] for p in parts) / positions
+                               if positions else None)
+        forwards = [(p.get("forwards_per_request"), p["scored_items"]) for p in parts]
+        pooled_arm["forwards_per_request"] = (sum(f * n for f, n in forwards) / sum(n for _, n in forwards)
+                                              if all(f is not None for f, _ in forwards) else None)
+        acc = [1.0 if it["correct"] else 0.0 for it in items]
+        acc_off = [1.0 if it["correct"] else 0.0 for it in ref]
+        pooled_arm["accuracy"] = fm.statistics.fmean(acc)
+        pooled_arm["accuracy_vs_off_paired"] = fm.paired_bootstrap(acc, acc_off)
+        pooled_arm["accuracy_vs_off_paired_per_run"] = [p.get("accuracy_vs_off_paired") for p in parts]
+        pooled_arm["ttft_agents_2_4_s"] = None
+        pooled_arm["ttft_agents_2_4_s_per_run"] = [p["ttft_agents_2_4_s"] for p in parts]
+        pooled_arm["per_item"] = items
+        arms[name] = pooled_arm
+    pooled = {k: v for k, v in first.items() if k not in ("meta", "command", "arms", "commands", "parts_meta")}
+    pooled.update({"seed": seeds, "pooled": True, "samples": sum(run["samples"] for run in runs),
+                   "scored_items": sum(run["scored_items"] for run in runs),
+                   "commands": [run.get("command") for run in runs], "parts_meta": [run.get("meta") for run in runs],
+                   "complete": all(run.get("complete") for run in runs), "arms": arms})
+    add_line_gaps(pooled["arms"])
+    return pooled
+
+
 # ------------------------------------------------------------------ plot
 TARGET_REUSE = 0.7
 TARGET_TOP1 = 0.99
+
+
+def ttft_bars(out: dict) -> list[tuple[str, str, dict]]:
+    """(label, arm, TTFT spread) per bar: one per arm, or one per arm and run when the runs were pooled."""
+    if not out.get("pooled"):
+        return [(name, name, a["ttft_agents_2_4_s"]) for name, a in out["arms"].items()]
+    return [(f"{name} (seed {seed})", name, t) for name, a in out["arms"].items()
+            for seed, t in zip(out["seed"], a["ttft_agents_2_4_s_per_run"])]
 
 
 def plot(out: dict, path: Path) -> None:
@@ -609,14 +695,14 @@ def plot(out: dict, path: Path) -> None:
     axes[1].set_ylim(bottom=min(top1_ymin, TARGET_TOP1 - 0.001))
     axes[1].legend(fontsize=7, loc="lower left")
     axes[0].legend(fontsize=7, loc="lower left")
-    names = list(arms)
-    med = [arms[n]["ttft_agents_2_4_s"]["median"] for n in names]
-    lo = [m - arms[n]["ttft_agents_2_4_s"]["p10"] for m, n in zip(med, names)]
-    hi = [arms[n]["ttft_agents_2_4_s"]["p90"] - m for m, n in zip(med, names)]
-    axes[2].bar(range(len(names)), med, yerr=[lo, hi], capsize=3,
+    bars = ttft_bars(out)
+    med = [t["median"] for _, _, t in bars]
+    lo = [m - t["p10"] for m, (_, _, t) in zip(med, bars)]
+    hi = [t["p90"] - m for m, (_, _, t) in zip(med, bars)]
+    axes[2].bar(range(len(bars)), med, yerr=[lo, hi], capsize=3,
                 color=[colors.get(arms[n]["mode"], "gray") if arms[n]["random_mix_p"] is None else "lightgray"
-                       for n in names])
-    axes[2].set_xticks(range(len(names)), names, rotation=60, ha="right", fontsize=7)
+                       for _, n, _ in bars])
+    axes[2].set_xticks(range(len(bars)), [label for label, _, _ in bars], rotation=60, ha="right", fontsize=7)
     axes[2].set_ylabel("TTFT agents 2-4 (s): median, p10-p90")
     fig.suptitle(f"fidelity frontier: {out['task']}, {out['samples']} samples ({out['scored_items']} scored items)")
     fig.tight_layout()
@@ -661,6 +747,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--merge", nargs="+", metavar=("OUT", "JSON"), default=None,
                     help="start no server: OUT = the arms of the finished results files JSON... (same task and "
                          "samples, off's answers identical in every file), with line gaps and a plot")
+    ap.add_argument("--pool", nargs="+", metavar=("OUT", "JSON"), default=None,
+                    help="start no server: OUT = the same arms over the finished results files JSON... of "
+                         "different seeds, every item and position pooled (TTFT per run), with a plot")
     return ap.parse_args(argv)
 
 
@@ -749,6 +838,20 @@ def main(argv=None, *, arm_server: Optional[ArmServer] = None) -> int:
                   **merged}
         save(merged, out_path)
         print(f"{out_path}: {len(merged['arms'])} arms from {len(args.merge) - 1} runs", file=sys.stderr)
+        return 0
+    if args.pool:
+        if len(args.pool) < 3:
+            raise SystemExit("--pool needs OUT and at least two results files")
+        out_path = Path(args.pool[0])
+        try:
+            pooled = pool_runs([json.loads(Path(p).read_text()) for p in args.pool[1:]])
+        except ValueError as exc:
+            raise SystemExit(f"--pool: {exc}") from None
+        argv_used = sys.argv[1:] if argv is None else list(argv)
+        pooled = {"meta": run_meta("python -m benchmarks.frontier " + " ".join(shlex.quote(a) for a in argv_used)),
+                  **pooled}
+        save(pooled, out_path)
+        print(f"{out_path}: {len(pooled['arms'])} arms pooled over {len(args.pool) - 1} runs", file=sys.stderr)
         return 0
     if args.rescore:
         for name in args.rescore:

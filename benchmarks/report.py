@@ -238,6 +238,13 @@ def render_workflow(d: dict) -> str:
             + ("\n\nShared-segment fallbacks: " + "; ".join(reasons) + "." if reasons else "") + note)
 
 
+def _ttft_cell(a: dict) -> str:
+    """Median (p10-p90); runs pooled over seeds keep one per run (medians do not pool)."""
+    spreads = [a["ttft_agents_2_4_s"]] if a.get("ttft_agents_2_4_s") else a.get("ttft_agents_2_4_s_per_run") or []
+    cells = [f"{num(t['median'], '.2f')} s ({num(t['p10'], '.2f')}-{num(t['p90'], '.2f')})" for t in spreads]
+    return " / ".join(cells) + (" (per run)" if len(cells) > 1 else "") if cells else "-"
+
+
 def frontier_rows(d: dict) -> tuple[list[str], list[list[str]]]:
     arms = d["arms"]
     base_kl = (arms.get("fullshared_k0") or {}).get("teacher_forced_kl")
@@ -250,7 +257,6 @@ def frontier_rows(d: dict) -> tuple[list[str], list[list[str]]]:
         kl = a.get("teacher_forced_kl")
         ratio = f" ({kl / base_kl:.2f})" if kl is not None and base_kl else ""
         paired = a.get("accuracy_vs_off_paired") or {}
-        t = a["ttft_agents_2_4_s"]
         gap = a.get("above_random_mix")
         rows.append([f"`{name}`", num(a.get("reuse_ratio")), num(a.get("agreement_final"), ".3f"),
                      f"{num(gap, '+.3f')} {interval(a.get('above_random_mix_ci95'))}" if name != "off" else "-",
@@ -259,7 +265,7 @@ def frontier_rows(d: dict) -> tuple[list[str], list[list[str]]]:
                      f"{num(kl, '.5f')}{ratio}", num(a.get("teacher_forced_reuse_ratio")),
                      f"{num(a.get('accuracy'), '.3f')} ({num(paired.get('mean'), '+.3f')} "
                      f"{interval(paired.get('ci95'))})" if name != "off" else num(a.get("accuracy"), ".3f"),
-                     f"{num(t['median'], '.2f')} s ({num(t['p10'], '.2f')}-{num(t['p90'], '.2f')})",
+                     _ttft_cell(a),
                      fallbacks(a.get("fallback_reasons"))])
     return header, rows
 
@@ -268,13 +274,25 @@ def render_frontier(d: dict) -> str:
     header, rows = frontier_rows(d)
     off = d["arms"]["off"]
     parts = ""
-    if d.get("commands"):
+    seeds = d["seed"]
+    if d.get("pooled"):
+        seeds = ", ".join(map(str, d["seed"]))
+        parts = ("\n\nPooled over runs on different seeds (different contents), each arm against its own run's "
+                 "`off`: agreement, accuracy and its paired interval over every item, teacher-forced metrics over "
+                 "every position; TTFT per run, in seed order. Paired accuracy difference per run: "
+                 + "; ".join(f"`{name}` " + ", ".join(
+                     f"seed {seed} {num(r.get('mean'), '+.3f')} {interval(r.get('ci95'))}"
+                     for seed, r in zip(d["seed"], a.get("accuracy_vs_off_paired_per_run") or []))
+                     for name, a in d["arms"].items() if name != "off")
+                 + ". Runs:\n\n" + "\n".join(f"- `{c}`" for c in d["commands"]))
+    elif d.get("commands"):
         parts = ("\n\nThe arms ran in parts, each with its own `off` server, joined with `--merge` (which refuses "
                  "parts whose `off` answered differently); TTFT is compared with the first part's `off`. Parts:\n\n"
                  + "\n".join(f"- `{c}`" for c in d["commands"]))
     return (f"{d['samples']} samples ({d['scored_items']} scored items; {d.get('warmup_samples', 0)} unscored "
             f"warm-up samples per server), {off.get('teacher_forced_positions')} teacher-forced positions per arm, "
-            f"{d['max_tokens']} tokens per answer, concurrency {d['concurrency']}, seed {d['seed']}. "
+            f"{d['max_tokens']} tokens per answer, concurrency {d['concurrency']}, "
+            f"seed{'s' if d.get('pooled') else ''} {seeds}. "
             f"Complete: {'yes' if d.get('complete') else 'no'}.\n\n" + table(header, rows) + parts)
 
 

@@ -221,6 +221,48 @@ def test_runs_of_the_same_samples_merge_and_runs_with_another_reference_do_not()
     assert list(again["arms"])[-1] == "fullshared_r0.2" and again["complete"] is True
 
 
+def test_runs_of_other_seeds_pool_every_item_and_position_and_keep_ttft_per_run():
+    def arm(mode, ratio, shared, reused, top1, positions, answers, correct, ttft):
+        n = len(answers)
+        return {"arm": f"{mode}_r{ratio}" if ratio else mode, "mode": mode, "recompute_head": 0,
+                "random_mix_p": None, "policy": "head" if ratio else None, "recompute_ratio": ratio,
+                "forwards_per_request": 1.0, "shared_tokens": shared, "shared_tokens_reused": reused,
+                "tokens_head_recomputed": 0, "teacher_forced_top1": top1, "teacher_forced_kl": 1.0 - top1,
+                "teacher_forced_positions": positions, "scored_items": n, "run_s": 1.0, "identical_text": 0.5,
+                "fallback_reasons": {"no_source": 1}, "accuracy_vs_off_paired": {"mean": 0.0},
+                "ttft_agents_2_4_s": {"n": n, "median": ttft, "p10": ttft, "p90": ttft},
+                "per_item": [{"id": str(i), "answer": a, "correct": c} for i, (a, c) in enumerate(zip(answers, correct))]}
+
+    def run(seed, arm_answers, arm_correct, top1, positions):
+        return {"task": "retrieval", "samples": 2, "scored_items": 4, "seed": seed, "max_tokens": 8, "top_k": 20,
+                "concurrency": 4, "complete": True, "command": f"run {seed}", "meta": {"date": str(seed)},
+                "arms": {"off": arm("off", None, 100, 0, 1.0, positions, ["a"] * 4, [True, True, False, False], 1.0),
+                         "fullshared_r0.15": arm("fullshared", 0.15, 100, 80, top1, positions, arm_answers,
+                                                 arm_correct, 0.5 + seed)}}
+
+    one = run(1, ["a", "a", "a", "b"], [True, True, False, False], 0.98, 10)
+    two = run(9, ["a", "b", "b", "b"], [True, False, False, False], 0.90, 30)
+    pooled = fr.pool_runs([one, two])
+    a = pooled["arms"]["fullshared_r0.15"]
+    assert pooled["seed"] == [1, 9] and pooled["pooled"] is True and pooled["scored_items"] == 8
+    assert pooled["commands"] == ["run 1", "run 9"]
+    assert a["agreement_final"] == pytest.approx(4 / 8)  # each run's arm against its own run's off
+    assert a["teacher_forced_top1"] == pytest.approx((0.98 * 10 + 0.90 * 30) / 40)  # weighted by positions
+    assert a["reuse_ratio"] == pytest.approx(160 / 200) and pooled["arms"]["off"]["reuse_ratio"] == 0.0
+    assert a["accuracy"] == pytest.approx(3 / 8)
+    assert a["accuracy_vs_off_paired"]["mean"] == pytest.approx(-1 / 8) and a["accuracy_vs_off_paired"]["n"] == 8
+    assert a["fallback_reasons"] == {"no_source": 2}
+    assert a["ttft_agents_2_4_s"] is None and [t["median"] for t in a["ttft_agents_2_4_s_per_run"]] == [1.5, 9.5]
+    assert [label for label, _, _ in fr.ttft_bars(pooled)][-2:] == ["fullshared_r0.15 (seed 1)",
+                                                                   "fullshared_r0.15 (seed 9)"]
+    with pytest.raises(ValueError, match="share a seed"):
+        fr.pool_runs([one, one])
+    with pytest.raises(ValueError, match="arms"):
+        fr.pool_runs([one, {**two, "arms": {"off": two["arms"]["off"]}}])
+    with pytest.raises(ValueError, match="max_tokens"):
+        fr.pool_runs([one, {**two, "max_tokens": 16}])
+
+
 # ------------------------------------------------------------------ summaries
 def test_paired_bootstrap_interval_covers_the_mean_and_detects_a_shift():
     ref = [1.0] * 150 + [0.0] * 150
