@@ -591,6 +591,8 @@ def pool_runs(runs: Sequence[dict]) -> dict:
     """
     if len(runs) < 2:
         raise ValueError("pooling needs at least two runs")
+    if any(run.get("pooled") for run in runs):
+        raise ValueError("a results file is itself pooled: pool the runs' own files (its commands name them)")
     first = runs[0]
     seeds = [run.get("seed") for run in runs]
     if len(set(seeds)) != len(seeds):

@@ -257,6 +257,8 @@ def test_runs_of_other_seeds_pool_every_item_and_position_and_keep_ttft_per_run(
                                                                    "fullshared_r0.15 (seed 9)"]
     with pytest.raises(ValueError, match="share a seed"):
         fr.pool_runs([one, one])
+    with pytest.raises(ValueError, match="itself pooled"):
+        fr.pool_runs([pooled, run(5, ["a"] * 4, [True] * 4, 1.0, 10)])
     with pytest.raises(ValueError, match="arms"):
         fr.pool_runs([one, {**two, "arms": {"off": two["arms"]["off"]}}])
     with pytest.raises(ValueError, match="max_tokens"):
