@@ -2,6 +2,8 @@
 
     python -m benchmarks.frontier --task retrieval --limit 100
     python -m benchmarks.frontier --task gsm8k --limit 50 --max-tokens 128
+    python -m benchmarks.frontier --merge OUT PART.json...   # arms run in parts on the same samples
+    python -m benchmarks.frontier --pool OUT SEED_A.json...  # the same arms on other seeds, pooled
 
 For each task the arms are ``off``; ``fullshared`` and ``kvcmas`` with
 ``--kvshare-recompute-head K`` for K in ``--heads``, and with
@@ -581,13 +583,13 @@ def pool_runs(runs: Sequence[dict]) -> dict:
     """One results dict over runs of the same arms on different samples (other seeds): more paired items for the
     same settings.
 
-    Why: an accuracy difference of a point needs more lookups than one run holds in a session on this CPU, and a
-    run on a fresh seed adds items without reading any twice. Every figure that is a mean over items or positions
+    Why: an accuracy difference of a point needs more lookups than one run of reasonable length holds on a CPU, and
+    a run on a fresh seed adds items without reading any twice. Every figure that is a mean over items or positions
     is recomputed over the union: agreement and the paired accuracy difference from the recorded per-item answers
     (each run's arm against its own run's ``off``), teacher-forced top-1 and KL weighted by positions, reuse from
     the token counts. Medians do not pool: TTFT stays per run (``ttft_agents_2_4_s_per_run``), and the figures a
     run does not record per item (teacher-forced reuse, reuse over all requests) are left out. Raises ValueError
-    when the runs differ in task, answer length or arms, or share a seed.
+    when the runs differ in task, answer length or arms, share a seed, or one is itself pooled.
     """
     if len(runs) < 2:
         raise ValueError("pooling needs at least two runs")
