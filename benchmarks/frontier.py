@@ -607,6 +607,9 @@ def pool_runs(runs: Sequence[dict]) -> dict:
             raise ValueError(f"runs differ in arms: {list(first['arms'])} vs {list(run['arms'])}")
     if "off" not in first["arms"]:
         raise ValueError("every run to pool needs its off arm (the reference its arms were measured against)")
+    # Each run's arms were measured against that run's off: the pooled reference is the runs' offs in order.
+    ref = [it for run in runs for it in run["arms"]["off"]["per_item"]]
+    acc_off = [1.0 if it["correct"] else 0.0 for it in ref]
     arms: dict[str, dict] = {}
     for name in first["arms"]:
         parts = [run["arms"][name] for run in runs]
@@ -623,7 +626,6 @@ def pool_runs(runs: Sequence[dict]) -> dict:
                 reasons[reason] = reasons.get(reason, 0) + count
         pooled_arm["fallback_reasons"] = reasons
         items = [it for p in parts for it in p["per_item"]]
-        ref = [it for run in runs for it in run["arms"]["off"]["per_item"]]
         pooled_arm["agreement_final"] = fm.statistics.fmean(
             1.0 if a["answer"] == b["answer"] else 0.0 for a, b in zip(items, ref))
         pooled_arm["identical_text"] = (sum(p["identical_text"] * p["scored_items"] for p in parts)
@@ -636,7 +638,6 @@ def pool_runs(runs: Sequence[dict]) -> dict:
         pooled_arm["forwards_per_request"] = (sum(f * n for f, n in forwards) / sum(n for _, n in forwards)
                                               if all(f is not None for f, _ in forwards) else None)
         acc = [1.0 if it["correct"] else 0.0 for it in items]
-        acc_off = [1.0 if it["correct"] else 0.0 for it in ref]
         pooled_arm["accuracy"] = fm.statistics.fmean(acc)
         pooled_arm["accuracy_vs_off_paired"] = fm.paired_bootstrap(acc, acc_off)
         pooled_arm["accuracy_vs_off_paired_per_run"] = [p.get("accuracy_vs_off_paired") for p in parts]
@@ -829,33 +830,32 @@ def write_reports(path: Path, task: str, arm: str, samples, run: dict) -> None:
                                             "position": row["position"], "pass": kind, "report": rep}) + "\n")
 
 
+def _save_combined(combined: dict, out_path: Path, argv) -> None:
+    """A file combined from finished runs (``--merge``, ``--pool``), its own ``meta`` first: this command."""
+    argv_used = sys.argv[1:] if argv is None else list(argv)
+    meta = run_meta("python -m benchmarks.frontier " + " ".join(shlex.quote(a) for a in argv_used))
+    save({"meta": meta, **combined}, out_path)
+
+
 def main(argv=None, *, arm_server: Optional[ArmServer] = None) -> int:
     """``arm_server`` replaces the fresh server per arm (the test suite passes its shared servers)."""
     args = parse_args(argv)
     if args.merge:
         if len(args.merge) < 3:
             raise SystemExit("--merge needs OUT and at least two results files")
-        out_path = Path(args.merge[0])
         merged = merge_runs([json.loads(Path(p).read_text()) for p in args.merge[1:]])
-        argv_used = sys.argv[1:] if argv is None else list(argv)
-        merged = {"meta": run_meta("python -m benchmarks.frontier " + " ".join(shlex.quote(a) for a in argv_used)),
-                  **merged}
-        save(merged, out_path)
-        print(f"{out_path}: {len(merged['arms'])} arms from {len(args.merge) - 1} runs", file=sys.stderr)
+        _save_combined(merged, Path(args.merge[0]), argv)
+        print(f"{args.merge[0]}: {len(merged['arms'])} arms from {len(args.merge) - 1} runs", file=sys.stderr)
         return 0
     if args.pool:
         if len(args.pool) < 3:
             raise SystemExit("--pool needs OUT and at least two results files")
-        out_path = Path(args.pool[0])
         try:
             pooled = pool_runs([json.loads(Path(p).read_text()) for p in args.pool[1:]])
         except ValueError as exc:
             raise SystemExit(f"--pool: {exc}") from None
-        argv_used = sys.argv[1:] if argv is None else list(argv)
-        pooled = {"meta": run_meta("python -m benchmarks.frontier " + " ".join(shlex.quote(a) for a in argv_used)),
-                  **pooled}
-        save(pooled, out_path)
-        print(f"{out_path}: {len(pooled['arms'])} arms pooled over {len(args.pool) - 1} runs", file=sys.stderr)
+        _save_combined(pooled, Path(args.pool[0]), argv)
+        print(f"{args.pool[0]}: {len(pooled['arms'])} arms pooled over {len(args.pool) - 1} runs", file=sys.stderr)
         return 0
     if args.rescore:
         for name in args.rescore:

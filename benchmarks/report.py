@@ -242,7 +242,9 @@ def _ttft_cell(a: dict) -> str:
     """Median (p10-p90); runs pooled over seeds keep one per run (medians do not pool)."""
     spreads = [a["ttft_agents_2_4_s"]] if a.get("ttft_agents_2_4_s") else a.get("ttft_agents_2_4_s_per_run") or []
     cells = [f"{num(t['median'], '.2f')} s ({num(t['p10'], '.2f')}-{num(t['p90'], '.2f')})" for t in spreads]
-    return " / ".join(cells) + (" (per run)" if len(cells) > 1 else "") if cells else "-"
+    if not cells:
+        return "-"
+    return " / ".join(cells) + (" (per run)" if len(cells) > 1 else "")
 
 
 def frontier_rows(d: dict) -> tuple[list[str], list[list[str]]]:
@@ -274,9 +276,8 @@ def render_frontier(d: dict) -> str:
     header, rows = frontier_rows(d)
     off = d["arms"]["off"]
     parts = ""
-    seeds = d["seed"]
+    seeds = ", ".join(map(str, d["seed"])) if d.get("pooled") else d["seed"]
     if d.get("pooled"):
-        seeds = ", ".join(map(str, d["seed"]))
         parts = ("\n\nPooled over runs on different seeds (different contents), each arm against its own run's "
                  "`off`: agreement, accuracy and its paired interval over every item, teacher-forced metrics over "
                  "every position; TTFT per run, in seed order. Paired accuracy difference per run: "
@@ -693,8 +694,9 @@ REGISTRY: list[Benchmark] = [
         "Calibration: every request served approximated KV is replayed densely by the benchmark; each agent's mean "
         "over all of them should lie inside the interval the guard reports from its sample. Guarded: fullshared K=0 "
         "with the guard keeping the target per agent (verify burst on; the controller's rule is given below the "
-        "table), against fixed heads for every agent (best: the most reuse whose teacher-forced top-1 against `off` meets the bound). Detection: noise in one shared slot's KV; the "
-        "verified samples until its readers were served dense, while renamed twins of the workflow on intact slots "
+        "table), against fixed heads for every agent (best: the most reuse whose teacher-forced top-1 against "
+        "`off` meets the bound). Detection: noise in one shared slot's KV; the verified samples until its readers "
+        "were served dense, while renamed twins of the workflow on intact slots "
         "keep their reuse. Overhead: two servers up, paired requests in ABBA order, roles swapped halfway.",
         render_guard, _plot_from("benchmarks.guard", "plot"), results_png=True, optional=True),
     Benchmark(
