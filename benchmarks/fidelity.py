@@ -424,6 +424,8 @@ def select_and_recompute(model, select: tuple[str, float], prefix: KV, ids: list
         chosen = selection.select_query_aware(model, prefix, reused, tail, ratio)
     elif policy == "head_query":
         chosen = selection.select_head_then_query(model, prefix, reused, tail, ratio)
+    elif policy == "head_kv_deviation":
+        chosen = selection.select_head_then_kv_deviation(model, prefix, ids, reused, ratio)
     elif policy == "correction":
         if aligned is None:
             raise ValueError("the correction policy needs the aligned segment beside the corrected one")

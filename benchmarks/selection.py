@@ -21,6 +21,13 @@ reference):
 * ``head_query``: half of the budget the head, the rest as ``query_aware``: the
   tail's attention alone misses the first rows, where alignment's error is
   largest (the server's ``--kvshare-recompute-policy query``).
+* ``head_kv_deviation``: half of the budget the head, the rest the rows whose
+  layer-1 K and V deviate most from the reused ones (CacheBlend's criterion), read
+  by a probe that runs every row of the segment through layer 0 only, over the
+  prefix and the reused rows, and projects layer 1's K and V
+  (``kv_deviation_scores``); nothing the probe computes is kept: the chosen rows
+  are recomputed by the one forward as with every other policy. Cost: one layer
+  of the segment's forward (1/30 of a prefill of it on SmolLM2).
 * ``correction``: ours, on ``kvcmas``'s corrected segment: the rows whose
   correction the anchor pool predicts largest (what the pool learned moves
   most between contexts). Cost: the aligned copy beside the corrected one and
@@ -36,7 +43,7 @@ import torch
 
 from .common import KV, attend_and_mlp, project_qkv
 
-POLICIES = ("head", "random", "kv_deviation", "query_aware", "head_query", "correction")
+POLICIES = ("head", "random", "kv_deviation", "query_aware", "head_query", "head_kv_deviation", "correction")
 PROBE_LAYERS = (2,)  # an early layer: the tail's attention there already points at the rows it reads
 
 
@@ -107,6 +114,37 @@ def select_head_then_query(model, prefix: KV, reused: KV, tail: Sequence[int], r
     """``head_share`` of the budget on the first rows (where alignment's error concentrates), the rest by the
     tail's attention: the server's ``query`` policy (``sglang_kvshare.cache.tail_probe``)."""
     scores = tail_attention(model, prefix, reused, tail, probe_layers)
+    scores[:int(budget(scores.numel(), ratio) * head_share)] = float("inf")
+    return top_rows(scores, ratio)
+
+
+def kv_deviation_scores(model, prefix: KV, ids: Sequence[int], reused: KV, check_layer: int = 1) -> torch.Tensor:
+    """Per row ``[S]``: how far the segment's reused K and V at ``check_layer`` lie from what the request's own
+    context gives there, each relative to its mean over the segment. Layers below ``check_layer`` are run for
+    every row over ``prefix`` and the reused rows as they stand (at layer 0 an aligned row is exact: its K and V
+    depend on its token and position only), so the probe reads nothing a server lacks at request time."""
+    lm = model.model
+    p, s = prefix.length, len(ids)
+    h = lm.embed_tokens(torch.tensor([list(ids)]))
+    pos = torch.arange(p, p + s)
+    cos, sin = lm.rotary_emb(h, pos[None])
+    mask = torch.arange(p + s)[None, :] <= pos[:, None]
+    for li, layer in enumerate(lm.layers[:check_layer + 1]):
+        q, k, v = project_qkv(layer, h, cos, sin)
+        if li == check_layer:
+            dk = (k[0].transpose(0, 1).float() - reused.k[li].float()).pow(2).sum(dim=(1, 2))
+            dv = (v[0].transpose(0, 1).float() - reused.v[li].float()).pow(2).sum(dim=(1, 2))
+            return dk / dk.mean().clamp(min=1e-12) + dv / dv.mean().clamp(min=1e-12)
+        keys = torch.cat([prefix.k[li], reused.k[li]], 0).transpose(0, 1)[None]
+        values = torch.cat([prefix.v[li], reused.v[li]], 0).transpose(0, 1)[None]
+        h = attend_and_mlp(layer, h, q, keys, values, mask)
+    raise ValueError(f"check_layer {check_layer} is past the model's {len(lm.layers)} layers")
+
+
+def select_head_then_kv_deviation(model, prefix: KV, ids: Sequence[int], reused: KV, ratio: float,
+                                  head_share: float = 0.5) -> torch.Tensor:
+    """``head_share`` of the budget on the first rows, the rest by ``kv_deviation_scores``."""
+    scores = kv_deviation_scores(model, prefix, ids, reused)
     scores[:int(budget(scores.numel(), ratio) * head_share)] = float("inf")
     return top_rows(scores, ratio)
 

@@ -65,6 +65,30 @@ def test_tail_attention_is_the_models_own_attention_from_the_tail(tiny):
     assert set(mixed.tolist()[4:]) == set(torch.topk(rest, 4).indices.tolist())
 
 
+@torch.no_grad()
+def test_the_deviation_probe_scores_how_far_each_reused_row_lies_from_its_own_context(tiny):
+    _, prefix, seg, exact, reused = _setup(tiny)
+    # Layer 1 of the dense KV with two rows pushed off: those two score highest, whatever the other layers hold.
+    k, v = exact.k.clone(), exact.v.clone()
+    k[1, 11] += 2.0
+    v[1, 25] -= 2.0
+    scores = sel.kv_deviation_scores(tiny, prefix, seg, KV(k, v))
+    assert set(torch.topk(scores, 2).indices.tolist()) == {11, 25}
+    # An aligned row is exact at layer 0, so the probe's layer 1 is the dense one: its score is the true distance.
+    dk = (reused.k[1] - exact.k[1]).pow(2).sum(dim=(1, 2))
+    dv = (reused.v[1] - exact.v[1]).pow(2).sum(dim=(1, 2))
+    torch.testing.assert_close(sel.kv_deviation_scores(tiny, prefix, seg, reused), dk / dk.mean() + dv / dv.mean(),
+                               atol=1e-3, rtol=1e-3)
+    # The policy keeps the head, then takes the rows that deviate most.
+    chosen = sel.select_head_then_kv_deviation(tiny, prefix, seg, reused, 0.2)  # 8 rows: the first 4, then 4
+    dev = sel.kv_deviation_scores(tiny, prefix, seg, reused)
+    dev[:4] = -1
+    assert chosen.tolist()[:4] == [0, 1, 2, 3]
+    assert set(chosen.tolist()[4:]) == set(torch.topk(dev, 4).indices.tolist())
+    with pytest.raises(ValueError, match="past the model"):
+        sel.kv_deviation_scores(tiny, prefix, seg, reused, check_layer=99)
+
+
 def test_budgets_and_simple_policies():
     assert sel.budget(40, 0.15) == 6 and sel.budget(3, 0.01) == 1 and sel.budget(5, 1.0) == 5
     assert sel.select_head(40, 0.1).tolist() == [0, 1, 2, 3]
