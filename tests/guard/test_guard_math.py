@@ -76,11 +76,16 @@ def test_a_miss_climbs_as_many_steps_as_its_error_asks_and_others_keep_theirs():
     # 0.98: the best end a little below the bound, one step.
     actions = _cycle(ctl, "near", [0.98], 10)
     assert [(a.after, a.reason) for a in actions] == [(8, "target_missed")]
-    # Ten times it, not yet severe: past the ladder's end, so dense.
+    # Ten times it, not yet severe: the error model asks for more steps than the heads hold, so the longest
+    # head, and dense only once the longest head misses too.
     actions = _feed(ctl, "bad", 0.90, 200)
-    assert [(a.after, a.reason) for a in actions] == [(DENSE, "target_missed")] and ctl.setting("bad") == DENSE
+    assert [(a.after, a.reason) for a in actions] == [(64, "target_missed"), (DENSE, "target_missed")]
+    assert ctl.setting("bad") == DENSE
+    # Missed by far (severe): straight to dense, from any head.
+    actions = _feed(ctl, "broken", 0.5, 200)
+    assert [(a.after, a.reason) for a in actions] == [(DENSE, "target_missed")]
     assert _feed(ctl, "good", 0.999, 200) == [] and ctl.setting("good") == 0
-    assert ctl.counters["target_missed"] == 3
+    assert ctl.counters["target_missed"] == 5
 
 
 @pytest.mark.parametrize("ratio, steps", [(0.5, 1), (1.0, 1), (1.2, 1), (1.34, 2), (2.0, 3), (4.0, 5),
@@ -115,20 +120,26 @@ def _cycle(ctl, scope, values, n):
     return actions
 
 
-def test_an_undecided_scope_below_the_target_tightens_on_its_mean_at_min_samples():
-    ctl = Controller(FidelityTarget.parse("top1>=0.99"), ladder(0), min_samples=6)
-    below = [1.0] * 4 + [0.9] + [1.0] * 3 + [0.9]  # mean 0.978 at 9, spread ~0.04: the interval straddles 0.99
-    assert _cycle(ctl, "below", below, 5) == []  # fewer than min_samples: nothing moves
-    assert ctl.wants_evidence("below", 0)
-    actions = _cycle(ctl, "below", below[5:], 1)  # the sixth: mean 0.983, interval still straddling
+def test_an_undecided_scope_below_the_target_tightens_early_when_clearly_below_and_on_its_mean_later():
+    ctl = Controller(FidelityTarget.parse("top1>=0.99"), ladder(0), min_samples=6)  # decide_after 18
+    # Mean 0.975, interval [0.958, 0.992]: straddling, but one standard error still below: at the minimum.
+    assert _cycle(ctl, "clear", [0.96, 0.99], 5) == []  # fewer than min_samples: nothing moves
+    assert ctl.wants_evidence("clear", 0)
+    actions = _cycle(ctl, "clear", [0.99], 1)
     assert [(a.after, a.reason) for a in actions] == [(8, "undecided_below")]
     assert ctl.counters["undecided_below"] == 1
+    # Mean 0.985, within a standard error of the bound at the minimum: it waits for more evidence, and tightens
+    # once the mean stays below by more than the (shrinking) standard error, or at decide_after whatever.
+    near = Controller(FidelityTarget.parse("top1>=0.99"), ladder(0), min_samples=6)
+    assert _cycle(near, "near", [1.0, 0.97], 6) == [] and near.wants_evidence("near", 0)
+    actions = _cycle(near, "near", [1.0, 0.97], 12)
+    assert [(a.after, a.reason) for a in actions] == [(8, "undecided_below")]
+    late = Controller(FidelityTarget.parse("top1>=0.99"), ladder(0), min_samples=6)
+    assert _cycle(late, "late", [1.0] * 7 + [0.9] + [1.0] * 3 + [0.98] * 6, 17) == []  # mean 0.9894 at 17
+    actions = _cycle(late, "late", [0.98], 1)  # the 18th: decide_after, the mean below: tighten on it
+    assert [(a.after, a.reason) for a in actions] == [(8, "undecided_below")]
     assert _cycle(ctl, "above", [1.0] * 19 + [0.9], 60) == [] and ctl.setting("above") == 0  # mean 0.995: stays
     assert not ctl.wants_evidence("above", 0)  # judged: the rate applies again
-    mixed = Controller(FidelityTarget.parse("top1>=0.99"), ladder(0), min_samples=6)
-    assert _cycle(mixed, "late", [1.0] * 7, 7) == []  # above the bound
-    actions = _cycle(mixed, "late", [0.9], 1)  # mean 0.9875, straddling: the next check tightens
-    assert [(a.after, a.reason) for a in actions] == [(8, "undecided_below")]
 
 
 def test_a_decided_scope_leaves_the_burst_at_min_samples():
