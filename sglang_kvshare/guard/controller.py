@@ -17,9 +17,9 @@ longer heads to ``dense`` (no reuse at all):
   segments the longest head recomputes most rows and cuts far more than a
   quarter of the error (on development GSM8K questions the final agent's
   top-1 is 0.88 at head 0, yet a global head 64 meets 0.99), so ``dense`` is
-  taken on evidence at the longest head;
-  straight to ``dense`` when it misses by far (``severe``: a broken scope,
-  which no head fixes, is caught within ``min_samples`` verified requests);
+  taken on evidence at the longest head; straight to ``dense`` when it misses
+  by far (``severe``: a broken scope, which no head fixes, is caught within
+  ``min_samples`` verified requests);
 * tighten one step when the interval straddles the target and the mean lies
   on the wrong side (``undecided_below``): from ``min_samples`` verified
   requests on when the mean is off by more than its standard error (its
@@ -27,15 +27,13 @@ longer heads to ``dense`` (no reuse at all):
   ``DECIDE_AFTER`` times the minimum are in. Why the standard error early:
   at the minimum, a scope whose truth sits just past the target often shows a
   mean on the wrong side (0.004 past it with a standard error of 0.007: 28 %
-  of the time), and each such step climbs a
-  rung the scope does not need and, with the margin a relax asks for, keeps
-  it there. Why on the mean at all: a scope a few thousandths below the
-  target needs hundreds of verified requests before its interval excludes it
-  ((1.96 sigma / gap)^2 with a per-request spread of 0.02-0.05); a rule that
-  waits for that serves the miss indefinitely, and one that waits a multiple
-  of the minimum at every step of a five-step ladder multiplies that wait by
-  the steps a scope must climb. The guard errs
-  towards exact KV: it tightens on the mean, and a relax needs the whole
+  of the time), and each such step climbs a rung the scope does not need and,
+  with the margin a relax asks for, keeps it there. Why on the mean at all: a
+  scope a few thousandths below the target needs hundreds of verified requests
+  before its interval excludes it ((1.96 sigma / gap)^2 with a per-request
+  spread of 0.02-0.05); a rule that waits for that serves the miss
+  indefinitely. The guard errs towards exact KV: it tightens on the mean, and
+  a relax needs the whole
   interval on the right side with a margin and twice the evidence, so a scope
   does not swing back and forth between two settings on noise;
 * relax one step when the interval lies wholly on the right side by a margin
