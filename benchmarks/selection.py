@@ -68,11 +68,24 @@ def top_rows(scores: torch.Tensor, ratio: float) -> torch.Tensor:
     return torch.topk(scores, budget(scores.numel(), ratio)).indices.sort().values
 
 
+def relative_sum(dk: torch.Tensor, dv: torch.Tensor) -> torch.Tensor:
+    """Per-row K and V distances ``[S]`` added, each relative to its mean over the segment (K and V differ in
+    scale, and neither should decide alone)."""
+    return dk / dk.mean().clamp(min=1e-12) + dv / dv.mean().clamp(min=1e-12)
+
+
+def head_then_top(scores: torch.Tensor, ratio: float, head_share: float = 0.5) -> torch.Tensor:
+    """``head_share`` of the budget on the first rows (where alignment's error concentrates), the rest the
+    highest ``scores`` past them."""
+    scores = scores.clone()
+    scores[:int(budget(scores.numel(), ratio) * head_share)] = float("inf")
+    return top_rows(scores, ratio)
+
+
 def correction_size(aligned: KV, corrected: KV) -> torch.Tensor:
     """Per row ``[S]``: how far the correction moves it, K and V each relative to their mean over the segment."""
-    dk = (corrected.k.float() - aligned.k.float()).pow(2).sum(dim=(0, 2, 3))
-    dv = (corrected.v.float() - aligned.v.float()).pow(2).sum(dim=(0, 2, 3))
-    return dk / dk.mean().clamp(min=1e-12) + dv / dv.mean().clamp(min=1e-12)
+    return relative_sum((corrected.k.float() - aligned.k.float()).pow(2).sum(dim=(0, 2, 3)),
+                        (corrected.v.float() - aligned.v.float()).pow(2).sum(dim=(0, 2, 3)))
 
 
 def select_by_correction(aligned: KV, corrected: KV, ratio: float) -> torch.Tensor:
@@ -113,9 +126,7 @@ def select_head_then_query(model, prefix: KV, reused: KV, tail: Sequence[int], r
                            probe_layers: Sequence[int] = PROBE_LAYERS, head_share: float = 0.5) -> torch.Tensor:
     """``head_share`` of the budget on the first rows (where alignment's error concentrates), the rest by the
     tail's attention: the server's ``query`` policy (``sglang_kvshare.cache.tail_probe``)."""
-    scores = tail_attention(model, prefix, reused, tail, probe_layers)
-    scores[:int(budget(scores.numel(), ratio) * head_share)] = float("inf")
-    return top_rows(scores, ratio)
+    return head_then_top(tail_attention(model, prefix, reused, tail, probe_layers), ratio, head_share)
 
 
 def kv_deviation_scores(model, prefix: KV, ids: Sequence[int], reused: KV, check_layer: int = 1) -> torch.Tensor:
@@ -134,7 +145,7 @@ def kv_deviation_scores(model, prefix: KV, ids: Sequence[int], reused: KV, check
         if li == check_layer:
             dk = (k[0].transpose(0, 1).float() - reused.k[li].float()).pow(2).sum(dim=(1, 2))
             dv = (v[0].transpose(0, 1).float() - reused.v[li].float()).pow(2).sum(dim=(1, 2))
-            return dk / dk.mean().clamp(min=1e-12) + dv / dv.mean().clamp(min=1e-12)
+            return relative_sum(dk, dv)
         keys = torch.cat([prefix.k[li], reused.k[li]], 0).transpose(0, 1)[None]
         values = torch.cat([prefix.v[li], reused.v[li]], 0).transpose(0, 1)[None]
         h = attend_and_mlp(layer, h, q, keys, values, mask)
@@ -144,9 +155,7 @@ def kv_deviation_scores(model, prefix: KV, ids: Sequence[int], reused: KV, check
 def select_head_then_kv_deviation(model, prefix: KV, ids: Sequence[int], reused: KV, ratio: float,
                                   head_share: float = 0.5) -> torch.Tensor:
     """``head_share`` of the budget on the first rows, the rest by ``kv_deviation_scores``."""
-    scores = kv_deviation_scores(model, prefix, ids, reused)
-    scores[:int(budget(scores.numel(), ratio) * head_share)] = float("inf")
-    return top_rows(scores, ratio)
+    return head_then_top(kv_deviation_scores(model, prefix, ids, reused), ratio, head_share)
 
 
 def recompute_rows(model, prefix: KV, ids: list[int], reused: KV, chosen: torch.Tensor) -> KV:
