@@ -494,6 +494,28 @@ def render_tp_kvcmas(d: dict) -> str:
             + "".join(f"\n\nSoak, {line}" for line in soaks))
 
 
+def render_warm_start(d: dict) -> str:
+    rows = []
+    for arm in ("cold", "warm", "fullshared"):
+        r = d.get(arm)
+        if not r:
+            continue
+        served = ", ".join(f"{n} {how}" for how, n in sorted(r["served_as"].items(), key=lambda kv: -kv[1]))
+        t = r["b_ttft_s"]
+        rows.append([arm, str(r["anchors_loaded"]), served, num(r["reuse"]), num(r["corrected_share"]),
+                     f"{num(t['median'], '.3f')} ({num(t['min'], '.3f')}-{num(t['max'], '.3f')}) s",
+                     num(r["b_over_a_ttft"]), num(r["top1"], ".4f"), num(r["kl"], ".5f"), str(r["positions"])])
+    saved = d["saved"]
+    return (f"{d['eval']} new documents of {d['length']} tokens, each read by agent `{d['agents'][0]}` (dense) and "
+            f"then by `{d['agents'][1]}` behind its own system prompt, on one fresh server per arm. The pool file "
+            f"came from a server that read {d['teach']} other documents with the same agents: "
+            f"{saved['anchors']} anchors of {saved['slots']} slot(s), {saved['bytes'] / 2**20:.0f} MiB. Top-1 and "
+            f"KL: B's own {d['max_tokens']}-token answer teacher-forced through an exact prefill of the same "
+            "prompt.\n\n"
+            + table(["arm", "anchors loaded", "B's document served as", "reuse", "corrected", "B TTFT, median (min-max)",
+                     "B / A TTFT", "top-1", "KL", "positions"], rows))
+
+
 def _phase(cell: dict, unit: float = 1e3, fmt: str = ".1f") -> str:
     return (f"{format(cell['median_s'] * unit, fmt)} ({format(cell['min_s'] * unit, fmt)}-"
             f"{format(cell['max_s'] * unit, fmt)})")
@@ -721,6 +743,14 @@ REGISTRY: list[Benchmark] = [
         "size is scored against its own dense numerics. Targets: reuse >= 0.9x TP=1's, top-1 within 0.005, agent 1's "
         "greedy answers identical, every rank's gate digest equal.",
         render_tp_kvcmas, optional=True),
+    Benchmark(
+        "warm_start", "warm_start.json", "python -m benchmarks.warm_start",
+        "How does a new kvcmas server serve its first requests, with empty pools and with pools saved by an earlier "
+        "server of the same agents (`--kvshare-pool-file`), and how does that compare with `fullshared`?",
+        "`cold`: empty pools (a new edge is aligned, and about every other new document prefilled densely, while "
+        "it learns); `warm`: the same server launched with the saved file. One run of this machine; the arms "
+        "ran one after another on the same documents.",
+        render_warm_start, optional=True),
     Benchmark(
         "assembly_cost", "assembly_cost.json",
         "python -m benchmarks.research.assembly_cost --lengths 512 1024 4096 --anchors 3 6 10 --repeats 7",

@@ -23,11 +23,13 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from sglang_kvshare.cache.pool_persistence import NoPools
+
 RPC_METHOD = "kvshare_admin"
 STATE_KEY = "kvshare"
 REPLY_KEY = "kvshare_reply"
 FANOUT_PREFIX = "kvshare-admin:"
-OPS = ("configure", "reset", "pools")
+OPS = ("configure", "reset", "pools", "save")
 
 
 ADMIN_ATTR = "kvshare_admin"
@@ -115,6 +117,8 @@ def execute(view: Any, op: str, *, slot: Optional[str] = None, **changes: Any) -
       pools left.
     * ``pools`` (a read): the anchors of ``slot`` (404 when unknown) or of every
       slot, as ``{"pools": {slot: [anchor, ...]}}``; changes nothing.
+    * ``save``: ``view.save_pools()`` writes the pools to the server's pool file (409 when it has
+      none or keeps no pools, 500 when the file cannot be written); the result says what was written.
     """
     if view is None:
         return Reply(503, "the kvshare cache is not active in this scheduler "
@@ -133,6 +137,16 @@ def execute(view: Any, op: str, *, slot: Optional[str] = None, **changes: Any) -
         except KeyError:
             return Reply(404, f"unknown slot {slot!r}; GET /kvshare/pools lists the known slots")
         return Reply(200, "pools", {"pools": _plain(pools)})
+    if op == "save":
+        if slot is not None:
+            return Reply(400, "kvshare admin op 'save' writes every slot's pool; it takes no slot")
+        try:
+            written = view.save_pools()
+        except OSError as exc:
+            return Reply(500, f"could not write the pool file: {exc}")
+        except NoPools as exc:
+            return Reply(409, str(exc))
+        return Reply(200, f"saved {written['anchors']} anchors of {written['slots']} slots", {"saved": written})
     if op == "reset":
         if slot is not None:
             try:

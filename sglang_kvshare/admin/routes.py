@@ -234,6 +234,18 @@ async def reset_pool(slot: str):
     return await _call("reset", slot=slot)
 
 
+@router.post("/save", responses={**_ERRORS, **_DP_RANKS,
+                                 409: {"description": "no --kvshare-pool-file, or a mode without anchor pools"},
+                                 500: {"description": "the pool file could not be written (the old one is kept)"}},
+             summary="Write the anchor pools to --kvshare-pool-file")
+@admin_auth
+async def save_pools():
+    """Write every anchor pool to the server's pool file (each data-parallel and tensor-parallel rank its own),
+    which the next launch with the same ``--kvshare-pool-file`` loads. Answers the path, slots, anchors and
+    bytes written."""
+    return await _call("save")
+
+
 @router.post("/reset", responses={**_ERRORS, **_DP_RANKS}, summary="Empty every anchor pool and record")
 @admin_auth
 async def reset_all():

@@ -39,6 +39,7 @@ from sglang_kvshare.cache.kv_pool_io import ReadWorkspace
 from sglang_kvshare.cache.parts import CacheParts
 from sglang_kvshare.cache.pending_recompute import PendingRecompute
 from sglang_kvshare.cache.plan import RequestPlan, drop_plan, plan_of, plan_request
+from sglang_kvshare.cache.pool_persistence import PoolStore
 from sglang_kvshare.cache.record import Recorder
 from sglang_kvshare.cache.registry import ContentHasher, PlaceholderRegistry, RegistryLimits
 from sglang_kvshare.cache.resolve import (HeadRule, Resolver, candidates, mark_matched, mark_unreached,
@@ -63,14 +64,22 @@ class KVShareRadixCache(RadixCache):
     ``tail_probe``: scores rows by the attention of a request's tail, for the
     ``query`` recompute policy (``cache.tail_probe.TailProbe``); None with
     ``tail_probe_unsupported`` saying why (the policy then recomputes the head).
+    ``pool_store``: this scheduler's ``--kvshare-pool-file`` (``cache.pool_persistence``); its pools are loaded
+    here, before the first request, and ``POST /kvshare/save`` writes them.
     """
 
     def __init__(self, params: CacheInitParams, *, config: KVShareConfig, model_config: Optional[Any] = None,
                  reducer: Optional[Any] = None, sparse_unsupported: Optional[str] = "not_checked",
-                 tail_probe: Optional[Any] = None, tail_probe_unsupported: Optional[str] = "not_checked") -> None:
+                 tail_probe: Optional[Any] = None, tail_probe_unsupported: Optional[str] = "not_checked",
+                 pool_store: Optional[PoolStore] = None) -> None:
         # NOTE: set before RadixCache.__init__, which calls reset().
         self.state = CorrectionState(config, model_config, page_size=params.page_size, reducer=reducer)
         self.hasher = ContentHasher()
+        self.pool_store = None
+        if pool_store is not None and self.state.spec is not None:
+            hf_config = getattr(model_config, "hf_config", None)
+            self.pool_store = pool_store.with_model(getattr(hf_config, "text_config", None) or hf_config,
+                                                    getattr(model_config, "model_path", None), self.state.spec)
         self.registry = PlaceholderRegistry(RegistryLimits(max_namespaces=config.max_namespaces,
                                                            max_slots=config.max_slots))
         self.counters = Counters()
@@ -90,6 +99,8 @@ class KVShareRadixCache(RadixCache):
         self.recorder = Recorder(parts)
         self.kvshare_admin = AdminView(parts)
         super().__init__(params)
+        if self.pool_store is not None:  # raises PoolFileError for a file of another model: the launch fails
+            self.pool_store.load(self.state, self.hasher, self.counters)
 
     @property
     def kvshare_config(self) -> KVShareConfig:

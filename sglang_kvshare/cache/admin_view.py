@@ -115,6 +115,18 @@ class AdminView:
         return {name: pools.get(name, []) for name in sorted(known)}
 
     # ------------------------------------------------------------ writes
+    def save_pools(self) -> dict:
+        """Write the anchor pools to ``--kvshare-pool-file`` (``cache.pool_persistence``); returns the path,
+        slots, anchors and bytes written. Raises ``NoPools`` when there is no file or no pool to save, and
+        ``OSError`` when the file cannot be written."""
+        from sglang_kvshare.cache.pool_persistence import NoPools
+
+        store = getattr(self.parts.tree, "pool_store", None)
+        if store is None:
+            raise NoPools("this server has no pool file: start it with --kvshare-pool-file PATH "
+                          "(and --kvshare-mode kvcmas)")
+        return store.save(self.parts.state, self.parts.hasher)
+
     def configure(self, **changes: Any) -> KVShareConfig:
         """Apply a validated change atomically (all or nothing); returns the new config.
 

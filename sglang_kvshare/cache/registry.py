@@ -57,6 +57,19 @@ class ContentHasher:
     def __init__(self, secret: Optional[bytes] = None) -> None:
         self._secret = secret if secret is not None else os.urandom(16)
 
+    @property
+    def secret(self) -> bytes:
+        """The key of every digest (saved with the anchor pools, whose slots and edges are digests)."""
+        return self._secret
+
+    def adopt(self, secret: bytes) -> None:
+        """Digest with ``secret`` from now on: a server that loads saved pools takes their key, so the same agents
+        and contents hash to the keys the pools hold. Only before the first request (earlier digests would
+        no longer match)."""
+        if len(secret) != 16:
+            raise ValueError(f"a content hasher secret has 16 bytes, got {len(secret)}")
+        self._secret = bytes(secret)
+
     def __call__(self, tokens: Sequence[int], *extra: Any) -> str:
         h = hashlib.blake2b(digest_size=16, key=self._secret)
         for part in extra:

@@ -387,6 +387,15 @@ class AnchorPool:
         return self.commit(prepare_observation(self.spec, self.config, source_k, source_v, src_pos, target_k, target_v,
                                                dst_pos, edge, content_key, with_base=not self.has_content(content_key)))
 
+    def set_activations(self, anchor_id: int, activations: int) -> bool:
+        """Set an anchor's activation count (a pool reloaded from disk keeps what eviction reads); False when
+        no anchor has that id."""
+        anchor = next((a for a in self._anchors if a.id == anchor_id), None)
+        if anchor is None:
+            return False
+        anchor.activations = int(activations)
+        return True
+
     def evict_one(self) -> int:
         """Drop the least-activated of the ``window`` oldest anchors (ties: the oldest); returns bytes freed."""
         if not self._anchors:

@@ -274,6 +274,15 @@ class AnchorEstimator(Estimator):
         pool = self._pools.get(slot)
         return 0 if pool is None else len(pool)
 
+    def pools(self) -> list[tuple[Hashable, AnchorPool]]:
+        """``(slot, pool)`` pairs, least recently used first (what ``pool_file`` saves, in the order it reloads)."""
+        return list(self._pools.items())
+
+    def restore_activations(self, slot: Hashable, anchor_id: int, activations: int) -> bool:
+        """Set a reloaded anchor's activation count (eviction reads it); False when the anchor is not held."""
+        pool = self._pools.get(slot)
+        return pool is not None and pool.set_activations(anchor_id, activations)
+
     def memory_bytes(self):
         return sum(p.memory_bytes() for p in self._pools.values())
 

@@ -107,12 +107,25 @@ def build_cache(ctx: Any) -> Any:
     probe, probe_unsupported = tail_probe(ctx, reducer)
     cache = KVShareRadixCache(ctx.params, config=config, model_config=ctx.model_config, reducer=reducer,
                               sparse_unsupported=sparse_unsupported, tail_probe=probe,
-                              tail_probe_unsupported=probe_unsupported)
+                              tail_probe_unsupported=probe_unsupported, pool_store=pool_store(ctx, config))
     if config.learn_on_idle and config.learn_async:
         cache.learner.use_idle_steps()  # the scheduler's idle hook runs the learner's steps
     logger.info("sglang-kvshare: KVShareRadixCache live (mode=%s%s)", config.mode,
                 f", disabled: {cache.state.unsupported_reason}" if cache.state.unsupported_reason else "")
     return cache
+
+
+def pool_store(ctx: Any, config: KVShareConfig) -> Any:
+    """This scheduler's ``--kvshare-pool-file`` (one file per DP and TP rank, on the KV pool's device), or None."""
+    if not config.pool_file:
+        return None
+    from sglang_kvshare.admin.scheduler_hooks import dp_rank_of
+    from sglang_kvshare.cache.pool_persistence import PoolStore
+
+    kvcache = ctx.params.token_to_kv_pool_allocator.get_kvcache()
+    return PoolStore.for_rank(config.pool_file, tp_rank=int(getattr(ctx, "tp_rank", 0) or 0), tp_size=ctx.tp_size,
+                              dp_rank=dp_rank_of(None), dp_size=int(getattr(ctx.server_args, "dp_size", 1) or 1),
+                              device=str(getattr(kvcache, "device", "cpu")))
 
 
 def tail_probe(ctx: Any, reducer: Any) -> tuple[Any, Optional[str]]:

@@ -14,7 +14,8 @@ from types import SimpleNamespace
 from sglang_kvshare.admin import routes, scheduler_hooks
 from tests.admin.test_admin_ops import FakeCache
 
-WRITES = [("POST", "/kvshare/config"), ("POST", "/kvshare/reset"), ("POST", "/kvshare/pools/out:a/reset")]
+WRITES = [("POST", "/kvshare/config"), ("POST", "/kvshare/reset"), ("POST", "/kvshare/pools/out:a/reset"),
+          ("POST", "/kvshare/save")]
 POOL_READS = [("GET", "/kvshare/pools"), ("GET", "/kvshare/pools/out:a")]
 READS = [("GET", "/kvshare/stats")]
 
@@ -133,7 +134,7 @@ def test_the_mount_hook_reads_dp_size_from_the_server_args(monkeypatch, back_to_
 
 def test_routes_are_mounted_once_and_listed_in_openapi(app):
     paths = [getattr(r, "path", "") for r in app.router.routes if getattr(r, "path", "").startswith("/kvshare/")]
-    assert len(paths) == len(set(paths)) == 6
+    assert len(paths) == len(set(paths)) == 7
     schema = app.openapi()
     assert "/kvshare/config" in schema["paths"] and "/kvshare/pools/{slot}/reset" in schema["paths"]
 

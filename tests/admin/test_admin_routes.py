@@ -120,6 +120,11 @@ def test_malformed_json_gets_422(admin):
 def test_openapi_lists_the_routes(admin):
     paths = admin.get("/openapi.json").json()["paths"]
     assert set(paths) >= {"/kvshare/stats", "/kvshare/pools", "/kvshare/pools/{slot}", "/kvshare/config",
-                          "/kvshare/pools/{slot}/reset", "/kvshare/reset"}
+                          "/kvshare/pools/{slot}/reset", "/kvshare/reset", "/kvshare/save"}
     body = paths["/kvshare/config"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert set(body["properties"]) == set(ConfigUpdate.model_fields) >= {"tau", "capacity", "rank", "mode"}
+
+
+def test_save_without_a_pool_file_is_a_409_that_says_how(admin):
+    r = admin.post("/kvshare/save")
+    assert r.status_code == 409 and "--kvshare-pool-file" in r.json()["message"], r.text

@@ -33,6 +33,9 @@ def test_bad_kvshare_value_is_a_clear_cli_error():
         parse_kvshare(["--kvshare-edge-anchors", "1"])
     config, _ = parse_kvshare(["--kvshare-edge-anchors", "12", "--kvshare-capacity", "6"])
     assert config.edge_anchors == 12 and config.effective_edge_anchors == 6  # an edge holds at most the pool
+    with pytest.raises(SystemExit):
+        parse_kvshare(["--kvshare-pool-file", " "])
+    assert parse_kvshare(["--kvshare-pool-file", "pools/team.pt"])[0].pool_file == "pools/team.pt"
 
 
 @pytest.mark.parametrize("flag, value, says", [("--kvshare-verify-rate", "1.5", "verify_rate"),

@@ -1,0 +1,79 @@
+"""The cache's side of ``--kvshare-pool-file``: which file this scheduler uses, loading it at launch, saving it.
+
+Why here and not in ``correction.pool_file``: the file must name this
+scheduler's model, rank and KV device, which only SGLang's build context
+knows (``server/plugin.py`` builds a ``PoolStore`` from it), and loading must
+also hand the file's key to the cache's content hasher. The format and the
+checks live in ``correction.pool_file``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from sglang_kvshare.correction.pool_file import PoolFileError, load_pools, model_identity, rank_path, save_pools
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PoolStore", "PoolFileError", "NoPools"]
+
+
+class NoPools(RuntimeError):
+    """Nothing to save: the server has no pool file, or the mode in force keeps no pools."""
+
+
+@dataclass(frozen=True)
+class PoolStore:
+    """The pool file of one scheduler: ``path`` (already per rank), the ``rank`` it belongs to, the ``device``
+    loaded tensors go to, and the model's ``identity`` (``pool_file.model_identity``; the cache fills it in
+    once it has read the model's RoPE: ``with_model``)."""
+
+    path: Path
+    rank: dict
+    device: str = "cpu"
+    identity: dict = field(default_factory=dict)
+
+    @classmethod
+    def for_rank(cls, path: str, *, tp_rank: int = 0, tp_size: int = 1, dp_rank: int = 0, dp_size: int = 1,
+                 device: str = "cpu") -> "PoolStore":
+        return cls(rank_path(path, tp_rank, tp_size, dp_rank, dp_size),
+                   {"tp": [int(tp_rank), int(tp_size)], "dp": [int(dp_rank), int(dp_size)]}, str(device))
+
+    def with_model(self, hf_config: Any, model_path: str | None, spec: Any) -> "PoolStore":
+        return replace(self, identity=model_identity(hf_config, model_path, spec))
+
+    def load(self, state: Any, hasher: Any, counters: Any) -> dict | None:
+        """Fill ``state``'s (empty, just built) estimator from the file and make ``hasher`` adopt its key.
+
+        Returns the load's summary, or None when there is nothing to load (no file yet, or a mode without
+        pools). Raises ``PoolFileError`` for a file this server cannot use: the launch fails, saying why.
+        """
+        estimator = state.estimator
+        if estimator is None or not getattr(estimator, "learns", False):
+            logger.info("sglang-kvshare: --kvshare-pool-file ignored: mode %s keeps no anchor pools",
+                        state.config.mode)
+            return None
+        if not self.path.exists():
+            logger.info("sglang-kvshare: no pool file at %s yet; pools start empty (POST /kvshare/save writes it)",
+                        self.path)
+            return None
+        with state.lock:
+            secret, summary = load_pools(self.path, estimator, identity=self.identity, rank=self.rank,
+                                         device=self.device)
+        hasher.adopt(secret)
+        counters.add("pool_file_anchors_loaded", summary["anchors"])
+        logger.info("sglang-kvshare: loaded %d anchors of %d slots from %s (%d beyond the bounds dropped)",
+                    summary["anchors"], summary["slots"], self.path, summary["dropped"])
+        return summary
+
+    def save(self, state: Any, hasher: Any) -> dict:
+        """Write the pools in force to the file. Raises ``NoPools`` when the mode keeps none, ``OSError`` when
+        the file cannot be written (the old file, if any, is left as it was)."""
+        estimator = state.estimator
+        if estimator is None or not getattr(estimator, "learns", False):
+            raise NoPools(f"mode {state.config.mode} keeps no anchor pools (kvcmas does)")
+        with state.lock:
+            return save_pools(self.path, estimator, secret=hasher.secret, identity=self.identity, rank=self.rank)

@@ -1,0 +1,229 @@
+"""Anchor pools on disk: what a restarted kvcmas server loads so that it corrects from its first requests.
+
+Why: a slot's edge corrects only once its pool holds ``--kvshare-edge-anchors``
+contents for it (ALGORITHM.md section 7), and every anchor is a dense prefill
+the server had to serve first. A restart loses all of them. Saving the pools
+(``POST /kvshare/save``) and loading them at launch (``--kvshare-pool-file``)
+carries the learned anchors over.
+
+What the file holds: the format name and version, the identity of the model
+the anchors were computed on (``model_identity``: architecture numbers, RoPE,
+and a digest of the weight files), the rank it belongs to, the content hasher's
+secret, and per slot (least recently used first) the anchors (oldest first):
+their low-rank bases, the gate's Gram summary, the deltas of every edge and
+the activation counts. Slots, edges and content keys are keyed digests made
+with that secret (``cache.registry.ContentHasher``), so the loading server
+adopts the secret: the same agents and contents hash to the same keys again.
+
+Loading goes through ``AnchorEstimator.commit_observation``, so the server's
+bounds (pools, anchors per pool, bytes) hold for what is loaded as for what is
+learned. A file that does not match (another model, format or rank) raises
+``PoolFileError`` saying what differs: the server must not serve corrections
+learned on another model. ``torch.load`` runs with ``weights_only=True``: the
+file is data, never code.
+
+No SGLang imports; the cache (``cache/pool_persistence.py``) supplies the
+identity, the rank and the device.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Hashable, Optional
+
+import torch
+
+from .anchor_pool import PreparedObservation
+from .estimators import AnchorEstimator
+from .low_rank import Factors
+
+__all__ = ["FORMAT", "VERSION", "PoolFileError", "model_identity", "rank_path", "save_pools", "load_pools"]
+
+FORMAT = "sglang-kvshare-pools"
+VERSION = 1
+# The config fields that decide what a layer's K and V are (a fine-tune changes none of them: the weights digest
+# tells it apart).
+_ARCH_FIELDS = ("model_type", "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size", "rope_theta", "rope_scaling",
+                "rms_norm_eps", "tie_word_embeddings")
+_DIGEST_BYTES = 1 << 20  # of each weight file, its first and last MiB (with its size): cheap at launch
+
+
+class PoolFileError(ValueError):
+    """A pool file this server cannot use: unreadable, another format or version, another model or rank."""
+
+
+def _digest(data: Any) -> str:
+    return hashlib.blake2b(json.dumps(data, sort_keys=True, default=str).encode(), digest_size=16).hexdigest()
+
+
+def weights_digest(model_path: Optional[str]) -> Optional[str]:
+    """A digest of the weight files under ``model_path`` (each file's name, size, first and last MiB), or None
+    when it is not a local directory holding ``*.safetensors`` or ``*.bin`` files.
+
+    Why not the whole files: reading gigabytes at every launch; a fine-tune of the same architecture differs
+    in every tensor, so the file's edges differ too.
+    """
+    if not model_path or not Path(model_path).is_dir():
+        return None
+    files = sorted(p for ext in ("*.safetensors", "*.bin") for p in Path(model_path).glob(ext))
+    if not files:
+        return None
+    h = hashlib.blake2b(digest_size=16)
+    for path in files:
+        size = path.stat().st_size
+        h.update(f"{path.name}\0{size}\0".encode())
+        with path.open("rb") as f:
+            h.update(f.read(_DIGEST_BYTES))
+            if size > 2 * _DIGEST_BYTES:
+                f.seek(size - _DIGEST_BYTES)
+                h.update(f.read(_DIGEST_BYTES))
+    return h.hexdigest()
+
+
+def model_identity(hf_config: Any, model_path: Optional[str], spec: Any) -> dict:
+    """What anchors depend on: the architecture's numbers, the RoPE spec and the weights.
+
+    ``hf_config``: the model's transformers config; ``spec``: its ``RopeSpec``. Returns plain types.
+    ``weights`` falls back to the model path's name when the weights are not a local directory.
+    """
+    fields = {name: getattr(hf_config, name, None) for name in _ARCH_FIELDS}
+    rope = {"rotary_dim": int(spec.rotary_dim), "layout": str(spec.layout),
+            "inv_freq": _digest([round(float(x), 9) for x in spec.inv_freq.flatten().tolist()])}
+    weights = weights_digest(model_path)
+    return {"architecture": _digest(fields), "rope": rope,
+            "weights": weights if weights is not None else f"path:{Path(model_path or '').name}"}
+
+
+def rank_path(path: str, tp_rank: int = 0, tp_size: int = 1, dp_rank: int = 0, dp_size: int = 1) -> Path:
+    """The file of one scheduler: ``path`` itself on a single rank, else ``path.dp<d>.tp<t>`` (each rank holds
+    its own heads' and its own traffic's anchors)."""
+    if tp_size <= 1 and dp_size <= 1:
+        return Path(path)
+    return Path(f"{path}.dp{dp_rank}.tp{tp_rank}")
+
+
+def _factors(f: Factors) -> dict:
+    return {"a": f.a, "b": f.b, "full": f.full, "head_shape": list(f.head_shape)}
+
+
+def _unfactors(d: dict, device: torch.device) -> Factors:
+    move = (lambda t: None if t is None else t.to(device))
+    return Factors(move(d["a"]), move(d["b"]), move(d["full"]), tuple(int(x) for x in d["head_shape"]))
+
+
+def _key(value: Any) -> Any:
+    """Slots, edges and content keys as the file holds them (tuples as lists) and back (``_unkey``)."""
+    return [_key(v) for v in value] if isinstance(value, tuple) else value
+
+
+def _unkey(value: Any) -> Hashable:
+    return tuple(_unkey(v) for v in value) if isinstance(value, list) else value
+
+
+def save_pools(path: Path, estimator: AnchorEstimator, *, secret: bytes, identity: dict, rank: dict) -> dict:
+    """Write every pool of ``estimator`` to ``path`` (atomically: a new file moved over the old one, mode 0600:
+    it holds factors of prompts' KV). The caller holds the estimator lock. Returns what was written:
+    ``{"path", "slots", "anchors", "bytes"}``. Raises ``OSError`` when the file cannot be written.
+    """
+    pools = []
+    anchors = 0
+    for slot, pool in estimator.pools():
+        entries = []
+        for a in pool.anchors:
+            entries.append({"content_key": _key(a.content_key), "activations": int(a.activations),
+                            "base_k": _factors(a.base_k), "base_v": _factors(a.base_v), "base_v_gram": a.base_v_gram,
+                            "deltas": [{"edge": _key(edge), "k": _factors(dk), "v": _factors(dv)}
+                                       for edge, (dk, dv) in a.deltas.items()]})
+        anchors += len(entries)
+        pools.append({"slot": _key(slot), "anchors": entries})
+    payload = {"format": FORMAT, "version": VERSION, "model": identity, "rank": rank, "mode": estimator.name,
+               "secret": torch.frombuffer(bytearray(secret), dtype=torch.uint8).clone(), "pools": pools}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            torch.save(payload, f)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return {"path": str(path), "slots": len(pools), "anchors": anchors, "bytes": path.stat().st_size}
+
+
+def _check(payload: Any, path: Path, identity: dict, rank: dict, mode: str) -> None:
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise PoolFileError(f"{path} is not a kvshare pool file (saved by POST /kvshare/save)")
+    if payload.get("version") != VERSION:
+        raise PoolFileError(f"{path} has pool file format {payload.get('version')!r}; this sglang-kvshare reads "
+                            f"format {VERSION}: remove the file (the server then learns its pools again)")
+    if payload.get("mode") != mode:
+        raise PoolFileError(f"{path} holds {payload.get('mode')!r} anchors; this server runs {mode!r}")
+    saved = payload.get("model") or {}
+    for name in ("architecture", "rope", "weights"):
+        if saved.get(name) != identity.get(name):
+            raise PoolFileError(f"{path} was saved for another model ({name} differs: {saved.get(name)!r} there, "
+                                f"{identity.get(name)!r} here); its corrections would be wrong for this one: "
+                                "remove the file or point --kvshare-pool-file elsewhere")
+    if payload.get("rank") != rank:
+        raise PoolFileError(f"{path} belongs to rank {payload.get('rank')!r}, this scheduler is {rank!r}")
+
+
+def load_pools(path: Path, estimator: AnchorEstimator, *, identity: dict, rank: dict,
+               device: torch.device | str = "cpu") -> tuple[bytes, dict]:
+    """Load the pools saved at ``path`` into ``estimator`` (which should be empty: a launch).
+
+    Returns ``(secret, summary)``: the content hasher's secret the keys were made with (the caller adopts it)
+    and ``{"path", "slots", "anchors", "dropped"}`` (anchors the server's bounds did not keep). Tensors go to
+    ``device``. Raises ``PoolFileError`` for an unreadable or mismatched file, before anything is loaded.
+    """
+    path = Path(path)
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is the same error for the operator
+        # NOTE: not torch's own message: for a file holding more than data it suggests weights_only=False.
+        raise PoolFileError(f"cannot read the pool file {path} ({type(exc).__name__}): it is not a file "
+                            "POST /kvshare/save wrote, or it is damaged; remove it (the server then learns its "
+                            "pools again) or point --kvshare-pool-file elsewhere") from exc
+    _check(payload, path, identity, rank, estimator.name)
+    try:
+        observations = [_observations(_unkey(p["slot"]), a, device) for p in payload["pools"] for a in p["anchors"]]
+        secret = bytes(payload["secret"].tolist())
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:
+        raise PoolFileError(f"the pool file {path} is damaged: {type(exc).__name__}: {exc}") from exc
+    for prepared, activations in observations:
+        anchor_id = None
+        for obs in prepared:
+            committed = estimator.commit_observation(obs)
+            anchor_id = committed if anchor_id is None else anchor_id
+        if anchor_id is not None:
+            estimator.restore_activations(prepared[0].slot, anchor_id, activations)
+    pools = list(estimator.pools())
+    kept = sum(len(pool) for _, pool in pools)
+    return secret, {"path": str(path), "slots": len(pools), "anchors": kept, "dropped": len(observations) - kept}
+
+
+def _observations(slot: Hashable, anchor: dict, device: torch.device | str) -> tuple[list[PreparedObservation], int]:
+    """One saved anchor as the observations that rebuild it: its first edge with the base, every other edge
+    attached to it by content key (an anchor without a content key keeps its first edge only)."""
+    content_key = _unkey(anchor["content_key"])
+    base_k, base_v = _unfactors(anchor["base_k"], device), _unfactors(anchor["base_v"], device)
+    out = []
+    for i, d in enumerate(anchor["deltas"]):
+        if i and content_key is None:
+            break
+        first = i == 0
+        out.append(PreparedObservation(
+            edge=_unkey(d["edge"]), content_key=content_key, length=base_k.length,
+            delta_k=_unfactors(d["k"], device), delta_v=_unfactors(d["v"], device),
+            base_k=base_k if first else None, base_v=base_v if first else None,
+            base_v_gram=anchor["base_v_gram"].to(device) if first else None, slot=slot))
+    if not out:
+        raise ValueError("an anchor without any edge")
+    return out, int(anchor["activations"])

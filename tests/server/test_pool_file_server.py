@@ -1,0 +1,71 @@
+"""Saved anchor pools in live servers: a kvcmas server learns an edge and saves its pools
+(``POST /kvshare/save``); a new server launched with the same ``--kvshare-pool-file`` corrects that edge on
+its first request of a content it has never seen, instead of aligning while it learns again."""
+
+from __future__ import annotations
+
+import pytest
+import requests
+
+from tests.agent_chain import agent_request, context, report, warm_request
+
+pytestmark = pytest.mark.server
+
+# Synchronous learning: each dense prefill is learned before the next request (the test counts anchors);
+# edge anchors 2: the gate's minimum, reached by the second content.
+KVSHARE = ("--kvshare-mode", "kvcmas", "--kvshare-learn-async", "false", "--kvshare-edge-anchors", "2",
+           "--kvshare-tau", "1.0", "--kvshare-verify-rate", "0", "--kvshare-admin-open", "true")
+A, B = "solver", "analyst"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+def _serve(model_path, pool_file):
+    from devtools.server_process import ServerProcess
+
+    return ServerProcess(model_path=model_path, kvshare_args=KVSHARE + ("--kvshare-pool-file", str(pool_file)),
+                         extra_args=("--max-total-tokens", "4096"))
+
+
+def _read_by_a_then_b(server, tokenizer, text: str) -> dict:
+    """A reads ``text`` (its copy is the source), then B: B's report."""
+    for agent in (A, B):
+        ids, cp = agent_request(tokenizer, agent, text)
+        out = server.generate(input_ids=ids, custom_params=cp, max_new_tokens=1)
+    return report(out)
+
+
+def _warm(server, tokenizer) -> None:
+    for agent in (A, B):
+        ids, cp = warm_request(tokenizer, agent)
+        server.generate(input_ids=ids, custom_params=cp, max_new_tokens=1)
+
+
+def test_a_restarted_server_corrects_from_its_first_request(model_path, tokenizer, tmp_path):
+    pool_file = tmp_path / "pools.pt"
+    with _serve(model_path, pool_file) as first:
+        assert requests.post(first.url + "/kvshare/save", timeout=120).status_code == 200  # empty pools save too
+        _warm(first, tokenizer)
+        learning = [_read_by_a_then_b(first, tokenizer, context(400 + 2 * i, 2)) for i in range(3)]
+        assert learning[0]["tokens_corrected"] == 0  # a cold edge: aligned or prefilled while it learns
+        saved = requests.post(first.url + "/kvshare/save", timeout=120)
+        assert saved.status_code == 200, saved.text
+        assert saved.json()["saved"]["anchors"] >= 2 and pool_file.stat().st_size == saved.json()["saved"]["bytes"]
+        pools_before = requests.get(first.url + "/kvshare/pools", timeout=60).json()["pools"]
+
+    with _serve(model_path, pool_file) as second:
+        stats = requests.get(second.url + "/kvshare/stats", timeout=60).json()
+        assert stats["counters"]["pool_file_anchors_loaded"] == saved.json()["saved"]["anchors"]
+        pools_after = requests.get(second.url + "/kvshare/pools", timeout=60).json()["pools"]
+        assert {s: [a["edges"] for a in p] for s, p in pools_after.items() if p} == \
+               {s: [a["edges"] for a in p] for s, p in pools_before.items() if p}
+        _warm(second, tokenizer)
+        fresh = _read_by_a_then_b(second, tokenizer, context(460, 2))  # a content neither server saw
+        assert fresh["tokens_corrected"] > 0, fresh
+        assert fresh["segments"][1].get("gate_fallback") is None, fresh
+
