@@ -502,9 +502,11 @@ def render_warm_start(d: dict) -> str:
             continue
         served = ", ".join(f"{n} {how}" for how, n in sorted(r["served_as"].items(), key=lambda kv: -kv[1]))
         t = r["b_ttft_s"]
+        total = sum(q["b_ttft_s"] for q in r["requests"])
         rows.append([arm, str(r["anchors_loaded"]), served, num(r["reuse"]), num(r["corrected_share"]),
                      f"{num(t['median'], '.3f')} ({num(t['min'], '.3f')}-{num(t['max'], '.3f')}) s",
-                     num(r["b_over_a_ttft"]), num(r["top1"], ".4f"), num(r["kl"], ".5f"), str(r["positions"])])
+                     num(total, ".1f", " s"), num(r["b_over_a_ttft"]), num(r["top1"], ".4f"), num(r["kl"], ".5f"),
+                     str(r["positions"])])
     saved = d["saved"]
     return (f"{d['eval']} new documents of {d['length']} tokens, each read by agent `{d['agents'][0]}` (dense) and "
             f"then by `{d['agents'][1]}` behind its own system prompt, on one fresh server per arm. The pool file "
@@ -513,7 +515,7 @@ def render_warm_start(d: dict) -> str:
             f"KL: B's own {d['max_tokens']}-token answer teacher-forced through an exact prefill of the same "
             "prompt.\n\n"
             + table(["arm", "anchors loaded", "B's document served as", "reuse", "corrected", "B TTFT, median (min-max)",
-                     "B / A TTFT", "top-1", "KL", "positions"], rows))
+                     "B TTFT, all requests", "B / A TTFT (median)", "top-1", "KL", "positions"], rows))
 
 
 def _phase(cell: dict, unit: float = 1e3, fmt: str = ".1f") -> str:
