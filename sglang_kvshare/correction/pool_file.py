@@ -65,8 +65,8 @@ def weights_digest(model_path: Optional[str]) -> Optional[str]:
     """A digest of the weight files under ``model_path`` (each file's name, size, first and last MiB), or None
     when it is not a local directory holding ``*.safetensors`` or ``*.bin`` files.
 
-    Why not the whole files: reading gigabytes at every launch; a fine-tune of the same architecture differs
-    in every tensor, so the file's edges differ too.
+    Why not the whole files: reading gigabytes at every launch. A fine-tune of the same architecture changes
+    every tensor, so the bytes at both ends of its files differ too.
     """
     if not model_path or not Path(model_path).is_dir():
         return None
