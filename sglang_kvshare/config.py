@@ -95,6 +95,7 @@ class KVShareConfig:
     verify_burst: bool = _option(True, GROUP_ADVANCED, "With a fidelity target: verify every approximated request of a scope until its current setting has --kvshare-fidelity-min-samples verified (or waiting) requests, then sample at --kvshare-verify-rate. A new scope, and one the guard has just moved, gets its verdict after min-samples requests instead of min-samples / verify-rate; it costs at most min-samples references per scope and change. false = sample at the rate only.")
     fidelity_min_samples: int = _option(20, GROUP_ADVANCED, "Verified requests a scope needs before the guard changes its setting (twice as many to relax).")
     pool_file: Optional[str] = _option(None, GROUP_ADVANCED, "kvcmas: a file the anchor pools are loaded from at launch and saved to by POST /kvshare/save, so a restarted server corrects from its first requests instead of learning every edge again (docs/OPERATIONS.md). The file names the model it was learned on (architecture, RoPE, a digest of the weight files), its format version and rank; a file that does not match this server is a launch error, a missing one starts with empty pools. With --tp-size or --dp-size above 1 each scheduler uses PATH.dp<d>.tp<t>. It holds low-rank factors of the prompts' KV: keep it as private as the prompts. None = pools live in memory only.")
+    pool_save_interval_s: float = _option(0.0, GROUP_ADVANCED, "With --kvshare-pool-file: also save the pools while the scheduler is idle, at most once per this many seconds and only when they changed since the last save, so an unplanned restart loses at most that much learning (a save holds the scheduler while the file is written). Not at --tp-size above 1, where every rank must write at the same point: save with POST /kvshare/save there. 0 = only POST /kvshare/save.")
     fault_perturb_slot: Optional[str] = _option(None, GROUP_ADVANCED, "Test only: add noise to the KV assembled for this slot, so a test can show the guard catching a bad scope. Never set it on a server users reach.")
 
     def __post_init__(self) -> None:
@@ -110,6 +111,9 @@ class KVShareConfig:
             raise ValueError("verify_queue_max must be >= 1 and fidelity_min_samples >= 2")
         if self.pool_file is not None and not str(self.pool_file).strip():
             raise ValueError("pool_file must be a file path (or unset)")
+        if self.pool_save_interval_s < 0:
+            raise ValueError(f"pool_save_interval_s must be >= 0 (0 = save only on POST /kvshare/save), "
+                             f"got {self.pool_save_interval_s}")
         if self.reuse_scope not in REUSE_SCOPES:
             raise ValueError(f"reuse_scope must be one of {REUSE_SCOPES}, got {self.reuse_scope!r}")
         if not 0.0 <= self.tau <= 1.0:

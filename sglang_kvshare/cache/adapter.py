@@ -39,7 +39,7 @@ from sglang_kvshare.cache.kv_pool_io import ReadWorkspace
 from sglang_kvshare.cache.parts import CacheParts
 from sglang_kvshare.cache.pending_recompute import PendingRecompute
 from sglang_kvshare.cache.plan import RequestPlan, drop_plan, plan_of, plan_request
-from sglang_kvshare.cache.pool_persistence import PoolStore
+from sglang_kvshare.cache.pool_persistence import PoolSaver, PoolStore
 from sglang_kvshare.cache.record import Recorder
 from sglang_kvshare.cache.registry import ContentHasher, PlaceholderRegistry, RegistryLimits
 from sglang_kvshare.cache.resolve import (HeadRule, Resolver, candidates, mark_matched, mark_unreached,
@@ -75,11 +75,12 @@ class KVShareRadixCache(RadixCache):
         # NOTE: set before RadixCache.__init__, which calls reset().
         self.state = CorrectionState(config, model_config, page_size=params.page_size, reducer=reducer)
         self.hasher = ContentHasher()
-        self.pool_store = None
+        self.pool_saver = None
         if pool_store is not None and self.state.spec is not None:
             hf_config = getattr(model_config, "hf_config", None)
-            self.pool_store = pool_store.with_model(getattr(hf_config, "text_config", None) or hf_config,
-                                                    getattr(model_config, "model_path", None), self.state.spec)
+            store = pool_store.with_model(getattr(hf_config, "text_config", None) or hf_config,
+                                          getattr(model_config, "model_path", None), self.state.spec)
+            self.pool_saver = PoolSaver(store, config.pool_save_interval_s)
         self.registry = PlaceholderRegistry(RegistryLimits(max_namespaces=config.max_namespaces,
                                                            max_slots=config.max_slots))
         self.counters = Counters()
@@ -99,8 +100,13 @@ class KVShareRadixCache(RadixCache):
         self.recorder = Recorder(parts)
         self.kvshare_admin = AdminView(parts)
         super().__init__(params)
-        if self.pool_store is not None:  # raises PoolFileError for a file of another model: the launch fails
-            self.pool_store.load(self.state, self.hasher, self.counters)
+        if self.pool_saver is not None:  # raises PoolFileError for a file of another model: the launch fails
+            self.pool_saver.load(self.state, self.hasher, self.counters)
+
+    def autosave_pools(self) -> None:
+        """Save the pools when ``--kvshare-pool-save-interval-s`` says so (the scheduler's idle hook calls it)."""
+        if self.pool_saver is not None:
+            self.pool_saver.maybe_save(self.state, self.hasher, self.counters)
 
     @property
     def kvshare_config(self) -> KVShareConfig:

@@ -121,11 +121,11 @@ class AdminView:
         ``OSError`` when the file cannot be written."""
         from sglang_kvshare.cache.pool_persistence import NoPools
 
-        store = getattr(self.parts.tree, "pool_store", None)
-        if store is None:
+        saver = getattr(self.parts.tree, "pool_saver", None)
+        if saver is None:
             raise NoPools("this server has no pool file: start it with --kvshare-pool-file PATH "
                           "(and --kvshare-mode kvcmas)")
-        return store.save(self.parts.state, self.parts.hasher)
+        return saver.save(self.parts.state, self.parts.hasher)
 
     def configure(self, **changes: Any) -> KVShareConfig:
         """Apply a validated change atomically (all or nothing); returns the new config.

@@ -47,11 +47,14 @@ def tensor_parallel_config(config: KVShareConfig, tp_size: int) -> KVShareConfig
     interval depends on each rank's clock; learning inside the scheduler's
     step (``learn_async false``), without the interval, happens at the same
     point of the same request on every rank. The price: each observation's
-    factorization runs in the scheduler loop (docs/SCALING.md).
+    factorization runs in the scheduler loop (docs/SCALING.md). For the same reason no rank saves its
+    pool file on its own idle time (``pool_save_interval_s``): ``POST /kvshare/save`` reaches every rank
+    at the same point.
     """
-    if tp_size <= 1 or (not config.learn_async and config.learn_slot_interval_s == 0):
+    if tp_size <= 1 or (not config.learn_async and config.learn_slot_interval_s == 0
+                        and config.pool_save_interval_s == 0):
         return config
-    return config.replace(learn_async=False, learn_slot_interval_s=0.0)
+    return config.replace(learn_async=False, learn_slot_interval_s=0.0, pool_save_interval_s=0.0)
 
 
 # The share of the device memory left free after SGLang allocated its KV pool that kvshare may fill

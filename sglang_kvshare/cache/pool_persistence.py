@@ -1,4 +1,5 @@
-"""The cache's side of ``--kvshare-pool-file``: which file this scheduler uses, loading it at launch, saving it.
+"""The cache's side of ``--kvshare-pool-file``: which file this scheduler uses, loading it at launch, saving it
+(on ``POST /kvshare/save``, and with ``--kvshare-pool-save-interval-s`` on idle time when the pools changed).
 
 Why here and not in ``correction.pool_file``: the file must name this
 scheduler's model, rank and KV device, which only SGLang's build context
@@ -10,15 +11,16 @@ checks live in ``correction.pool_file``.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 from sglang_kvshare.correction.pool_file import PoolFileError, load_pools, model_identity, rank_path, save_pools
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PoolStore", "PoolFileError", "NoPools"]
+__all__ = ["PoolStore", "PoolSaver", "PoolFileError", "NoPools"]
 
 
 class NoPools(RuntimeError):
@@ -77,3 +79,59 @@ class PoolStore:
             raise NoPools(f"mode {state.config.mode} keeps no anchor pools (kvcmas does)")
         with state.lock:
             return save_pools(self.path, estimator, secret=hasher.secret, identity=self.identity, rank=self.rank)
+
+
+class PoolSaver:
+    """Loads and saves one scheduler's pools through its ``PoolStore``, and knows whether they changed since.
+
+    ``interval_s`` > 0: ``maybe_save`` (the scheduler's idle hook calls it) writes the file when that many
+    seconds passed since the last save or load and the estimator changed meanwhile (``AnchorEstimator.changes``:
+    commits, resets, a new estimator after a mode switch). Why on idle time: a save holds the scheduler while
+    the file is written, and an idle scheduler delays no request. Not thread-safe: the scheduler thread only.
+    """
+
+    def __init__(self, store: PoolStore, interval_s: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.store = store
+        self.interval_s = float(interval_s)
+        self._clock = clock
+        self._saved_at = clock()
+        self._saved: Optional[tuple[int, int]] = None  # (id of the estimator, its changes) at the last save or load
+
+    def load(self, state: Any, hasher: Any, counters: Any) -> dict | None:
+        summary = self.store.load(state, hasher, counters)
+        self._mark(state)
+        return summary
+
+    def save(self, state: Any, hasher: Any) -> dict:
+        written = self.store.save(state, hasher)
+        self._mark(state)
+        return written
+
+    def due(self, state: Any) -> bool:
+        """The interval passed and the pools changed since the last save or load."""
+        if self.interval_s <= 0 or self._clock() - self._saved_at < self.interval_s:
+            return False
+        estimator = state.estimator
+        if estimator is None or not getattr(estimator, "learns", False):
+            return False
+        return self._saved != (id(estimator), estimator.changes)
+
+    def maybe_save(self, state: Any, hasher: Any, counters: Any) -> Optional[dict]:
+        """Save when ``due``; returns what was written, or None. A failed write is logged and counted
+        (``pool_file_save_errors``) and tried again after the interval; it never raises into the scheduler."""
+        if not self.due(state):
+            return None
+        try:
+            written = self.save(state, hasher)
+        except (OSError, NoPools) as exc:
+            self._saved_at = self._clock()
+            counters.add("pool_file_save_errors")
+            logger.warning("sglang-kvshare: saving the pools to %s failed: %s", self.store.path, exc)
+            return None
+        counters.add("pool_file_autosaves")
+        return written
+
+    def _mark(self, state: Any) -> None:
+        self._saved_at = self._clock()
+        estimator = state.estimator
+        self._saved = None if estimator is None else (id(estimator), getattr(estimator, "changes", 0))

@@ -209,6 +209,7 @@ class AnchorEstimator(Estimator):
         self.budget_bytes: int | None = None
         self._pools: OrderedDict[Hashable, AnchorPool] = OrderedDict()  # least recently used first
         self.evictions = {"slots": 0, "anchors_budget": 0, "ranks_disagree": 0}
+        self.changes = 0  # commits and resets: a saver compares it with the count at its last save
         self.configure(max_slots=max_slots, budget_bytes=budget_bytes)
 
     def edge(self, src_agent: Hashable, dst_agent: Hashable) -> Hashable:
@@ -227,6 +228,7 @@ class AnchorEstimator(Estimator):
             # Every rank raised here at once: their pools drifted apart (a learning step failed on one).
             # They start afresh together; this segment is prefilled densely.
             self._pools.clear()
+            self.changes += 1
             self.evictions["ranks_disagree"] += 1
             return EstimateResult(False, "ranks_disagree", compare_len=source.length)
         self.gate_decisions += 1
@@ -267,6 +269,7 @@ class AnchorEstimator(Estimator):
             pool = self._pools[prepared.slot] = AnchorPool(self.spec, self.config, self.reducer)
         self._pools.move_to_end(prepared.slot)
         anchor_id = pool.commit(prepared)
+        self.changes += 1
         self._fit_budget()
         return anchor_id if anchor_id is not None and any(a.id == anchor_id for a in pool.anchors) else None
 
@@ -308,6 +311,7 @@ class AnchorEstimator(Estimator):
             if changes["budget_bytes"] is not None and changes["budget_bytes"] <= 0:
                 raise ValueError(f"budget_bytes must be positive or None, got {changes['budget_bytes']}")
             self.budget_bytes = changes["budget_bytes"]
+        self.changes += 1  # a tighter bound may evict
         pool_changes = {k: v for k, v in changes.items() if k in _POOL_FIELDS}
         if pool_changes:
             self.config = replace(self.config, **pool_changes)
@@ -319,6 +323,7 @@ class AnchorEstimator(Estimator):
         self._fit_budget()
 
     def reset(self, slot=None):
+        self.changes += 1
         if slot is None:
             self._pools.clear()
         else:

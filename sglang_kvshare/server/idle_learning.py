@@ -13,6 +13,10 @@ under serving load the scheduler is rarely fully idle, but it decodes most of
 the time, and a step there delays one decode iteration (inter-token latency)
 instead of sharing the cores with a prefill (time to first token).
 
+With ``--kvshare-pool-file`` and ``--kvshare-pool-save-interval-s``, a pass without a learning step saves
+the pools when they are due (``cache.pool_persistence.PoolSaver``): a save holds the scheduler while the file
+is written, and an idle scheduler delays no request.
+
 Their targets are named in ``server/sglang_targets.py``; ``server/plugin.py`` installs them.
 """
 
@@ -37,10 +41,15 @@ def _run_one(steps: Any, where: str) -> None:
 
 
 def before_sleep_on_idle(scheduler: Any, *args: Any, **kwargs: Any) -> None:
-    """Run one posted learning step of this scheduler's kvshare cache, if any."""
+    """Run one posted learning step of this scheduler's kvshare cache, if any; else save its pools when
+    ``--kvshare-pool-save-interval-s`` says they are due (``cache.pool_persistence.PoolSaver``)."""
     steps = _pending_steps(scheduler)  # the idle loop polls this many times a second: a bare check first
     if steps is not None:
         _run_one(steps, "idle")
+        return None
+    autosave = getattr(getattr(scheduler, "tree_cache", None), "autosave_pools", None)
+    if autosave is not None:
+        autosave()
     return None
 
 

@@ -75,12 +75,13 @@ def install(hooks: Sequence[Hook]) -> None:
 
 
 def scheduler_hooks(config: KVShareConfig) -> tuple[Hook, ...]:
-    """The scheduler hooks ``config`` needs (idle learning only when it is on)."""
+    """The scheduler hooks ``config`` needs (idle learning, or saving pools on idle time, only when on)."""
     hooks = sglang_targets.SCHEDULER_HOOKS
-    if config.learn_on_idle and config.learn_async:
+    idle_learning = config.learn_on_idle and config.learn_async
+    if idle_learning or (config.pool_file and config.pool_save_interval_s > 0):
         hooks += (sglang_targets.IDLE_LEARNING_HOOK,)
-        if config.learn_before_decode:
-            hooks += (sglang_targets.DECODE_LEARNING_HOOK,)
+    if idle_learning and config.learn_before_decode:
+        hooks += (sglang_targets.DECODE_LEARNING_HOOK,)
     return hooks
 
 

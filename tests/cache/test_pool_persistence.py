@@ -1,6 +1,6 @@
 """``--kvshare-pool-file`` in the cache: pools saved through the admin op come back in a new cache, which then
 corrects a learned edge on its first request; a file of another model stops the launch; nothing is saved where
-there is nothing to save."""
+there is nothing to save; with a save interval, idle time saves pools that changed, once per interval."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from sglang_kvshare.admin import ops
-from sglang_kvshare.cache.pool_persistence import PoolStore
+from types import SimpleNamespace
+
+from sglang_kvshare.cache.pool_persistence import PoolSaver, PoolStore
 from sglang_kvshare.correction.pool_file import PoolFileError
 from tests.cache.fakes import MiniScheduler, make_cache
 from tests.cache.test_adapter import _queries, annotated, assert_pool_accounted, learned_kvcmas, warm
@@ -80,3 +82,58 @@ def test_an_unwritable_file_is_a_500_and_keeps_the_old_file(tmp_path):
     reply = ops.execute(blocked.cache.kvshare_admin, "save")
     assert reply.status == 500 and "could not write the pool file" in reply.message
     assert (tmp_path / "pools.pt").read_bytes() == before
+
+
+def test_idle_time_saves_pools_that_changed_once_per_interval(tmp_path):
+    from sglang_kvshare.server.idle_learning import before_sleep_on_idle
+
+    now = [0.0]
+    sched = learned_kvcmas(pool_store=_store(tmp_path), pool_save_interval_s=10)
+    cache = sched.cache
+    assert cache.pool_saver.interval_s == 10
+    cache.pool_saver = PoolSaver(cache.pool_saver.store, 10, clock=lambda: now[0])  # learned, never saved
+    scheduler = SimpleNamespace(tree_cache=cache)  # what SGLang's idle loop hands the hook
+    path = tmp_path / "pools.pt"
+
+    now[0] = 5.0
+    before_sleep_on_idle(scheduler)
+    assert not path.exists()  # the interval has not passed
+    now[0] = 11.0
+    before_sleep_on_idle(scheduler)
+    assert path.exists() and cache.counters.get("pool_file_autosaves") == 1
+    now[0] = 30.0
+    before_sleep_on_idle(scheduler)
+    assert cache.counters.get("pool_file_autosaves") == 1  # nothing changed since
+    warm(sched, "C")
+    before = cache.estimator.changes
+    sched.run(annotated("C", query=_queries(3)[-1]))  # a new edge A -> C: prefilled densely, and learned
+    assert cache.estimator.changes > before
+    before_sleep_on_idle(scheduler)
+    assert cache.counters.get("pool_file_autosaves") == 2
+    restored = make_cache("kvcmas", tau=1.0, pool_store=_store(tmp_path))
+    assert restored.estimator.pool_size(SLOT) == cache.estimator.pool_size(SLOT)
+
+
+def test_a_failed_idle_save_is_counted_and_never_raises(tmp_path):
+    now = [0.0]
+    sched = learned_kvcmas()
+    blocked = PoolStore.for_rank(str(tmp_path / "file"))
+    (tmp_path / "file").write_text("x")
+    sched.cache.pool_saver = PoolSaver(PoolStore.for_rank(str(tmp_path / "file" / "inside")), 10, clock=lambda: now[0])
+    now[0] = 100.0
+    sched.cache.autosave_pools()
+    assert sched.cache.counters.get("pool_file_save_errors") == 1 and blocked.path.read_text() == "x"
+    sched.cache.autosave_pools()
+    assert sched.cache.counters.get("pool_file_save_errors") == 1  # tried again only after the interval
+
+
+def test_the_idle_hook_is_installed_for_saving_alone():
+    from sglang_kvshare.config import KVShareConfig
+    from sglang_kvshare.server import sglang_targets
+    from sglang_kvshare.server.plugin import scheduler_hooks
+
+    synchronous = KVShareConfig(mode="kvcmas", learn_async=False)
+    assert sglang_targets.IDLE_LEARNING_HOOK not in scheduler_hooks(synchronous)
+    saving = synchronous.replace(pool_file="p.pt", pool_save_interval_s=60)
+    assert sglang_targets.IDLE_LEARNING_HOOK in scheduler_hooks(saving)
+    assert sglang_targets.DECODE_LEARNING_HOOK not in scheduler_hooks(saving)

@@ -149,11 +149,12 @@ def test_tensor_parallelism_learns_in_step_on_every_rank():
     from sglang_kvshare.cache.checks import check_mode, tensor_parallel_config
     from sglang_kvshare.config import KVShareConfig
 
-    launched = KVShareConfig(mode="kvcmas", learn_slot_interval_s=2.0)
+    launched = KVShareConfig(mode="kvcmas", learn_slot_interval_s=2.0, pool_file="p.pt", pool_save_interval_s=60)
     assert launched.learn_async
     assert tensor_parallel_config(launched, 1) is launched
     tp = tensor_parallel_config(launched, 3)
     assert not tp.learn_async and tp.learn_slot_interval_s == 0 and tp.mode == "kvcmas"
+    assert tp.pool_save_interval_s == 0 and tp.pool_file == "p.pt"  # every rank saves at once, on POST only
     assert tensor_parallel_config(tp, 3) is tp
     check_mode("kvcmas", page_size=1)  # no TP refusal left: the gate reduces over the ranks
 

@@ -36,6 +36,8 @@ def test_bad_kvshare_value_is_a_clear_cli_error():
     with pytest.raises(SystemExit):
         parse_kvshare(["--kvshare-pool-file", " "])
     assert parse_kvshare(["--kvshare-pool-file", "pools/team.pt"])[0].pool_file == "pools/team.pt"
+    with pytest.raises(SystemExit):
+        parse_kvshare(["--kvshare-pool-save-interval-s", "-1"])
 
 
 @pytest.mark.parametrize("flag, value, says", [("--kvshare-verify-rate", "1.5", "verify_rate"),

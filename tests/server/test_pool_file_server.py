@@ -1,8 +1,10 @@
-"""Saved anchor pools in live servers: a kvcmas server learns an edge and saves its pools
-(``POST /kvshare/save``); a new server launched with the same ``--kvshare-pool-file`` corrects that edge on
+"""Saved anchor pools in live servers: a kvcmas server learns an edge and saves its pools (on idle time, and
+on ``POST /kvshare/save``); a new server launched with the same ``--kvshare-pool-file`` corrects that edge on
 its first request of a content it has never seen, instead of aligning while it learns again."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import requests
@@ -13,8 +15,10 @@ pytestmark = pytest.mark.server
 
 # Synchronous learning: each dense prefill is learned before the next request (the test counts anchors);
 # edge anchors 2: the gate's minimum, reached by the second content.
+# A save interval of 1 s: the idle scheduler saves the pools once they changed (checked before the explicit save).
 KVSHARE = ("--kvshare-mode", "kvcmas", "--kvshare-learn-async", "false", "--kvshare-edge-anchors", "2",
-           "--kvshare-tau", "1.0", "--kvshare-verify-rate", "0", "--kvshare-admin-open", "true")
+           "--kvshare-tau", "1.0", "--kvshare-verify-rate", "0", "--kvshare-admin-open", "true",
+           "--kvshare-pool-save-interval-s", "1")
 A, B = "solver", "analyst"
 
 
@@ -40,6 +44,10 @@ def _read_by_a_then_b(server, tokenizer, text: str) -> dict:
     return report(out)
 
 
+def _counters(server) -> dict:
+    return requests.get(server.url + "/kvshare/stats", timeout=60).json()["counters"]
+
+
 def _warm(server, tokenizer) -> None:
     for agent in (A, B):
         ids, cp = warm_request(tokenizer, agent)
@@ -53,6 +61,10 @@ def test_a_restarted_server_corrects_from_its_first_request(model_path, tokenize
         _warm(first, tokenizer)
         learning = [_read_by_a_then_b(first, tokenizer, context(400 + 2 * i, 2)) for i in range(3)]
         assert learning[0]["tokens_corrected"] == 0  # a cold edge: aligned or prefilled while it learns
+        deadline = time.monotonic() + 60
+        while _counters(first).get("pool_file_autosaves", 0) < 1 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _counters(first).get("pool_file_autosaves", 0) >= 1 and pool_file.stat().st_size > 0
         saved = requests.post(first.url + "/kvshare/save", timeout=120)
         assert saved.status_code == 200, saved.text
         assert saved.json()["saved"]["anchors"] >= 2 and pool_file.stat().st_size == saved.json()["saved"]["bytes"]
