@@ -123,7 +123,7 @@ class PoolSaver:
             return None
         try:
             written = self.save(state, hasher)
-        except (OSError, NoPools) as exc:
+        except Exception as exc:  # noqa: BLE001 - a save on idle time must never stop the scheduler
             self._saved_at = self._clock()
             counters.add("pool_file_save_errors")
             logger.warning("sglang-kvshare: saving the pools to %s failed: %s", self.store.path, exc)
