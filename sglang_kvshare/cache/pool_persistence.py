@@ -62,7 +62,11 @@ class PoolStore:
             logger.info("sglang-kvshare: no pool file at %s yet; pools start empty (POST /kvshare/save writes it)",
                         self.path)
             return None
-        with state.lock:
+        import torch
+
+        # NOTE: as the learner's anchors (server/idle_learning.py): not inference tensors, whatever mode the
+        # scheduler builds its cache in.
+        with state.lock, torch.inference_mode(False), torch.no_grad():
             secret, summary = load_pools(self.path, estimator, identity=self.identity, rank=self.rank,
                                          device=self.device)
         hasher.adopt(secret)
