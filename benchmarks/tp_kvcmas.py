@@ -34,7 +34,7 @@ import requests
 
 from benchmarks import frontier_metrics as fm
 from benchmarks.chain_ttft import AGENTS, SUFFIX, request, system
-from benchmarks.harness import RESULTS, command_line, machine, run_meta, write_json
+from benchmarks.harness import RESULTS, command_line, machine, post_generate, run_meta, write_json
 from benchmarks.texts import context_tokens
 from sglang_kvshare.frontend.builder import build_request, private_part, shared_part
 
@@ -60,13 +60,6 @@ def documents(tokenizer, n: int, length: int) -> list[list[int]]:
     return [context_tokens(tokenizer, length, seed) for seed in range(n)]
 
 
-def _post(url: str, body: dict) -> dict:
-    r = requests.post(url + "/generate", json=body, timeout=1800)
-    if r.status_code != 200:
-        raise RuntimeError(f"request failed ({r.status_code}): {r.text[:300]}")
-    return r.json()
-
-
 def _configure(url: str, **changes) -> None:
     r = requests.post(url + "/kvshare/config", json=changes, timeout=300)
     if r.status_code != 200:
@@ -82,7 +75,7 @@ def _forced(url: str, tokenizer, agent: str, doc: list[int], continuation: list[
     body = {"input_ids": ids, "return_logprob": True, "top_logprobs_num": TOP_K,
             "logprob_start_len": len(prompt) - 1,
             "sampling_params": {"max_new_tokens": 1, "temperature": 0.0, "custom_params": cp}}
-    meta = _post(url, body)["meta_info"]
+    meta = post_generate(url, body)["meta_info"]
     tops = [fm.top_entries(e) for e in meta["input_top_logprobs"]][1:1 + len(continuation)]
     return tops, (meta.get("kvshare") or [{}])[0]
 
@@ -144,7 +137,7 @@ def run_size(tp: int, model_path: str, tokenizer, docs: list[list[int]], max_tok
             chain = []
             for agent in AGENTS:
                 ids, _ = request(tokenizer, agent, doc)
-                out = _post(url, {"input_ids": ids, "sampling_params": {"max_new_tokens": max_tokens,
+                out = post_generate(url, {"input_ids": ids, "sampling_params": {"max_new_tokens": max_tokens,
                                                                         "temperature": 0.0}})
                 greedy = list(out["output_ids"])
                 tops, _ = _forced(url, tokenizer, agent, doc, greedy)
@@ -160,7 +153,7 @@ def run_size(tp: int, model_path: str, tokenizer, docs: list[list[int]], max_tok
             raise RuntimeError(f"flushing the radix cache failed: {flushed.text[:300]}")
         for agent in AGENTS:
             ids, cp = build_request(tokenizer, agent, [private_part(system(agent))])
-            _post(url, {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "custom_params": cp}})
+            post_generate(url, {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "custom_params": cp}})
             requests_sent += 1
         shared = reused = 0
         scores = []

@@ -36,8 +36,9 @@ import requests
 from tqdm import tqdm
 
 from benchmarks import frontier_metrics as fm
-from benchmarks.chain_ttft import SUFFIX, system
-from benchmarks.harness import RESULTS, machine, run_meta, stream_generate, wait_learning, write_json
+from benchmarks.chain_ttft import SUFFIX, summary, system
+from benchmarks.harness import (RESULTS, machine, post_generate, run_meta, stream_generate, wait_learning,
+                                write_json)
 from benchmarks.texts import context_tokens
 from devtools.server_process import ServerProcess
 from sglang_kvshare.frontend.builder import build_request, private_part, shared_part
@@ -56,23 +57,16 @@ def request(tok, agent: str, doc: list[int], continuation: tuple[int, ...] = ())
     return build_request(tok, agent, parts)
 
 
-def _post(url: str, body: dict) -> dict:
-    r = requests.post(url + "/generate", json=body, timeout=900)
-    if r.status_code != 200:
-        raise RuntimeError(f"request failed ({r.status_code}): {r.text[:300]}")
-    return r.json()
-
-
 def fidelity(url: str, tok, doc: list[int], max_tokens: int) -> dict:
     """B's own answer (annotated: served from the estimate), teacher-forced through a plain exact request."""
     ids, cp = request(tok, B, doc)
-    out = _post(url, {"input_ids": ids, "return_logprob": True, "top_logprobs_num": TOP_K,
+    out = post_generate(url, {"input_ids": ids, "return_logprob": True, "top_logprobs_num": TOP_K,
                       "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0.0, "custom_params": cp}})
     meta = out["meta_info"]
     answer = [int(e[1]) for e in meta["output_token_logprobs"]]
     served = [fm.top_entries(e) for e in meta["output_top_logprobs"]]
     # NOTE: plain (no annotation): SGLang's exact prefix cache only, never an estimate.
-    ref = _post(url, {"input_ids": ids + answer, "return_logprob": True, "top_logprobs_num": TOP_K,
+    ref = post_generate(url, {"input_ids": ids + answer, "return_logprob": True, "top_logprobs_num": TOP_K,
                       "logprob_start_len": len(ids) - 1, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}})
     # Entry i predicts input token len(ids) - 1 + i: entry 0 the prompt's last token, entries 1.. the answer.
     exact = [fm.top_entries(e) for e in ref["meta_info"]["input_top_logprobs"]][1:1 + len(answer)]
@@ -109,10 +103,6 @@ def warm_prompts(url: str, tok) -> None:
         stream_generate(url, ids, custom_params=cp, max_new_tokens=1)
 
 
-def _range(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
-
-
 def summarize(rows: list[dict]) -> dict:
     b, a = [r["b_ttft_s"] for r in rows], [r["a_ttft_s"] for r in rows]
     shared = sum(r["shared_tokens"] for r in rows)
@@ -120,7 +110,7 @@ def summarize(rows: list[dict]) -> dict:
     for r in rows:
         key = f"{r['resolved_by']} ({r['gate_fallback']})" if r["gate_fallback"] else str(r["resolved_by"])
         served[key] = served.get(key, 0) + 1
-    return {"b_ttft_s": _range(b), "a_ttft_s": _range(a),
+    return {"b_ttft_s": summary(b), "a_ttft_s": summary(a),
             "b_over_a_ttft": statistics.median(x / y for x, y in zip(b, a)),
             "reuse": sum(r["tokens_corrected"] + r["tokens_aligned"] for r in rows) / shared,
             "corrected_share": sum(r["tokens_corrected"] for r in rows) / shared, "served_as": served,

@@ -27,6 +27,12 @@ class NoPools(RuntimeError):
     """Nothing to save: the server has no pool file, or the mode in force keeps no pools."""
 
 
+def _pooled(state: Any) -> Any:
+    """The estimator in force when it keeps anchor pools (kvcmas), else None."""
+    estimator = state.estimator
+    return estimator if estimator is not None and getattr(estimator, "learns", False) else None
+
+
 @dataclass(frozen=True)
 class PoolStore:
     """The pool file of one scheduler: ``path`` (already per rank), the ``rank`` it belongs to, the ``device``
@@ -53,8 +59,8 @@ class PoolStore:
         Returns the load's summary, or None when there is nothing to load (no file yet, or a mode without
         pools). Raises ``PoolFileError`` for a file this server cannot use: the launch fails, saying why.
         """
-        estimator = state.estimator
-        if estimator is None or not getattr(estimator, "learns", False):
+        estimator = _pooled(state)
+        if estimator is None:
             logger.info("sglang-kvshare: --kvshare-pool-file ignored: mode %s keeps no anchor pools",
                         state.config.mode)
             return None
@@ -78,8 +84,8 @@ class PoolStore:
     def save(self, state: Any, hasher: Any) -> dict:
         """Write the pools in force to the file. Raises ``NoPools`` when the mode keeps none, ``OSError`` when
         the file cannot be written (the old file, if any, is left as it was)."""
-        estimator = state.estimator
-        if estimator is None or not getattr(estimator, "learns", False):
+        estimator = _pooled(state)
+        if estimator is None:
             raise NoPools(f"mode {state.config.mode} keeps no anchor pools (kvcmas does)")
         with state.lock:
             return save_pools(self.path, estimator, secret=hasher.secret, identity=self.identity, rank=self.rank)
@@ -115,10 +121,8 @@ class PoolSaver:
         """The interval passed and the pools changed since the last save or load."""
         if self.interval_s <= 0 or self._clock() - self._saved_at < self.interval_s:
             return False
-        estimator = state.estimator
-        if estimator is None or not getattr(estimator, "learns", False):
-            return False
-        return self._saved != (id(estimator), estimator.changes)
+        estimator = _pooled(state)
+        return estimator is not None and self._saved != (id(estimator), estimator.changes)
 
     def maybe_save(self, state: Any, hasher: Any, counters: Any) -> Optional[dict]:
         """Save when ``due``; returns what was written, or None. A failed write is logged and counted

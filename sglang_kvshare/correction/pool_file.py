@@ -116,15 +116,6 @@ def _unfactors(d: dict, device: torch.device) -> Factors:
     return Factors(move(d["a"]), move(d["b"]), move(d["full"]), tuple(int(x) for x in d["head_shape"]))
 
 
-def _key(value: Any) -> Any:
-    """Slots, edges and content keys as the file holds them (tuples as lists) and back (``_unkey``)."""
-    return [_key(v) for v in value] if isinstance(value, tuple) else value
-
-
-def _unkey(value: Any) -> Hashable:
-    return tuple(_unkey(v) for v in value) if isinstance(value, list) else value
-
-
 def save_pools(path: Path, estimator: AnchorEstimator, *, secret: bytes, identity: dict, rank: dict) -> dict:
     """Write every pool of ``estimator`` to ``path`` (atomically: a new file moved over the old one, mode 0600:
     it holds factors of prompts' KV). The caller holds the estimator lock. Returns what was written:
@@ -135,12 +126,12 @@ def save_pools(path: Path, estimator: AnchorEstimator, *, secret: bytes, identit
     for slot, pool in estimator.pools():
         entries = []
         for a in pool.anchors:
-            entries.append({"content_key": _key(a.content_key), "activations": int(a.activations),
+            entries.append({"content_key": a.content_key, "activations": int(a.activations),
                             "base_k": _factors(a.base_k), "base_v": _factors(a.base_v), "base_v_gram": a.base_v_gram,
-                            "deltas": [{"edge": _key(edge), "k": _factors(dk), "v": _factors(dv)}
+                            "deltas": [{"edge": edge, "k": _factors(dk), "v": _factors(dv)}
                                        for edge, (dk, dv) in a.deltas.items()]})
         anchors += len(entries)
-        pools.append({"slot": _key(slot), "anchors": entries})
+        pools.append({"slot": slot, "anchors": entries})
     payload = {"format": FORMAT, "version": VERSION, "model": identity, "rank": rank, "mode": estimator.name,
                "secret": torch.frombuffer(bytearray(secret), dtype=torch.uint8).clone(), "pools": pools}
     path = Path(path)
@@ -193,17 +184,16 @@ def load_pools(path: Path, estimator: AnchorEstimator, *, identity: dict, rank: 
                             "pools again) or point --kvshare-pool-file elsewhere") from exc
     _check(payload, path, identity, rank, estimator.name)
     try:
-        observations = [_observations(_unkey(p["slot"]), a, device) for p in payload["pools"] for a in p["anchors"]]
+        observations = [_observations(p["slot"], a, device) for p in payload["pools"] for a in p["anchors"]]
         secret = bytes(payload["secret"].tolist())
     except (KeyError, TypeError, AttributeError, ValueError) as exc:
         raise PoolFileError(f"the pool file {path} is damaged: {type(exc).__name__}: {exc}") from exc
-    for prepared, activations in observations:
-        anchor_id = None
-        for obs in prepared:
-            committed = estimator.commit_observation(obs)
-            anchor_id = committed if anchor_id is None else anchor_id
+    for (first, *edges), activations in observations:
+        anchor_id = estimator.commit_observation(first)  # the base and the first edge; the others attach to it
+        for obs in edges:
+            estimator.commit_observation(obs)
         if anchor_id is not None:
-            estimator.restore_activations(prepared[0].slot, anchor_id, activations)
+            estimator.restore_activations(first.slot, anchor_id, activations)
     pools = list(estimator.pools())
     kept = sum(len(pool) for _, pool in pools)
     return secret, {"path": str(path), "slots": len(pools), "anchors": kept, "dropped": len(observations) - kept}
@@ -212,7 +202,7 @@ def load_pools(path: Path, estimator: AnchorEstimator, *, identity: dict, rank: 
 def _observations(slot: Hashable, anchor: dict, device: torch.device | str) -> tuple[list[PreparedObservation], int]:
     """One saved anchor as the observations that rebuild it: its first edge with the base, every other edge
     attached to it by content key (an anchor without a content key keeps its first edge only)."""
-    content_key = _unkey(anchor["content_key"])
+    content_key = anchor["content_key"]
     base_k, base_v = _unfactors(anchor["base_k"], device), _unfactors(anchor["base_v"], device)
     out = []
     for i, d in enumerate(anchor["deltas"]):
@@ -220,7 +210,7 @@ def _observations(slot: Hashable, anchor: dict, device: torch.device | str) -> t
             break
         first = i == 0
         out.append(PreparedObservation(
-            edge=_unkey(d["edge"]), content_key=content_key, length=base_k.length,
+            edge=d["edge"], content_key=content_key, length=base_k.length,
             delta_k=_unfactors(d["k"], device), delta_v=_unfactors(d["v"], device),
             base_k=base_k if first else None, base_v=base_v if first else None,
             base_v_gram=anchor["base_v_gram"].to(device) if first else None, slot=slot))
