@@ -66,7 +66,7 @@ from tqdm import tqdm
 from benchmarks import frontier_metrics as fm
 from benchmarks.harness import RESULTS, machine, run_meta, stream_generate, write_json
 from sglang_kvshare.protocol import Segment
-from sglang_kvshare.frontend.builder import Piece, assemble
+from sglang_kvshare.frontend.builder import BuiltRequest, Piece, assemble
 
 TASKS = ("retrieval", "gsm8k", "humaneval")
 TOP_K = 20
@@ -177,6 +177,22 @@ def mixed(call: Call, arm: Arm, sample_id: str, seed: int) -> tuple[Piece, ...]:
                  for p in call.pieces)
 
 
+def build(call: Call, arm: Arm, sample_id: str, seed: int, tail: Sequence[Piece] = (),
+          output_slot: Optional[str] = None) -> BuiltRequest:
+    """The request of ``call`` in ``arm`` (its mixed pieces, then ``tail``), the random mix's dense segments
+    marked ``reuse: false``.
+
+    Why both the fresh name and the mark: the fresh name keeps every other
+    consumer on the copy it reads in ``fullshared`` K=0 (nobody reads this one),
+    and the mark keeps the server from starting an estimate inside the segment
+    (another content's assembly with the same first tokens behind the same
+    agent), so a coin's dense segment is exact KV, as the line's ``p`` says."""
+    built = assemble(call.agent, (*mixed(call, arm, sample_id, seed), *tail), output_slot)
+    segments = tuple(s.model_copy(update={"reuse": False}) if s.kind == "shared" and fm.is_fresh_slot(s.slot) else s
+                     for s in built.annotation.segments)
+    return BuiltRequest(built.input_ids, built.annotation.model_copy(update={"segments": segments}))
+
+
 class Runner:
     """Runs one arm's workflows against one server URL."""
 
@@ -184,7 +200,7 @@ class Runner:
         self.url, self.arm, self.seed, self.eos = url, arm, seed, eos
 
     def call(self, call: Call, sample_id: str) -> dict:
-        built = assemble(call.agent, mixed(call, self.arm, sample_id, self.seed), call.output_slot)
+        built = build(call, self.arm, sample_id, self.seed, output_slot=call.output_slot)
         timed = stream_generate(self.url, built.input_ids, custom_params=built.annotation.to_custom_params(),
                                 max_new_tokens=call.max_tokens)
         out = list(timed.output_ids)
@@ -224,8 +240,7 @@ class Runner:
 
     def teacher_forced(self, call: Call, sample_id: str, continuation: list[int]) -> dict:
         """Top-k logprobs at every continuation position of ``call``'s prompt + ``continuation``."""
-        pieces = mixed(call, self.arm, sample_id, self.seed) + (Piece("private", None, continuation),)
-        built = assemble(call.agent, pieces)
+        built = build(call, self.arm, sample_id, self.seed, (Piece("private", None, continuation),))
         prompt_len = len(built.input_ids) - len(continuation)
         body = {"input_ids": built.input_ids, "return_logprob": True, "top_logprobs_num": TOP_K,
                 "logprob_start_len": prompt_len - 1,
@@ -787,7 +802,7 @@ def run_task(name: str, args, tok, argv_used: Sequence[str]) -> dict:
            "samples": len(samples), "warmup_samples": len(warm), "max_tokens": max_tokens,
            "concurrency": args.concurrency, "seed": args.seed, "top_k": TOP_K,
            "random_mix": {"p": args.mix, "endpoints": "p=0 is fullshared_k0, p=1 is off",
-                          "how": "client-side: a dense segment gets a fresh slot name (no source)"},
+                          "how": "client-side: a dense segment gets a fresh slot name (no source), marked reuse: false"},
            "definitions": {
                "reuse_ratio": "consumer requests (agents 2-4): shared_tokens_reused / shared_tokens (server reports)",
                "agreement_final": ("each consumer lookup's value equals off's" if name == "retrieval" else

@@ -95,9 +95,17 @@ def dense_in_mix(p: float, seed: int, *key: object) -> bool:
     return unit_draw(seed, *key) < p
 
 
+FRESH_MARK = "#mix-dense:"
+
+
 def fresh_slot(slot: str, *key: object) -> str:
     """A slot name no producer ever used, so the server finds no source and prefills it densely."""
-    return f"{slot}#mix-dense:" + ":".join(str(k) for k in key)
+    return f"{slot}{FRESH_MARK}" + ":".join(str(k) for k in key)
+
+
+def is_fresh_slot(slot: Optional[str]) -> bool:
+    """Whether ``slot`` is one the random mix made with ``fresh_slot``."""
+    return slot is not None and FRESH_MARK in slot
 
 
 def interpolate(points: Sequence[tuple[float, float]], x: float) -> Optional[float]:

@@ -71,7 +71,7 @@ from benchmarks.guard_metrics import (CONTROL, actions_since, approximated, best
 from benchmarks.harness import RESULTS, command_line, machine, run_meta, stream_generate, write_json
 from benchmarks.stock_vs_off import verdict
 from benchmarks.texts import context_tokens
-from sglang_kvshare.frontend.builder import assemble, build_request, private_part, shared_part
+from sglang_kvshare.frontend.builder import build_request, private_part, shared_part
 from sglang_kvshare.guard.controller import ladder, rule
 from sglang_kvshare.guard.measure import compare
 from sglang_kvshare.guard.target import FidelityTarget
@@ -242,7 +242,7 @@ class LogprobRunner(fr.Runner):
     """A frontier ``Runner`` whose calls also bring back their own top-k distributions (not streamed: no TTFT)."""
 
     def call(self, call: fr.Call, sample_id: str) -> dict:
-        built = assemble(call.agent, fr.mixed(call, self.arm, sample_id, self.seed), call.output_slot)
+        built = fr.build(call, self.arm, sample_id, self.seed, output_slot=call.output_slot)
         body = {"input_ids": built.input_ids, "return_logprob": True, "top_logprobs_num": TOP_K,
                 "sampling_params": {"max_new_tokens": call.max_tokens, "temperature": 0.0,
                                     "custom_params": built.annotation.to_custom_params()}}

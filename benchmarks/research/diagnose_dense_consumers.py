@@ -48,8 +48,7 @@ def run(arm):
         def one(smp):
             rows = r.sample(spec.program(smp, enc, 8), smp.id)
             for row in rows:  # right away, while the prompt is in the tree: its cached rows decide
-                row["first_top"] = first_token_top(s.url, fr.assemble(row["agent"], fr.mixed(
-                    row["call"], arm, smp.id, 0)).input_ids)
+                row["first_top"] = first_token_top(s.url, fr.build(row["call"], arm, smp.id, 0).input_ids)
             return rows
         for w in warm: one(w)
         with ThreadPoolExecutor(CONC) as pool:

@@ -210,7 +210,7 @@ class KVShareRadixCache(RadixCache):
         m, node = result.device_prefix_len, result.last_device_node
         plan.est_start = None
         plan.exact_len, plan.estimate_len = m, 0  # what this match serves: the latest match is the one prefilled
-        if m < limit:  # an earlier identical annotated request may have left estimates here
+        if m < limit and plan.may_approximate_from(m):  # an earlier identical request may have left estimates
             more, deeper = self._match_prefix_helper(node, tree_paths.est_key(plan.tokens[m:limit], plan.tree_ns))
             got = sum(len(v) for v in more)
             if got:

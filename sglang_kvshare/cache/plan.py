@@ -75,6 +75,20 @@ class RequestPlan:
         """True when rows ``[0, end)`` of this request hold exact KV only."""
         return self.est_start is None or end <= self.est_start
 
+    def may_approximate_from(self, row: int) -> bool:
+        """True when an estimate may start at prompt row ``row``: inside a shared segment this request lets
+        reuse serve.
+
+        Why: an earlier request with the same tokens may have left estimates at that row, and matching them
+        serves what assembling would have served, but only if this request would assemble there too. Rows of
+        the agent's own text, and a shared segment marked ``reuse: false`` (the guard's dense setting, the
+        automatic chat mode's last message), are prefilled in the request's own context; an estimate that
+        starts there would hand approximate KV to rows the request asked to have exact, even when no segment
+        of it is reused at all. (Behind the first row it approximates, everything a request computes rests
+        on approximate KV, so only where estimates start is checked.)
+        """
+        return any(s.kind == "shared" and s.reuse and s.start <= row < s.end for s in self.annotation.segments)
+
 
 def plan_of(req: Any) -> Optional[RequestPlan]:
     return getattr(req, PLAN_ATTR, None)

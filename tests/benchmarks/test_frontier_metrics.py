@@ -132,6 +132,14 @@ def test_mixed_renames_only_consumer_shared_pieces_and_keeps_ids():
     # The renamed request is still a valid annotation of the same ids.
     built = assemble("clerk", renamed)
     assert built.input_ids == [1, 2, 3, 4, 5, 6]
+    # The request a mix arm sends: the coin's segment is also marked reuse: false (no estimate may start in
+    # it), every other segment as the call has it.
+    sent = fr.build(call, full, "s0", 0, (Piece("private", None, [7]),))
+    assert sent.input_ids == [1, 2, 3, 4, 5, 6, 7]
+    assert [s.reuse for s in sent.annotation.segments] == [True, False, True]
+    assert sent.annotation.segments[1].slot == renamed[1].slot
+    kept = fr.build(call, fr.Arm("fullshared_k0", "fullshared", 0), "s0", 0)
+    assert kept.annotation == assemble("clerk", call.pieces).annotation
 
 
 def test_interpolate_and_line_gaps():

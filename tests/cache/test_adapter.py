@@ -23,11 +23,14 @@ QUERY = list(range(200, 260))
 SUFFIX = [5, 6, 7]
 
 
-def annotated(agent: str, query=QUERY, *, salt=None, extra_key=None, output_slot=None) -> FakeReq:
+def annotated(agent: str, query=QUERY, *, salt=None, extra_key=None, output_slot=None, reuse: bool = True,
+              slot: str = "query") -> FakeReq:
     sys_ids = SYS[agent]
     tokens = sys_ids + list(query) + SUFFIX
-    segs = [{"kind": "private", "start": 0, "end": len(sys_ids)},
-            {"kind": "shared", "start": len(sys_ids), "end": len(sys_ids) + len(query), "slot": "query"},
+    shared = {"kind": "shared", "start": len(sys_ids), "end": len(sys_ids) + len(query), "slot": slot}
+    if not reuse:
+        shared["reuse"] = False
+    segs = [{"kind": "private", "start": 0, "end": len(sys_ids)}, shared,
             {"kind": "private", "start": len(sys_ids) + len(query), "end": len(tokens)}]
     ann = {"agent": agent, "segments": segs}
     if output_slot:
@@ -118,6 +121,37 @@ def test_estimates_are_reused_by_an_identical_annotated_request(sched):
     # request's estimate (the query and the suffix rows it computed on top of it).
     assert rep["tokens_exact_hit"] == len(SYS["B"]) and rep["tokens_estimate_hit"] == m - len(SYS["B"])
     assert rep["shared_tokens_reused"] == len(QUERY)
+    assert_pool_accounted(sched.cache)
+
+
+def test_a_segment_marked_reuse_false_never_starts_on_an_earlier_requests_estimate(sched):
+    """The guard's dense setting marks every shared segment so: its request must get exact KV only, even when
+    an earlier request with the same tokens left its assembly in the tree."""
+    sched.run(annotated("A"))
+    warm(sched, "B")
+    sched.run(annotated("B"))  # assembled: B's query rows and what follows are estimates
+    dense = annotated("B", reuse=False)
+    m = sched.run(dense)
+    rep = dense.report()
+    assert m == len(SYS["B"]) and rep["tokens_exact_hit"] == len(SYS["B"])
+    assert rep["tokens_estimate_hit"] == 0 and rep["shared_tokens_reused"] == 0
+    assert plan_of(dense) is None or plan_of(dense).est_start is None
+    assert_pool_accounted(sched.cache)
+
+
+def test_a_new_content_sharing_only_leading_tokens_starts_on_an_estimate_only_where_it_reuses(sched):
+    """Contents with a common header: a new one in a slot with no copy may take the header's estimate when its
+    segment is reusable (reported as an estimate hit), and is prefilled from its first row when marked
+    ``reuse: false``."""
+    sched.run(annotated("A"))
+    warm(sched, "B")
+    sched.run(annotated("B"))  # assembled: estimates under B's system prompt, starting with QUERY's header
+    reusing = annotated("B", query=QUERY[:8] + list(range(300, 352)), slot="fresh")
+    sched.run(reusing)
+    assert reusing.report()["tokens_estimate_hit"] == 8
+    exact = annotated("B", query=QUERY[:8] + list(range(400, 452)), slot="fresh2", reuse=False)
+    assert sched.run(exact) == len(SYS["B"])
+    assert exact.report()["tokens_estimate_hit"] == 0
     assert_pool_accounted(sched.cache)
 
 
