@@ -538,7 +538,7 @@ def planned_arms(command: str) -> set[str]:
     return {arm.name for arm in selected_arms(args)}
 
 
-def merge_runs(runs: Sequence[dict]) -> dict:
+def merge_runs(runs: Sequence[dict], remeasured: Sequence[str] = ()) -> dict:
     """One results dict holding the arms of several finished runs of the same samples.
 
     Why: one run of every arm takes hours on this CPU, so the arms of a task are
@@ -547,7 +547,8 @@ def merge_runs(runs: Sequence[dict]) -> dict:
     arm's agreement, teacher-forced metrics and paired accuracy were taken
     against the same reference, and one random-mix line serves all of them.
     Raises ValueError when a part differs. The first part's ``off`` (and any
-    arm's first occurrence) is kept; ``commands`` lists every part's command and
+    arm's first occurrence, except the arms named in ``remeasured``: their
+    last, a later part that measured them again after a fix) is kept; ``commands`` lists every part's command and
     ``parts_meta`` every part's ``meta`` (when it was measured, from which code;
     a part that is itself a merge brings its own lists); the caller sets
     ``meta`` to the merge's own.
@@ -580,7 +581,15 @@ def merge_runs(runs: Sequence[dict]) -> dict:
         for name, arm in run["arms"].items():
             if own_off is not None and name != "off":
                 arm = {**arm, "off_ttft_agents_2_4_median_same_run": own_off}
-            merged["arms"].setdefault(name, arm)
+            if name in remeasured and name != "off":
+                merged["arms"][name] = arm
+            else:
+                merged["arms"].setdefault(name, arm)
+    unknown = sorted(set(remeasured) - set(merged["arms"]) - {"off"})
+    if unknown or "off" in remeasured:
+        raise ValueError(f"--remeasured names {sorted(remeasured)}: off is every part's reference and cannot be "
+                         f"re-measured; {unknown or 'every other name'} must be arms of the runs")
+    merged["remeasured"] = sorted(set(remeasured) | set(runs[0].get("remeasured", ())))
     # A part stopped before its last arm is made whole by a later part that ran the missing arms.
     merged["complete"] = all(run.get("complete") or ("command" in run and planned_arms(run["command"])
                                                      <= set(merged["arms"])) for run in runs)
@@ -767,6 +776,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--merge", nargs="+", metavar=("OUT", "JSON"), default=None,
                     help="start no server: OUT = the arms of the finished results files JSON... (same task and "
                          "samples, off's answers identical in every file), with line gaps and a plot")
+    ap.add_argument("--remeasured", default=None, metavar="ARMS",
+                    help="with --merge: comma-separated arms to take from the last run that has them (measured "
+                         "again in a later part), not the first")
     ap.add_argument("--pool", nargs="+", metavar=("OUT", "JSON"), default=None,
                     help="start no server: OUT = the same arms over the finished results files JSON... of "
                          "different seeds, every item and position pooled (TTFT per run), with a plot")
@@ -858,7 +870,11 @@ def main(argv=None, *, arm_server: Optional[ArmServer] = None) -> int:
     if args.merge:
         if len(args.merge) < 3:
             raise SystemExit("--merge needs OUT and at least two results files")
-        merged = merge_runs([json.loads(Path(p).read_text()) for p in args.merge[1:]])
+        try:
+            merged = merge_runs([json.loads(Path(p).read_text()) for p in args.merge[1:]],
+                                [a.strip() for a in (args.remeasured or "").split(",") if a.strip()])
+        except ValueError as exc:
+            raise SystemExit(f"--merge: {exc}") from None
         _save_combined(merged, Path(args.merge[0]), argv)
         print(f"{args.merge[0]}: {len(merged['arms'])} arms from {len(args.merge) - 1} runs", file=sys.stderr)
         return 0

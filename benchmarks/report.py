@@ -290,6 +290,9 @@ def render_frontier(d: dict) -> str:
         parts = ("\n\nThe arms ran in parts, each with its own `off` server, joined with `--merge` (which refuses "
                  "parts whose `off` answered differently); TTFT is compared with the first part's `off`. Parts:\n\n"
                  + "\n".join(f"- `{c}`" for c in d["commands"]))
+        if d.get("remeasured"):
+            parts += ("\n\nMeasured again in a later part, which replaced the earlier measurement: "
+                      + ", ".join(f"`{a}`" for a in d["remeasured"]) + ".")
     return (f"{d['samples']} samples ({d['scored_items']} scored items; {d.get('warmup_samples', 0)} unscored "
             f"warm-up samples per server), {off.get('teacher_forced_positions')} teacher-forced positions per arm, "
             f"{d['max_tokens']} tokens per answer, concurrency {d['concurrency']}, "

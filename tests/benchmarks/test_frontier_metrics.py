@@ -227,6 +227,18 @@ def test_runs_of_the_same_samples_merge_and_runs_with_another_reference_do_not()
     assert again["commands"] == ["a", "b", "c"] and [m["date"] for m in again["parts_meta"]] == ["1", "2", "3"]
     assert again["arms"]["kvcmas_k32"]["off_ttft_agents_2_4_median_same_run"] == 1.5  # carried by the merge
     assert list(again["arms"])[-1] == "fullshared_r0.2" and again["complete"] is True
+    # An arm measured again in a later part (after a fix) replaces the first measurement when named so, and
+    # the merge says which; off, every part's reference, cannot be replaced, nor an arm no part has.
+    fixed = {**head, "command": "d", "arms": {"off": off, "mix_p0.5": arm("fullshared", 0, 0.5, 0.45, ["x", "x", "x", "y"])}}
+    assert fr.merge_runs([merged, fixed])["arms"]["mix_p0.5"]["reuse_ratio"] == 0.4
+    line_before = merged["arms"]["kvcmas_k32"]["random_mix_agreement_at_same_reuse"]
+    redone = fr.merge_runs([merged, fixed], remeasured=["mix_p0.5"])
+    assert redone["arms"]["mix_p0.5"]["reuse_ratio"] == 0.45 and redone["remeasured"] == ["mix_p0.5"]
+    assert list(redone["arms"]) == list(merged["arms"])  # the arm keeps its place
+    assert redone["arms"]["kvcmas_k32"]["random_mix_agreement_at_same_reuse"] != line_before  # the line moved
+    for bad in (["off"], ["kvcmas_k99"]):
+        with pytest.raises(ValueError, match="remeasured"):
+            fr.merge_runs([merged, fixed], remeasured=bad)
 
 
 def test_runs_of_other_seeds_pool_every_item_and_position_and_keep_ttft_per_run():
