@@ -585,11 +585,12 @@ def merge_runs(runs: Sequence[dict], remeasured: Sequence[str] = ()) -> dict:
                 merged["arms"][name] = arm
             else:
                 merged["arms"].setdefault(name, arm)
-    unknown = sorted(set(remeasured) - set(merged["arms"]) - {"off"})
-    if unknown or "off" in remeasured:
-        raise ValueError(f"--remeasured names {sorted(remeasured)}: off is every part's reference and cannot be "
-                         f"re-measured; {unknown or 'every other name'} must be arms of the runs")
-    merged["remeasured"] = sorted(set(remeasured) | set(runs[0].get("remeasured", ())))
+    if "off" in remeasured:
+        raise ValueError("--remeasured names off: off is every part's reference and cannot be re-measured")
+    unknown = sorted(set(remeasured) - set(merged["arms"]))
+    if unknown:
+        raise ValueError(f"--remeasured names {unknown}, which no run to merge has")
+    merged["remeasured"] = sorted(set(remeasured).union(*(run.get("remeasured", ()) for run in runs)))
     # A part stopped before its last arm is made whole by a later part that ran the missing arms.
     merged["complete"] = all(run.get("complete") or ("command" in run and planned_arms(run["command"])
                                                      <= set(merged["arms"])) for run in runs)
