@@ -2,7 +2,7 @@
 scope, and what does it cost?
 
     python -m benchmarks.guard --quick                 # retrieval only, small sizes: under 10 minutes here
-    python -m benchmarks.guard --seed 6 --offset 160 --task-offset humaneval=0  # all three tasks: about 2 hours here
+    python -m benchmarks.guard --seed 11 --offset 450 --task-offset humaneval=80  # all three tasks: about 2 hours here
 
 Per task (the frontier's workflows, ``benchmarks.frontier``: task specs, programs, ``Runner``, ``run_arm``,
 teacher-forced scoring against ``off``, ``summarize_arm``):

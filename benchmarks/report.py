@@ -715,7 +715,7 @@ REGISTRY: list[Benchmark] = [
         "give the same tokens.",
         render_soak),
     Benchmark(
-        "guard", "guard.json", "python -m benchmarks.guard --seed 6 --offset 160 --task-offset humaneval=0",
+        "guard", "guard.json", "python -m benchmarks.guard --seed 11 --offset 450 --task-offset humaneval=80",
         "Does the fidelity guard's estimate hold the truth, does it keep a target at more reuse than one global "
         "recomputed head, does it catch a bad scope, and what does it cost?",
         "Calibration: every request served approximated KV is replayed densely by the benchmark; each agent's mean "
