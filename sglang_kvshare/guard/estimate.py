@@ -10,9 +10,9 @@ the whole range. Why t and not the normal quantile: a scope is judged on
 few requests (the controller's minimum is 5-20), where a spread estimated
 from the same requests makes a normal interval too narrow: at 5 requests a
 nominal 95 % normal interval holds the mean about 88 % of the time. The
-variance carries a prior (``prior_std``, worth ``PRIOR_WEIGHT`` requests): a few identical values (every position agreed in
-each of five answers) must not give a zero-width interval that lets the
-controller act on five requests; as evidence grows the prior fades. The
+variance carries a prior (``prior_std``, worth ``PRIOR_WEIGHT`` requests): a
+few identical values (every position agreed in each of five answers) must not
+give a zero-width interval that lets the controller act on five requests; as evidence grows the prior fades. The
 prior's pseudo-requests count as degrees of freedom: ``n - 1 + PRIOR_WEIGHT``.
 
 A value that moves in steps (top-1 of an answer of P positions moves by 1/P
