@@ -242,10 +242,12 @@ class Runner:
         """Top-k logprobs at every continuation position of ``call``'s prompt + ``continuation``."""
         built = build(call, self.arm, sample_id, self.seed, (Piece("private", None, continuation),))
         prompt_len = len(built.input_ids) - len(continuation)
+        # A replay is the benchmark's measurement, not an agent's request: kept out of the guard's evidence.
+        annotation = built.annotation.model_copy(update={"verify": False})
         body = {"input_ids": built.input_ids, "return_logprob": True, "top_logprobs_num": TOP_K,
                 "logprob_start_len": prompt_len - 1,
                 "sampling_params": {"max_new_tokens": TF_MAX_NEW_TOKENS, "temperature": 0.0,
-                                    "custom_params": built.annotation.to_custom_params()}}
+                                    "custom_params": annotation.to_custom_params()}}
         resp = requests.post(self.url + "/generate", json=body, timeout=900)
         if resp.status_code == 400 and "max_new_tokens" in resp.text and TF_MAX_NEW_TOKENS == 0:
             body["sampling_params"]["max_new_tokens"] = 1  # a server that refuses 0: one token, ignored

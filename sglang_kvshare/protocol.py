@@ -105,6 +105,10 @@ class Annotation(BaseModel):
     """The reuse scope this request belongs to (one multi-agent workflow, or one user):
     approximate KV is reused only between requests of the same workflow (and the same
     ``cache_salt`` and LoRA). Requests that name none share the anonymous scope."""
+    verify: bool = True
+    """False keeps this request out of the fidelity guard's samples: it is still served under its scope's
+    setting, but never judged. For evaluation and replay traffic (teacher-forced scoring, warm-ups) whose
+    answers are not the agent's own, and which would otherwise count as evidence about the scope."""
 
     def to_custom_params(self) -> dict[str, str]:
         return {CUSTOM_PARAMS_KEY: self.model_dump_json(exclude_none=True, exclude_defaults=True)}

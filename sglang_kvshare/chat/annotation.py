@@ -72,6 +72,8 @@ class ChatKVShare(BaseModel):
     shared: tuple[SharedMessage, ...] = ()
     output_slot: Optional[str] = Field(default=None, min_length=1, max_length=MAX_NAME_CHARS)
     workflow: Optional[str] = Field(default=None, min_length=1, max_length=MAX_NAME_CHARS)
+    verify: bool = True
+    """False keeps the request out of the fidelity guard's samples (the annotation's ``verify``)."""
 
 
 def parse_chat_kvshare(raw: Any, num_messages: int, max_segments: int) -> ChatKVShare:

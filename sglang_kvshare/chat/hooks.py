@@ -304,6 +304,8 @@ def _explicit_plan(spec, messages, render, tokenize, stock_ids, namespace, workf
         raise ValueError("kvshare marks no message and sets no output_slot; mark a message in 'shared' or "
                          "drop the field")
     input_ids, annotation = built
+    if not spec.verify:
+        annotation = annotation.model_copy(update={"verify": False})
     return ChatPlan(input_ids, annotation, same, "explicit", outcomes)
 
 

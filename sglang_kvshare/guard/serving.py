@@ -210,7 +210,9 @@ class Guard:
         setting = controller.setting(scope)
         # A prefill-only request (``max_new_tokens=0``: a client committing an answer as a shared segment, a
         # warm-up) generates nothing to verify; sampled, it would also pass as exact and stop its scope's burst.
-        verifiable = config.verify_rate > 0 and sampling.get("max_new_tokens") != 0
+        # A request that opts out (``verify: false``: replays, evaluation traffic) is served under its scope's
+        # setting but never counted as evidence about the scope.
+        verifiable = config.verify_rate > 0 and sampling.get("max_new_tokens") != 0 and ann.verify
         draw = verifiable and self._rng.random() < config.verify_rate
         burst = (not draw and verifiable and config.verify_burst and scope not in self._exact_scopes
                  and controller.wants_evidence(scope, self._waiting.get(scope, 0)))

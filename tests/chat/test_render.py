@@ -272,3 +272,27 @@ def test_the_auto_agent_name_is_keyed():
                                         digest_size=8).hexdigest()
     assert auto_agent(messages, None) != unkeyed  # a guessed system prompt cannot be confirmed offline
     assert auto_agent(messages, None, key=b"k" * 16) != auto_agent(messages, None, key=b"j" * 16)
+
+
+def test_verify_false_travels_in_the_annotation_and_the_default_adds_nothing(tokenizer):
+    """A replay opts out of the guard's samples with ``verify: false``; a request that says nothing sends the
+    same custom params as before the field existed."""
+    from sglang_kvshare.chat import hooks as chat_hooks
+    from sglang_kvshare.chat.annotation import ChatKVShare
+
+    raw = {"agent": "judge", "segments": [{"kind": "private", "start": 0, "end": 3},
+                                          {"kind": "shared", "start": 3, "end": 9, "slot": "doc"}]}
+    plain = parse_annotation({"kvshare": raw}, 9)
+    assert plain.verify and "verify" not in plain.to_custom_params()["kvshare"]
+    opted = parse_annotation({"kvshare": {**raw, "verify": False}}, 9)
+    assert not opted.verify and parse_annotation(opted.to_custom_params(), 9) == opted
+    with pytest.raises(AnnotationError, match="verify"):
+        parse_annotation({"kvshare": {**raw, "verify": "sometimes"}}, 9)
+    # The chat field carries it into the request's annotation.
+    render, tokenize = _fns(tokenizer)
+    messages = _chat("Plan: add them.")
+    for verify in (True, False):
+        spec = ChatKVShare(agent="checker", shared=({"message": 1, "slot": "task"},), verify=verify)
+        plan = chat_hooks._explicit_plan(spec, messages, render, tokenize, _stock(tokenizer, messages), ("ns",),
+                                         None)
+        assert plan.annotation.verify is verify

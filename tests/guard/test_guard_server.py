@@ -39,15 +39,16 @@ def _fidelity(server):
 
 
 def _drain(server, timeout=180.0):
-    """Wait until the guard's queue is empty and its verified count has settled."""
-    deadline, last = time.monotonic() + timeout, None
+    """Wait until every queued reference has run (a job taken off the queue is still in flight until it ends as
+    verified, empty or an error)."""
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         snap = _fidelity(server)
-        now = snap["counters"].get("verified", 0)
-        if snap["queue"]["jobs"] == 0 and now == last:
+        c = snap["counters"]
+        done = c.get("verified", 0) + c.get("verify_empty", 0) + c.get("verify_errors", 0)
+        if snap["queue"]["jobs"] == 0 and done >= c.get("queued", 0):
             return snap
-        last = now
-        time.sleep(1.0)
+        time.sleep(0.5)
     return _fidelity(server)
 
 
@@ -134,6 +135,43 @@ def test_a_new_scope_is_verified_until_it_can_be_judged_then_at_the_rate(server_
     # The writer's first request was drawn and found exact; its later ones are not drawn again (only the reader's
     # three, and the writer's one).
     assert snap["counters"].get("sampled_burst", 0) - bursts_before == (4 if burst else 0), snap["counters"]
+
+
+def _ask_unverified(server, tokenizer, agent, doc, slot):
+    """The reader's request marked ``verify: false``, as a benchmark's replay is."""
+    from sglang_kvshare.protocol import CUSTOM_PARAMS_KEY, Annotation
+
+    ids, custom = _reader_request(tokenizer, agent, doc, slot)
+    ann = Annotation.model_validate_json(custom[CUSTOM_PARAMS_KEY]).model_copy(update={"verify": False})
+    return server.generate(input_ids=ids, custom_params=ann.to_custom_params(),
+                           max_new_tokens=8)["meta_info"]["kvshare"][0]
+
+
+def test_a_request_that_opts_out_is_served_under_its_scopes_setting_but_never_sampled(server_pool, tokenizer):
+    server = shared_server(server_pool)
+    agent = "optout-reader"
+    with reconfigured(server, verify_rate=1.0, fidelity_target="top1>=0.5", fidelity_min_samples=3):
+        sampled_before = _fidelity(server)["counters"].get("sampled", 0)
+        for i in range(3):
+            _ask(server, tokenizer, "optout-writer", _doc("optout", i), "optout")  # the first copy (sampled: exact)
+            reader = _ask_unverified(server, tokenizer, agent, _doc("optout", i), "optout")
+            assert reader["tokens_aligned"] > 0, reader  # approximated, so it would be drawn at rate 1
+        snap = _drain(server)
+        assert agent not in snap["per_scope"], snap["per_scope"]
+        assert snap["counters"].get("sampled", 0) - sampled_before == 3, snap["counters"]  # the writer's only
+        # One ordinary request of the scope is sampled as usual; pinned, the scope's setting also reaches the
+        # requests that opt out.
+        _ask(server, tokenizer, "optout-writer", _doc("optout", 9), "optout")
+        _ask(server, tokenizer, agent, _doc("optout", 9), "optout")
+        assert _drain(server)["per_scope"][agent]["samples"] == 1
+        pin = requests.post(server.url + "/kvshare/fidelity/pin", json={"scope": agent, "setting": "head32"},
+                            timeout=60, headers=ADMIN_HEADERS)
+        assert pin.status_code == 200, pin.text
+        _ask(server, tokenizer, "optout-writer", _doc("optout", 10), "optout")
+        pinned = _ask_unverified(server, tokenizer, agent, _doc("optout", 10), "optout")
+        assert pinned["guard"]["setting"] == "head32" and not pinned["guard"]["probe"], pinned
+        assert _drain(server)["per_scope"][agent]["samples"] == 1
+        requests.post(server.url + "/kvshare/fidelity/reset", timeout=60, headers=ADMIN_HEADERS)
 
 
 @pytest.mark.parametrize("change, fix", [({"verify_rate": 1.5}, "verify_rate"),
