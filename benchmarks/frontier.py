@@ -431,6 +431,7 @@ def summarize_arm(run: dict, off: dict, spec: TaskSpec, samples, decode) -> dict
         reuse["ratio"] = 0.0
     tf_rows = [fm.compare_positions(off["tf"][job]["tops"], run["tf"][job]["tops"]) for job in run["tf"]]
     tf = fm.pooled(tf_rows)
+    tf_jobs = [(off["raw"][job[0]][job[1]]["agent"], job[0]) for job in run["tf"]]
     # Self-check of the reference: off's teacher-forced top-1 against its own greedy continuation.
     greedy = [fm.argmax(top) == tok_id for job, t in run["tf"].items()
               for top, tok_id in zip(t["tops"], off["raw"][job[0]][job[1]]["output_ids"]) if top]
@@ -450,6 +451,8 @@ def summarize_arm(run: dict, off: dict, spec: TaskSpec, samples, decode) -> dict
         "agreement_final": fm.statistics.fmean(1.0 if a["answer"] == b["answer"] else 0.0 for a, b in cons),
         "identical_text": fm.statistics.fmean(1.0 if a["text"] == b["text"] else 0.0 for a, b in cons),
         "teacher_forced_top1": tf["top1"], "teacher_forced_kl": tf["kl"], "teacher_forced_positions": tf["positions"],
+        "teacher_forced_per_agent": per_agent(tf_jobs, tf_rows),
+        "reuse_per_agent": reuse_per_agent(run["raw"]),
         "teacher_forced_reuse_ratio": tf_reused / tf_shared if tf_shared else (0.0 if arm.mode == "off" else None),
         "teacher_forced_top1_vs_off_greedy_tokens": fm.statistics.fmean(greedy) if greedy else None,
         "accuracy": fm.statistics.fmean(acc) if acc else None,
@@ -460,6 +463,34 @@ def summarize_arm(run: dict, off: dict, spec: TaskSpec, samples, decode) -> dict
         "run_s": round(run["run_s"], 1), "wall_s": round(run["wall_s"], 1),
         "per_item": [{"id": a["id"], "answer": a["answer"], "correct": a["correct"]} for a, _ in cons],
     }
+
+
+def per_agent(jobs: Sequence[tuple[str, int]], rows: Sequence[dict]) -> dict[str, dict]:
+    """Teacher-forced top-1 and KL pooled per agent (``fm.pooled``), and each answer's own values as
+    ``[sample index, top-1, KL, positions]`` (``jobs``: each row's agent and sample index).
+
+    Why: the workflow's mean hides an agent far from it (a judge reading every other answer), and a controller
+    that keeps a target per agent is judged agent by agent; the per-answer values, paired across arms by sample,
+    give the spread between answers that an estimate built from a sample of them has to live with
+    (``benchmarks.guard_sim`` replays a controller on them).
+    """
+    grouped: dict[str, list[tuple[int, dict]]] = {}
+    for (agent, sample), row in zip(jobs, rows):
+        grouped.setdefault(agent, []).append((sample, row))
+    return {agent: {**fm.pooled([r for _, r in group]), "answers": len(group),
+                    "per_answer": [[sample, round(r["top1"], 4), round(r["kl"], 6), r["positions"]]
+                                   for sample, r in sorted(group, key=lambda x: x[0]) if r["positions"]]}
+            for agent, group in sorted(grouped.items())}
+
+
+def reuse_per_agent(raw: list[list[dict]]) -> dict[str, dict]:
+    """Per agent, its consumer requests' shared tokens, those reused and their ratio (None for a producer)."""
+    agents = sorted({row["agent"] for rows in raw for row in rows})
+    out = {}
+    for agent in agents:
+        reuse = _reuse([[row for rows in raw for row in rows if row["agent"] == agent]], consumers_only=True)
+        out[agent] = {k: reuse[k] for k in ("ratio", "shared", "reused")}
+    return out
 
 
 def _reuse(raw: list[list[dict]], consumers_only: bool) -> dict:

@@ -2,7 +2,10 @@
 scope, and what does it cost?
 
     python -m benchmarks.guard --quick                 # retrieval only, small sizes: under 10 minutes here
-    python -m benchmarks.guard --seed 11 --offset 450 --task-offset humaneval=80  # all three tasks: about 2 hours here
+    python -m benchmarks.guard --seed 12 --offset 210 --task-offset humaneval=20  # all three tasks: 2-4 hours here
+
+A run stopped part way keeps the tasks it finished; the same command with ``--task`` for each missing one, then
+``--merge`` on the parts' files, gives the whole run's ``guard.json`` (``benchmarks.guard_merge``).
 
 Per task (the frontier's workflows, ``benchmarks.frontier``: task specs, programs, ``Runner``, ``run_arm``,
 teacher-forced scoring against ``off``, ``summarize_arm``):
@@ -50,6 +53,7 @@ start costs about 40 s here. The overhead adds a second server.
 from __future__ import annotations
 
 import argparse
+import json
 import secrets
 import sys
 import time
@@ -65,6 +69,7 @@ from tqdm import tqdm
 
 from benchmarks import frontier as fr
 from benchmarks.chain_ttft import AGENTS, SUFFIX, system
+from benchmarks.guard_merge import MergeError, merge_parts
 from benchmarks.guard_metrics import (CONTROL, actions_since, approximated, best_global_k, choose_min_samples,
                                       counter_diff, detection_counts, pairs, reuse_ratio, score_calibration,
                                       settings, twin_program)
@@ -399,8 +404,8 @@ def task_sizes(name: str, args: argparse.Namespace) -> Sizes:
 def arm_cell(a: dict) -> dict:
     """What guard.json keeps of a ``summarize_arm`` result."""
     keys = ("reuse_ratio", "teacher_forced_top1", "teacher_forced_kl", "teacher_forced_positions",
-            "teacher_forced_reuse_ratio", "agreement_final", "accuracy", "scored_items", "ttft_agents_2_4_s",
-            "fallback_reasons", "run_s")
+            "teacher_forced_reuse_ratio", "teacher_forced_per_agent", "reuse_per_agent", "agreement_final", "accuracy", "scored_items",
+            "ttft_agents_2_4_s", "fallback_reasons", "run_s")
     return {k: a.get(k) for k in keys}
 
 
@@ -730,6 +735,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--out-dir", default=str(RESULTS))
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="PART",
+                    help="join the guard.json files of one run measured in parts (the same command, each with "
+                         "--task for what the others lack) into OUT_DIR/guard.json; measures nothing")
     args = ap.parse_args(argv)
     q = args.quick
     args.task = args.task or ("retrieval" if q else "all")
@@ -751,6 +759,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import signal
 
     args = parse_args(argv)
+    if args.merge:
+        return merge(args.merge, Path(args.out_dir), command_line(argv))
     signal.signal(signal.SIGTERM, fr._on_sigterm)
     from transformers import AutoTokenizer
 
@@ -792,6 +802,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out["wall_s"] = round(time.monotonic() - t0, 1)
     out["complete"] = True
     save(out, out_dir)
+    return 0
+
+
+def merge(paths: Sequence[str], out_dir: Path, command: str) -> int:
+    """``--merge``: one ``guard.json`` (and plot) from the parts of a run; 2 with the reason when they do not join."""
+    try:
+        out = merge_parts([json.loads(Path(p).read_text()) for p in paths], command, parse_args)
+    except (MergeError, OSError, ValueError, KeyError) as exc:
+        print(f"cannot merge: {exc}", file=sys.stderr)
+        return 2
+    save(out, out_dir)
+    print(f"merged {len(paths)} parts: tasks {', '.join(out['tasks'])}; overhead {'yes' if 'overhead' in out else 'no'};"
+          f" complete {out['complete']}", file=sys.stderr)
     return 0
 
 

@@ -342,6 +342,13 @@ def render_guard(d: dict) -> str:
                f"Complete: {'yes' if d.get('complete') else 'no'}.", "", table(header, rows)]
     ctl = d.get("controller") or OLD_GUARD_RULE
     parts += ["", f"Controller: tightens {ctl['tighten']}; relaxes {ctl['relax']}."]
+    if d.get("commands"):
+        parts += ["", "The run was measured in parts on the same revision, joined with `--merge` (which refuses "
+                      "parts that differ in arguments or code, or measure a task twice):", ""]
+        n = len(d["commands"])
+        parts += [f"- `{c}` (started {str(m.get('date', '-'))[:16].replace('T', ' ')} UTC): {', '.join(w) or '-'}"
+                  for c, m, w in zip(d["commands"], d.get("parts_meta") or [{}] * n,
+                                     d.get("parts_measured") or [[]] * n)]
     ov = d.get("overhead")
     if ov:
         cells = []
@@ -715,7 +722,7 @@ REGISTRY: list[Benchmark] = [
         "give the same tokens.",
         render_soak),
     Benchmark(
-        "guard", "guard.json", "python -m benchmarks.guard --seed 11 --offset 450 --task-offset humaneval=80",
+        "guard", "guard.json", "python -m benchmarks.guard --seed 12 --offset 210 --task-offset humaneval=20",
         "Does the fidelity guard's estimate hold the truth, does it keep a target at more reuse than one global "
         "recomputed head, does it catch a bad scope, and what does it cost?",
         "Calibration: every request served approximated KV is replayed densely by the benchmark; each agent's mean "

@@ -332,6 +332,23 @@ def test_summarize_arm_fields_from_synthetic_runs():
     assert s["accuracy_vs_off_paired"]["mean"] == pytest.approx(-1 / 3)
     assert s["teacher_forced_top1"] == 1.0 and s["teacher_forced_kl"] == pytest.approx(0.0)
     assert s["ttft_agents_2_4_s"]["median"] == pytest.approx(0.3)
+    assert sorted(s["teacher_forced_per_agent"]) == sorted(r.name for r in rt.ROLES[1:4])
+    assert s["reuse_per_agent"][rt.ROLES[0].name]["ratio"] is None  # the producer is no consumer
+    assert all(s["reuse_per_agent"][r.name] == {"ratio": pytest.approx(0.92), "shared": 100, "reused": 92}
+               for r in rt.ROLES[1:4])
+    assert all(a["answers"] == 1 and a["per_answer"] == [[0, 1.0, 0.0, 1]]
+               for a in s["teacher_forced_per_agent"].values())
+
+
+def test_teacher_forced_values_pool_per_agent_and_keep_each_answer():
+    rows = [{"positions": 4, "top1": 1.0, "kl": 0.0}, {"positions": 2, "top1": 0.5, "kl": 0.3},
+            {"positions": 10, "top1": 0.9, "kl": 0.01}, {"positions": 0, "top1": None, "kl": None}]
+    out = fr.per_agent([("judge", 3), ("judge", 1), ("worker", 0), ("worker", 1)], rows)
+    assert list(out) == ["judge", "worker"]
+    assert out["judge"]["top1"] == pytest.approx(5 / 6) and out["judge"]["positions"] == 6
+    assert out["judge"]["kl"] == pytest.approx(0.1)
+    assert out["judge"]["per_answer"] == [[1, 0.5, 0.3, 2], [3, 1.0, 0.0, 4]]  # in sample order
+    assert out["worker"]["answers"] == 2 and out["worker"]["per_answer"] == [[0, 0.9, 0.01, 10]]  # empty: no value
 
 
 def test_ratio_arms_recompute_a_share_and_stay_off_the_random_mix_line():

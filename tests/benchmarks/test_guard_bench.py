@@ -188,3 +188,76 @@ def test_the_report_section_and_the_plot_read_a_results_dict(tmp_path):
     assert "Controller: tightens as many steps as the miss asks for" in text and "from index 60 +" in text
     g.plot(d, tmp_path / "guard.png")
     assert (tmp_path / "guard.png").stat().st_size > 0
+
+
+def _part(command: str, tasks: dict, overhead: bool, revision: str = "a" * 40, date: str = "2026-01-02T03:04:05") -> dict:
+    """One part of a run measured in pieces: ``_results()``'s description with its own tasks and command."""
+    whole = _results()
+    part = {k: v for k, v in whole.items() if k not in ("overhead", "guard_queue", "tasks")}
+    part.update(command=command, complete=overhead, tasks=tasks, seed=12,
+                meta={"command": command, "date": date, "git_revision": revision, "git_dirty": False,
+                      "machine": {"cpu_count": 2}})
+    if overhead:
+        part.update(overhead=whole["overhead"], overhead_ttft_ratio=whole["overhead"]["ttft"]["verdict"],
+                    overhead_throughput_ratio=whole["overhead"]["throughput"]["verdict"],
+                    guard_queue=whole["guard_queue"], wall_s=100.0)
+    return part
+
+
+RUN = "python -m benchmarks.guard --seed 12 --offset 210"
+
+
+def test_parts_of_one_run_merge_into_the_whole_run_in_task_order(tmp_path):
+    task = _results()["tasks"]["retrieval"]
+    stopped = _part(RUN, {"retrieval": task, "gsm8k": task}, overhead=False)
+    rest = _part(RUN + " --task humaneval --out-dir tmp/x", {"humaneval": task}, overhead=True,
+                 date="2026-01-03T00:00:00")
+    merged = g.merge_parts([rest, stopped], "python -m benchmarks.guard --merge b a", g.parse_args)
+    assert list(merged["tasks"]) == ["retrieval", "gsm8k", "humaneval"] and merged["complete"] is True
+    assert merged["commands"] == [rest["command"], stopped["command"]] and len(merged["parts_meta"]) == 2
+    assert merged["meta"]["command"] == "python -m benchmarks.guard --merge b a"
+    assert merged["meta"]["date"] == "2026-01-03T00:00:00" and merged["meta"]["git_revision"] == "a" * 40
+    assert merged["overhead_ttft_ratio"]["median"] == 1.01 and merged["guard_queue"]["parts_recorded"] == 1
+    assert merged["wall_s"] is None  # the stopped part did not record its time
+    assert merged["seed"] == 12 and merged["target_bound"] == 0.99
+    text = report.render_guard(merged)
+    assert merged["parts_measured"] == [["humaneval", "overhead"], ["retrieval", "gsm8k"]]
+    assert "joined with `--merge`" in text
+    assert f"- `{rest['command']}` (started " in text and " UTC): humaneval, overhead" in text
+    without = g.merge_parts([stopped, _part(RUN + " --task humaneval --no-overhead", {"humaneval": task}, False)],
+                            "m", g.parse_args)
+    assert without["complete"] is False and "overhead" not in without and "guard_queue" not in without
+
+
+@pytest.mark.parametrize("change, reason", [
+    (lambda p: p.update(command=RUN.replace("12", "13") + " --task humaneval"), "not the same run"),
+    (lambda p: p.update(command="python -m benchmarks.frontier --task humaneval"), "not a benchmarks.guard command"),
+    (lambda p: p.update(heads=[0, 8]), "differs from"),
+    (lambda p: p["meta"].update(git_revision="b" * 40), "different code"),
+    (lambda p: p["meta"].update(git_dirty=True), "uncommitted"),
+    (lambda p: p.update(tasks={"retrieval": {}}), "measured by more than one part"),
+])
+def test_parts_that_are_not_one_measurement_are_refused(change, reason):
+    task = _results()["tasks"]["retrieval"]
+    stopped = _part(RUN, {"retrieval": task}, overhead=True)
+    rest = _part(RUN + " --task humaneval", {"humaneval": task}, overhead=False)
+    change(rest)
+    with pytest.raises(g.MergeError, match=reason):
+        g.merge_parts([stopped, rest], "m", g.parse_args)
+
+
+def test_merge_writes_the_joined_file_or_refuses_with_nothing_written(tmp_path):
+    import json
+
+    task = _results()["tasks"]["retrieval"]
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(_part(RUN, {"retrieval": task}, overhead=False)))
+    b.write_text(json.dumps(_part(RUN + " --task gsm8k", {"gsm8k": task}, overhead=True)))
+    out = tmp_path / "out"
+    assert g.main(["--merge", str(a), str(b), "--out-dir", str(out)]) == 0
+    joined = json.loads((out / "guard.json").read_text())
+    assert list(joined["tasks"]) == ["retrieval", "gsm8k"] and (out / "guard.png").stat().st_size > 0
+    bad = tmp_path / "bad"
+    assert g.main(["--merge", str(a), str(a), "--out-dir", str(bad)]) == 2  # the same task twice
+    assert g.main(["--merge", str(a), str(tmp_path / "missing.json"), "--out-dir", str(bad)]) == 2
+    assert not bad.exists()
