@@ -404,8 +404,8 @@ def task_sizes(name: str, args: argparse.Namespace) -> Sizes:
 def arm_cell(a: dict) -> dict:
     """What guard.json keeps of a ``summarize_arm`` result."""
     keys = ("reuse_ratio", "teacher_forced_top1", "teacher_forced_kl", "teacher_forced_positions",
-            "teacher_forced_reuse_ratio", "teacher_forced_per_agent", "reuse_per_agent", "agreement_final", "accuracy", "scored_items",
-            "ttft_agents_2_4_s", "fallback_reasons", "run_s")
+            "teacher_forced_reuse_ratio", "teacher_forced_per_agent", "reuse_per_agent", "agreement_final",
+            "accuracy", "scored_items", "ttft_agents_2_4_s", "fallback_reasons", "run_s")
     return {k: a.get(k) for k in keys}
 
 
@@ -813,8 +813,9 @@ def merge(paths: Sequence[str], out_dir: Path, command: str) -> int:
         print(f"cannot merge: {exc}", file=sys.stderr)
         return 2
     save(out, out_dir)
-    print(f"merged {len(paths)} parts: tasks {', '.join(out['tasks'])}; overhead {'yes' if 'overhead' in out else 'no'};"
-          f" complete {out['complete']}", file=sys.stderr)
+    overhead = "yes" if "overhead" in out else "no"
+    print(f"merged {len(paths)} parts: tasks {', '.join(out['tasks'])}; overhead {overhead}; "
+          f"complete {out['complete']}", file=sys.stderr)
     return 0
 
 

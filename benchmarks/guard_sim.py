@@ -172,7 +172,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 task, args.target or run.get("target") or "top1>=0.99",
                 rate=args.rate if args.rate is not None else run.get("verify_rate", 0.1),
                 min_samples=args.min_samples or (task.get("min_samples") or {}).get("chosen") or 20,
-                warmup=args.warmup if args.warmup is not None else (task.get("sizes") or {}).get("controlled_warmup", 40),
+                warmup=(args.warmup if args.warmup is not None
+                        else (task.get("sizes") or {}).get("controlled_warmup", 40)),
                 scored=args.scored or task.get("samples") or 10, concurrency=run.get("concurrency", 4),
                 replicates=args.replicates, seed=args.seed)
         except ValueError as exc:

@@ -190,7 +190,8 @@ def test_the_report_section_and_the_plot_read_a_results_dict(tmp_path):
     assert (tmp_path / "guard.png").stat().st_size > 0
 
 
-def _part(command: str, tasks: dict, overhead: bool, revision: str = "a" * 40, date: str = "2026-01-02T03:04:05") -> dict:
+def _part(command: str, tasks: dict, overhead: bool, revision: str = "a" * 40,
+          date: str = "2026-01-02T03:04:05") -> dict:
     """One part of a run measured in pieces: ``_results()``'s description with its own tasks and command."""
     whole = _results()
     part = {k: v for k, v in whole.items() if k not in ("overhead", "guard_queue", "tasks")}
