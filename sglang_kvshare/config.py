@@ -15,14 +15,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from sglang_kvshare.guard.target import FidelityTarget
+from sglang_kvshare.guard.target import DEFAULT_BAND, FidelityTarget
 
 Mode = Literal["off", "fullshared", "kvcmas"]
 MODES: tuple[str, ...] = ("off", "fullshared", "kvcmas")
 # What POST /kvshare/config may change on a running server.
 RUNTIME_FIELDS: tuple[str, ...] = ("tau", "capacity", "rank", "edge_anchors", "mode", "recompute_head",
                                    "recompute_ratio", "recompute_policy", "sparse_extend", "staged", "verify_rate",
-                                   "fidelity_target", "fidelity_min_samples", "verify_burst",
+                                   "fidelity_target", "fidelity_min_samples", "fidelity_band", "verify_burst",
                                    "fault_perturb_slot")
 RecomputePolicy = Literal["head", "query", "correction"]
 RECOMPUTE_POLICIES: tuple[str, ...] = ("head", "query", "correction")
@@ -94,6 +94,7 @@ class KVShareConfig:
     verify_queue_max: int = _option(16, GROUP_ADVANCED, "Most verified requests waiting for their dense reference; a full queue drops new ones (counted).")
     verify_burst: bool = _option(True, GROUP_ADVANCED, "With a fidelity target: verify every approximated request of a scope until its current setting has --kvshare-fidelity-min-samples verified (or waiting) requests, then sample at --kvshare-verify-rate. A new scope, and one the guard has just moved, gets its verdict after min-samples requests instead of min-samples / verify-rate; it costs at most min-samples references per scope and change. false = sample at the rate only.")
     fidelity_min_samples: int = _option(20, GROUP_ADVANCED, "Verified requests a scope needs before the guard changes its setting (twice as many to relax).")
+    fidelity_band: float = _option(DEFAULT_BAND, GROUP_ADVANCED, "Share of the allowed error the guard keeps in hand for a scope whose interval still holds the target's bound: it tightens such a scope until its mean clears the target moved this far towards the ideal (top1>=0.99 at 0.6: a mean of 0.996), so that what it serves next meets the target, not only the few answers it judged. 0 = hold the mean to the bound itself (more reuse, the target missed about half the time at the bound); below 1.")
     pool_file: Optional[str] = _option(None, GROUP_ADVANCED, "kvcmas: a file the anchor pools are loaded from at launch and saved to by POST /kvshare/save, so a restarted server corrects from its first requests instead of learning every edge again (docs/OPERATIONS.md). The file names the model it was learned on (architecture, RoPE, a digest of the weight files), its format version and rank; a file that does not match this server is a launch error, a missing one starts with empty pools. With --tp-size or --dp-size above 1 each scheduler uses PATH.dp<d>.tp<t>. It holds low-rank factors of the prompts' KV: keep it as private as the prompts. None = pools live in memory only.")
     pool_save_interval_s: float = _option(0.0, GROUP_ADVANCED, "With --kvshare-pool-file: also save the pools while the scheduler is idle, at most once per this many seconds and only when they changed since the last save, so an unplanned restart loses at most that much learning (a save holds the scheduler while the file is written). Not at --tp-size above 1, where every rank must write at the same point: save with POST /kvshare/save there. 0 = only POST /kvshare/save.")
     fault_perturb_slot: Optional[str] = _option(None, GROUP_ADVANCED, "Test only: add noise to the KV assembled for this slot, so a test can show the guard catching a bad scope. Never set it on a server users reach.")
@@ -107,6 +108,8 @@ class KVShareConfig:
             FidelityTarget.parse(self.fidelity_target)  # raises ValueError saying the accepted forms
         if not 1 <= self.verify_top_k <= 20:
             raise ValueError(f"verify_top_k must lie in [1, 20], got {self.verify_top_k}")
+        if not 0.0 <= self.fidelity_band < 1.0:
+            raise ValueError(f"fidelity_band must lie in [0, 1), got {self.fidelity_band}")
         if self.verify_queue_max < 1 or self.fidelity_min_samples < 2:
             raise ValueError("verify_queue_max must be >= 1 and fidelity_min_samples >= 2")
         if self.pool_file is not None and not str(self.pool_file).strip():

@@ -57,6 +57,7 @@ _RESTORE = {"mode": "fullshared", "tau": _DEFAULTS.tau, "rank": _DEFAULTS.rank,
             "recompute_policy": _DEFAULTS.recompute_policy,
             "sparse_extend": _DEFAULTS.sparse_extend, "staged": _DEFAULTS.staged, "verify_rate": 0.0,
             "fidelity_target": "", "fidelity_min_samples": _DEFAULTS.fidelity_min_samples,
+            "fidelity_band": _DEFAULTS.fidelity_band,
             "verify_burst": _DEFAULTS.verify_burst, "fault_perturb_slot": ""}
 
 

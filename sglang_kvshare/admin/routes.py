@@ -87,6 +87,8 @@ class ConfigUpdate(BaseModel):
                                            + " An empty string clears it.")
     fidelity_min_samples: Optional[int] = Field(None, ge=2, le=100000, strict=True,
                                                 description=_HELP["fidelity_min_samples"])
+    fidelity_band: Optional[float] = Field(None, ge=0.0, lt=1.0, strict=True, allow_inf_nan=False,
+                                           description=_HELP["fidelity_band"])
     verify_burst: Optional[bool] = Field(None, strict=True, description=_HELP["verify_burst"])
     fault_perturb_slot: Optional[str] = Field(None, max_length=128, description=_HELP["fault_perturb_slot"]
                                               + " An empty string clears it.")

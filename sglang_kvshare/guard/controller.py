@@ -20,22 +20,27 @@ longer heads to ``dense`` (no reuse at all):
   taken on evidence at the longest head; straight to ``dense`` when it misses
   by far (``severe``: a broken scope, which no head fixes, is caught within
   ``min_samples`` verified requests);
-* tighten one step when the interval straddles the target and the mean lies
-  on the wrong side (``undecided_below``): from ``min_samples`` verified
-  requests on when the mean is off by more than its standard error (its
-  one-sigma interval is wholly on the wrong side), and on the mean alone once
-  ``DECIDE_AFTER`` times the minimum are in. Why the standard error early:
-  at the minimum, a scope whose truth sits just past the target often shows a
-  mean on the wrong side (0.004 past it with a standard error of 0.007: 28 %
-  of the time), and each such step climbs a rung the scope does not need and,
-  with the margin a relax asks for, keeps it there. Why on the mean at all: a
-  scope a few thousandths below the target needs hundreds of verified requests
-  before its interval excludes it ((1.96 sigma / gap)^2 with a per-request
-  spread of 0.02-0.05); a rule that waits for that serves the miss
-  indefinitely. The guard errs towards exact KV: it tightens on the mean, and
-  a relax needs the whole
-  interval on the right side with a margin and twice the evidence, so a scope
-  does not swing back and forth between two settings on noise;
+* tighten one step when the interval straddles the target and the mean falls
+  short of the **aim**: the target moved ``band`` of the allowed error towards
+  the ideal (``FidelityTarget.inner``; top1>=0.99 at the default 0.6: 0.996).
+  Reason ``undecided_below`` when the mean is below the target itself,
+  ``within_band`` when it is between the target and the aim. From
+  ``min_samples`` verified requests on when the mean is short by more than its
+  standard error (its one-sigma interval wholly short of the aim), and on the
+  mean alone once ``DECIDE_AFTER`` times the minimum are in. Why the standard
+  error early: at the minimum a scope whose truth meets the aim often shows a
+  mean short of it by chance, and each such step climbs a rung the scope does
+  not need and, with the margin a relax asks for, keeps it there. Why on the
+  mean at all: a scope a few thousandths below the target needs hundreds of
+  verified requests before its interval excludes it ((1.96 sigma / gap)^2 with
+  a per-request spread of 0.02-0.05); a rule that waits for that serves the
+  miss indefinitely. Why an aim inside the target: a scope kept where its mean
+  over a few dozen answers sits just past the bound has a truth on either side
+  about equally often, and the requests it serves next miss the target as
+  often as not; the band is that margin. The guard errs towards exact KV: a
+  relax needs the whole interval on the right side with a margin and twice the
+  evidence, so a scope does not swing back and forth between two settings on
+  noise;
 * relax one step when the interval lies wholly on the right side by a margin
   (``met_with_margin``) and at least twice the minimum samples back it;
 * otherwise stay. Every change starts the scope's estimates afresh (they
@@ -63,7 +68,7 @@ from typing import Hashable, Optional
 
 from sglang_kvshare.guard.estimate import RunningEstimate
 from sglang_kvshare.guard.measure import RequestFidelity
-from sglang_kvshare.guard.target import FidelityTarget
+from sglang_kvshare.guard.target import DEFAULT_BAND, FidelityTarget
 
 DENSE = -1  # the setting "no reuse": every segment prefilled
 # Per-request spreads assumed before evidence (estimate.py): of the order the frontier measured between
@@ -99,10 +104,11 @@ def rule() -> dict:
     """The controller's rule and constants, for a benchmark to record beside what it measured."""
     return {"tighten": f"as many steps as the miss asks for (each step leaves {RUNG_ERROR_FACTOR:g} of the error), "
                        "up to the longest head (dense only from it, or on a severe miss); while the interval "
-                       "straddles the target, one step when the mean is below it by more than its standard error "
-                       f"from min_samples, or below it at all from {DECIDE_AFTER} x min_samples",
+                       "straddles the target, one step when the mean is short of the aim (the target moved the band "
+                       "towards the ideal) by more than its standard error from min_samples, or short of it at all "
+                       f"from {DECIDE_AFTER} x min_samples",
             "relax": "one step, the whole interval past the target by the margin, 2 x min_samples",
-            "rung_error_factor": RUNG_ERROR_FACTOR, "burst_up_to_x_min_samples": DECIDE_AFTER}
+            "rung_error_factor": RUNG_ERROR_FACTOR, "burst_up_to_x_min_samples": DECIDE_AFTER, "band": DEFAULT_BAND}
 
 
 def setting_name(head: int) -> str:
@@ -116,7 +122,7 @@ class Action:
     scope: Hashable
     before: int
     after: int
-    reason: str  # target_missed | undecided_below | met_with_margin | pinned | unpinned
+    reason: str  # target_missed | undecided_below | within_band | met_with_margin | pinned | unpinned
 
 
 @dataclass
@@ -139,16 +145,29 @@ class Controller:
     """Per-scope estimates and settings; not thread-safe (one owner: the guard's worker)."""
 
     def __init__(self, target: Optional[FidelityTarget], settings: tuple[int, ...], *, min_samples: int = 20,
-                 margin: float = 0.5, max_scopes: int = 256) -> None:
+                 margin: float = 0.5, max_scopes: int = 256, band: float = DEFAULT_BAND) -> None:
         if min_samples < 2:
             raise ValueError(f"min_samples must be >= 2 (an interval needs two samples), got {min_samples}")
         self.target = target
         self.settings = settings
         self.min_samples = min_samples
         self.margin = margin
+        self.band = band
         self.max_scopes = max_scopes
         self._scopes: OrderedDict[Hashable, ScopeState] = OrderedDict()
         self.counters: dict[str, int] = defaultdict(int)
+
+    @property
+    def band(self) -> float:
+        """The share of the allowed error an undecided scope's mean must keep in hand (``aim``)."""
+        return self._band
+
+    @band.setter
+    def band(self, band: float) -> None:
+        if not 0.0 <= band < 1.0:
+            raise ValueError(f"band must lie in [0, 1), got {band}")
+        self._band = band
+        self.aim = None if self.target is None else self.target.inner(band)
 
     # ------------------------------------------------------------ reads
     def setting(self, scope: Hashable) -> int:
@@ -160,6 +179,7 @@ class Controller:
 
     def snapshot(self) -> dict:
         return {"target": None if self.target is None else str(self.target), "min_samples": self.min_samples,
+                "band": self.band, "aim": None if self.aim is None else str(self.aim),
                 "scopes": len(self._scopes), "max_scopes": self.max_scopes, "actions": dict(self.counters)}
 
     def scopes(self) -> dict[Hashable, dict]:
@@ -235,10 +255,12 @@ class Controller:
             else:  # the error model sizes steps between heads; dense is taken on evidence at the longest head
                 step = min(steps_for(self.target.error_ratio(interval)), max(1, last - 1 - state.level))
             return self._move(scope, state, step, "target_missed")
-        if (state.level < last and self.target.straddles(interval)
-                and self.target.missed((estimate.mean, estimate.mean))
-                and (estimate.n >= self.decide_after or self.target.missed(estimate.interval(z=1.0)))):
-            return self._move(scope, state, 1, "undecided_below")
+        if state.level < last and self.target.straddles(interval):
+            # Undecided: judged against the aim (the target with the band kept in hand), on the mean.
+            if self.aim.missed(estimate.interval(z=1.0)) or (
+                    estimate.n >= self.decide_after and self.aim.missed((estimate.mean, estimate.mean))):
+                below = self.target.missed((estimate.mean, estimate.mean))
+                return self._move(scope, state, 1, "undecided_below" if below else "within_band")
         if (state.level > 0 and state.top1.n >= 2 * self.min_samples
                 and self.target.met_with_margin(interval, self.margin)):
             return self._move(scope, state, -1, "met_with_margin")

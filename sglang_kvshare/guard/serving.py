@@ -162,14 +162,15 @@ class Guard:
     # ------------------------------------------------------------ configuration
     def _refresh(self, config: KVShareConfig) -> Controller:
         """The controller for the settings in force: a change of head or target starts every scope afresh
-        (its estimates measured other settings); a change of the minimum samples applies as it is."""
+        (its estimates measured other settings); a change of the minimum samples or the band applies as it is."""
         key = (config.recompute_head, config.fidelity_target)
         if self.controller is None or key != self._built_for:
             target = FidelityTarget.parse(config.fidelity_target) if config.fidelity_target else None
             self.controller = Controller(target, ladder(config.recompute_head),
-                                         min_samples=config.fidelity_min_samples)
+                                         min_samples=config.fidelity_min_samples, band=config.fidelity_band)
             self._built_for = key
         self.controller.min_samples = config.fidelity_min_samples
+        self.controller.band = config.fidelity_band
         return self.controller
 
     def _scope(self, obj: Any, agent: str) -> tuple[Hashable, str]:

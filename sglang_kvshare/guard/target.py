@@ -12,6 +12,11 @@ from typing import Literal
 
 Metric = Literal["top1", "kl"]
 _FORMS = {"top1": ">=", "kl": "<="}
+# The share of the allowed error a scope left undecided must keep in hand (``FidelityTarget.inner``): its mean is held
+# to the target moved this far towards the ideal (top1>=0.99: 0.996). Why: a scope is judged on a few dozen verified
+# answers, and one whose mean sits just past the bound serves the next requests below it about as often as above.
+# Chosen offline (benchmarks.guard_sim) on development runs of the three frontier workloads, not on scored samples.
+DEFAULT_BAND = 0.6
 _SYNTAX = re.compile(r"^\s*(top1|kl)\s*(>=|<=)\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*$")
 
 
@@ -44,6 +49,14 @@ class FidelityTarget:
         """The whole 95 % interval ``(low, high)`` is on the wrong side: the scope misses the target."""
         low, high = interval
         return high < self.bound if self.metric == "top1" else low > self.bound
+
+    def inner(self, band: float) -> "FidelityTarget":
+        """The target moved ``band`` of the allowed error towards the ideal (top1>=0.99 at 0.5: top1>=0.995;
+        kl<=0.01 at 0.5: kl<=0.005): the mean a controller steers to, so that what it serves next meets the
+        target itself, not only the sample it judged."""
+        if self.metric == "top1":
+            return FidelityTarget("top1", self.bound + band * (1.0 - self.bound))
+        return FidelityTarget("kl", self.bound * (1.0 - band))
 
     def straddles(self, interval: tuple[float, float]) -> bool:
         """The interval holds the bound: neither missed nor met, the evidence decides nothing yet."""

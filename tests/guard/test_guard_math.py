@@ -120,7 +120,7 @@ def test_the_error_ratio_reads_the_favourable_end():
 
 
 def test_a_scope_relaxes_only_with_margin_and_twice_the_evidence():
-    ctl = Controller(FidelityTarget.parse("top1>=0.99"), ladder(0), min_samples=10)
+    ctl = Controller(FidelityTarget.parse("top1>=0.99"), ladder(0), min_samples=10, band=0.0)
     _cycle(ctl, "s", [0.98], 10)
     assert ctl.setting("s") == 8
     assert _feed(ctl, "s", 0.993, 60, seed=1, sd=0.001) == []  # met, but not by the margin: it stays
@@ -138,7 +138,7 @@ def _cycle(ctl, scope, values, n):
 
 
 def test_an_undecided_scope_below_the_target_tightens_early_when_clearly_below_and_on_its_mean_later():
-    ctl = Controller(FidelityTarget.parse("top1>=0.99"), ladder(0), min_samples=6)  # decide_after 18
+    ctl = Controller(FidelityTarget.parse("top1>=0.99"), ladder(0), min_samples=6, band=0.0)  # decide_after 18
     # Mean 0.975, interval [0.958, 0.992]: straddling, but one standard error still below: at the minimum.
     assert _cycle(ctl, "clear", [0.96, 0.99], 5) == []  # fewer than min_samples: nothing moves
     assert ctl.wants_evidence("clear", 0)
@@ -147,11 +147,11 @@ def test_an_undecided_scope_below_the_target_tightens_early_when_clearly_below_a
     assert ctl.counters["undecided_below"] == 1
     # Mean 0.985, within a standard error of the bound at the minimum: it waits for more evidence, and tightens
     # once the mean stays below by more than the (shrinking) standard error, or at decide_after whatever.
-    near = Controller(FidelityTarget.parse("top1>=0.99"), ladder(0), min_samples=6)
+    near = Controller(FidelityTarget.parse("top1>=0.99"), ladder(0), min_samples=6, band=0.0)
     assert _cycle(near, "near", [1.0, 0.97], 6) == [] and near.wants_evidence("near", 0)
     actions = _cycle(near, "near", [1.0, 0.97], 12)
     assert [(a.after, a.reason) for a in actions] == [(8, "undecided_below")]
-    late = Controller(FidelityTarget.parse("top1>=0.99"), ladder(0), min_samples=6)
+    late = Controller(FidelityTarget.parse("top1>=0.99"), ladder(0), min_samples=6, band=0.0)
     assert _cycle(late, "late", [1.0] * 7 + [0.9] + [1.0] * 3 + [0.98] * 6, 17) == []  # mean 0.9894 at 17
     actions = _cycle(late, "late", [0.98], 1)  # the 18th: decide_after, the mean below: tighten on it
     assert [(a.after, a.reason) for a in actions] == [(8, "undecided_below")]
@@ -160,7 +160,7 @@ def test_an_undecided_scope_below_the_target_tightens_early_when_clearly_below_a
 
 
 def test_a_decided_scope_leaves_the_burst_at_min_samples():
-    ctl = Controller(FidelityTarget.parse("top1>=0.9"), ladder(0), min_samples=4)
+    ctl = Controller(FidelityTarget.parse("top1>=0.9"), ladder(0), min_samples=4, band=0.0)
     _cycle(ctl, "clear", [0.999, 1.0], 4)  # the whole interval above 0.9
     assert not ctl.wants_evidence("clear", 0)
     _cycle(ctl, "unclear", [0.8, 1.0], 4)
@@ -263,3 +263,27 @@ def test_the_controller_passes_the_answer_length_as_the_step():
         ctl.observe("long", 0, RequestFidelity(64, 1.0, 0.0))
     short, long = (ctl._state(s).top1.interval()[0] for s in ("short", "long"))
     assert short < long
+
+
+
+def test_the_band_steers_an_undecided_scope_to_a_mean_inside_the_target():
+    # Mean 0.993 at decide_after (18): above the bound, but not by half the allowed error (the aim 0.995).
+    values = [1.0, 0.986]
+    on_bound = Controller(FidelityTarget.parse("top1>=0.99"), ladder(0), min_samples=6, band=0.0)
+    assert _cycle(on_bound, "s", values, 40) == [] and on_bound.setting("s") == 0  # the mean meets it: stays
+    banded = Controller(FidelityTarget.parse("top1>=0.99"), ladder(0), min_samples=6, band=0.5)
+    assert banded.aim == FidelityTarget("top1", pytest.approx(0.995))
+    assert _cycle(banded, "s", values, 17) == []  # before decide_after only a clear shortfall moves it
+    actions = _cycle(banded, "s", values, 1)
+    assert [(a.after, a.reason) for a in actions] == [(8, "within_band")]
+    assert banded.counters["within_band"] == 1
+    # The aim reached: it stays; and an interval wholly above the bound is met, whatever the aim.
+    assert _cycle(banded, "good", [1.0, 0.992], 60) == [] and banded.setting("good") == 0
+    with pytest.raises(ValueError, match="band"):
+        Controller(FidelityTarget.parse("top1>=0.99"), ladder(0), band=1.0)
+
+
+def test_the_inner_target_keeps_a_share_of_the_allowed_error():
+    assert FidelityTarget.parse("top1>=0.99").inner(0.6).bound == pytest.approx(0.996)
+    assert FidelityTarget.parse("kl<=0.01").inner(0.5).bound == pytest.approx(0.005)
+    assert FidelityTarget.parse("top1>=0.99").inner(0.0) == FidelityTarget.parse("top1>=0.99")

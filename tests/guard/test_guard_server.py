@@ -176,12 +176,13 @@ def test_a_request_that_opts_out_is_served_under_its_scopes_setting_but_never_sa
 
 @pytest.mark.parametrize("change, fix", [({"verify_rate": 1.5}, "verify_rate"),
                                          ({"fidelity_target": "top1>0.99"}, "top1>="),
-                                         ({"fidelity_min_samples": 1}, "fidelity_min_samples")])
+                                         ({"fidelity_min_samples": 1}, "fidelity_min_samples"),
+                                         ({"fidelity_band": 1.0}, "fidelity_band")])
 def test_bad_guard_settings_are_refused_and_change_nothing(server_pool, change, fix):
     server = shared_server(server_pool)
     before = requests.get(server.url + "/kvshare/fidelity", timeout=60, headers=ADMIN_HEADERS).json()
     r = requests.post(server.url + "/kvshare/config", json=change, timeout=60, headers=ADMIN_HEADERS)
     assert r.status_code == 422 and fix in r.text, r.text
     after = requests.get(server.url + "/kvshare/fidelity", timeout=60, headers=ADMIN_HEADERS).json()
-    assert (after["verify_rate"], after["target"], after["min_samples"]) == \
-        (before["verify_rate"], before["target"], before["min_samples"])
+    assert (after["verify_rate"], after["target"], after["min_samples"], after["band"]) == \
+        (before["verify_rate"], before["target"], before["min_samples"], before["band"])

@@ -43,6 +43,7 @@ def test_bad_kvshare_value_is_a_clear_cli_error():
 @pytest.mark.parametrize("flag, value, says", [("--kvshare-verify-rate", "1.5", "verify_rate"),
                                                ("--kvshare-fidelity-target", "top1>0.99", "top1>="),
                                                ("--kvshare-fidelity-min-samples", "1", "fidelity_min_samples"),
+                                               ("--kvshare-fidelity-band", "1", "fidelity_band"),
                                                ("--kvshare-verify-top-k", "50", "verify_top_k")])
 def test_bad_guard_flags_are_clear_cli_errors(capsys, flag, value, says):
     with pytest.raises(SystemExit):
