@@ -31,7 +31,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from sglang_kvshare.guard.controller import DENSE, Controller, ladder
 from sglang_kvshare.guard.measure import RequestFidelity
-from sglang_kvshare.guard.target import FidelityTarget
+from sglang_kvshare.guard.target import DEFAULT_BAND, FidelityTarget
 
 Answer = tuple[float, float, int]  # top-1, KL, positions
 
@@ -160,22 +160,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help="default: the guard run's chosen min_samples per task, else 20")
     ap.add_argument("--warmup", type=int, default=None, help="default: the guard run's controlled warm-up, else 40")
     ap.add_argument("--scored", type=int, default=None, help="default: the run's scored samples per task")
+    ap.add_argument("--band", type=float, nargs="+", default=[DEFAULT_BAND],
+                    help="the controller's --kvshare-fidelity-band; several values: one replay each, keyed by band")
     ap.add_argument("--replicates", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     run = json.loads(Path(args.run).read_text())
     tasks = run["tasks"] if "tasks" in run else {run.get("task", "task"): run}
-    out = {}
+    out: dict = {}
     for name, task in tasks.items():
         try:
-            out[name] = simulate(
+            out[name] = {f"band={band:g}": simulate(
                 task, args.target or run.get("target") or "top1>=0.99",
                 rate=args.rate if args.rate is not None else run.get("verify_rate", 0.1),
                 min_samples=args.min_samples or (task.get("min_samples") or {}).get("chosen") or 20,
                 warmup=(args.warmup if args.warmup is not None
                         else (task.get("sizes") or {}).get("controlled_warmup", 40)),
                 scored=args.scored or task.get("samples") or 10, concurrency=run.get("concurrency", 4),
-                replicates=args.replicates, seed=args.seed)
+                replicates=args.replicates, seed=args.seed,
+                controller=lambda t, m, band=band: Controller(t, ladder(0), min_samples=m, band=band))
+                for band in args.band}
         except ValueError as exc:
             print(f"{name}: {exc}", file=sys.stderr)
             return 2

@@ -67,9 +67,11 @@ def test_the_command_reads_a_run_file_and_refuses_one_without_answers_per_agent(
             "min_samples": {"chosen": 5}}
     good = tmp_path / "guard.json"
     good.write_text(json.dumps({"target": "top1>=0.99", "verify_rate": 0.1, "tasks": {"gsm8k": task}}))
-    assert gs.main([str(good), "--replicates", "3"]) == 0
+    assert gs.main([str(good), "--replicates", "3", "--band", "0", "0.6"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["gsm8k"]["replicates"] == 3 and set(out["gsm8k"]["best_k"]) <= {"32", "64"}
+    assert sorted(out["gsm8k"]) == ["band=0", "band=0.6"]
+    for replay in out["gsm8k"].values():
+        assert replay["replicates"] == 3 and set(replay["best_k"]) <= {"32", "64"}
     old = tmp_path / "old.json"
     old.write_text(json.dumps({"task": "gsm8k", "arms": {"fullshared_k0": {"teacher_forced_top1": 0.98}}}))
     assert gs.main([str(old)]) == 2
