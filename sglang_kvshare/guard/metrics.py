@@ -40,7 +40,8 @@ class GuardMetrics:
         self.events = Counter(PREFIX + "events", "Guard events: sampled, verified, probes, dropped_queue_full, "
                               "verify_errors, ...", labelnames=("event",), registry=registry)
         self.actions = Counter(PREFIX + "actions", "Setting changes by reason (target_missed, undecided_below, "
-                               "within_band, met_with_margin, pinned, unpinned).", labelnames=("reason",), registry=registry)
+                               "within_band, met_with_margin, pinned, unpinned).", labelnames=("reason",),
+                               registry=registry)
         self._labelled: set[str] = set()
         self._counted: dict[str, int] = {}
         self._actions: dict[str, int] = {}
