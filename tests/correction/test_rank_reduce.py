@@ -65,7 +65,11 @@ def _drifted(rank: int, reducer) -> dict:
     return {"reason": res.reason, "pool": est.pool_size("doc")}
 
 
-def _rank_main(rank: int, port: int, low_rank, results, job: str = "decide") -> None:
+# What each rank runs, in this order, in one process group: the drifted pools last (the ranks give up on them).
+JOBS = (("decide", None), ("decide", 4), ("drifted", None))
+
+
+def _rank_main(rank: int, port: int, results) -> None:
     import torch.distributed as dist
 
     from sglang_kvshare.correction import GroupReducer
@@ -74,7 +78,10 @@ def _rank_main(rank: int, port: int, low_rank, results, job: str = "decide") -> 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         reducer = GroupReducer(lambda: dist.group.WORLD, 2)
-        results.put((rank, _drifted(rank, reducer) if job == "drifted" else _decide(rank, reducer, low_rank)))
+        out = {}
+        for job, low_rank in JOBS:
+            out[(job, low_rank)] = _drifted(rank, reducer) if job == "drifted" else _decide(rank, reducer, low_rank)
+        results.put((rank, out))
     finally:
         dist.destroy_process_group()
 
@@ -85,23 +92,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _two_ranks(low_rank, job: str = "decide") -> dict[int, dict]:
+@pytest.fixture(scope="module")
+def two_ranks() -> dict[tuple, dict[int, dict]]:
+    """Every job's result per rank: ``{(job, low_rank): {rank: result}}``.
+
+    Two processes for the whole module, not per test: a spawned rank spends most of its time importing torch.
+    """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, low_rank, results, job)) for r in range(2)]
+    procs = [ctx.Process(target=_rank_main, args=(r, port, results)) for r in range(2)]
     for p in procs:
         p.start()
     try:
-        return dict(results.get(timeout=120) for _ in procs)
+        by_rank = dict(results.get(timeout=180) for _ in procs)
     finally:
         for p in procs:
             p.join(timeout=30)
+    return {job: {rank: by_rank[rank][job] for rank in by_rank} for job in JOBS}
 
 
 @pytest.mark.parametrize("low_rank", [None, 4])
-def test_two_ranks_take_one_decision(low_rank):
-    ranks = _two_ranks(low_rank)
+def test_two_ranks_take_one_decision(two_ranks, low_rank):
+    ranks = two_ranks[("decide", low_rank)]
     assert ranks[0]["accepted"] == ranks[1]["accepted"]
     assert ranks[0]["entropy"] == ranks[1]["entropy"] and ranks[0]["weights"] == ranks[1]["weights"]
     assert ranks[0]["activations"] == ranks[1]["activations"]
@@ -123,6 +136,6 @@ def test_without_the_reduce_the_ranks_would_decide_apart():
     assert alone[0]["activations"] != alone[1]["activations"], alone
 
 
-def test_ranks_whose_pools_drifted_apart_all_start_afresh_instead_of_hanging():
-    ranks = _two_ranks(None, job="drifted")
+def test_ranks_whose_pools_drifted_apart_all_start_afresh_instead_of_hanging(two_ranks):
+    ranks = two_ranks[("drifted", None)]
     assert ranks[0] == ranks[1] == {"reason": "ranks_disagree", "pool": 0}
