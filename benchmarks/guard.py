@@ -2,7 +2,7 @@
 scope, and what does it cost?
 
     python -m benchmarks.guard --quick                 # retrieval only, small sizes: under 10 minutes here
-    python -m benchmarks.guard --seed 12 --offset 210 --task-offset humaneval=20  # all three tasks: 2-4 hours here
+    python -m benchmarks.guard --seed 13 --offset 700 --task-offset humaneval=110  # all three tasks: 2-4 hours here
 
 A run stopped part way keeps the tasks it finished; the same command with ``--task`` for each missing one, then
 ``--merge`` on the parts' files, gives the whole run's ``guard.json`` (``benchmarks.guard_merge``).

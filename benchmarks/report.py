@@ -722,7 +722,7 @@ REGISTRY: list[Benchmark] = [
         "give the same tokens.",
         render_soak),
     Benchmark(
-        "guard", "guard.json", "python -m benchmarks.guard --seed 12 --offset 210 --task-offset humaneval=20",
+        "guard", "guard.json", "python -m benchmarks.guard --seed 13 --offset 700 --task-offset humaneval=110",
         "Does the fidelity guard's estimate hold the truth, does it keep a target at more reuse than one global "
         "recomputed head, does it catch a bad scope, and what does it cost?",
         "Calibration: every request served approximated KV is replayed densely by the benchmark; each agent's mean "
