@@ -97,6 +97,7 @@ class KVShareConfig:
     fidelity_band: float = _option(DEFAULT_BAND, GROUP_ADVANCED, "Share of the allowed error the guard keeps in hand for a scope whose interval still holds the target's bound: it tightens such a scope until its mean clears the target moved this far towards the ideal (top1>=0.99 at 0.6: a mean of 0.996), so that what it serves next meets the target, not only the few answers it judged. 0 = hold the mean to the bound itself (more reuse, the target missed about half the time at the bound); below 1.")
     pool_file: Optional[str] = _option(None, GROUP_ADVANCED, "kvcmas: a file the anchor pools are loaded from at launch and saved to by POST /kvshare/save, so a restarted server corrects from its first requests instead of learning every edge again (docs/OPERATIONS.md). The file names the model it was learned on (architecture, RoPE, a digest of the weight files), its format version and rank; a file that does not match this server is a launch error, a missing one starts with empty pools. With --tp-size or --dp-size above 1 each scheduler uses PATH.dp<d>.tp<t>. It holds low-rank factors of the prompts' KV: keep it as private as the prompts. None = pools live in memory only.")
     pool_save_interval_s: float = _option(0.0, GROUP_ADVANCED, "With --kvshare-pool-file: also save the pools while the scheduler is idle, at most once per this many seconds and only when they changed since the last save, so an unplanned restart loses at most that much learning (a save holds the scheduler while the file is written). Not at --tp-size above 1, where every rank must write at the same point: save with POST /kvshare/save there. 0 = only POST /kvshare/save.")
+    fidelity_file: Optional[str] = _option(None, GROUP_ADVANCED, "A file the fidelity guard keeps each scope's setting and pin in: read at launch, rewritten on every change, so a restarted server serves each agent under the setting the guard had reached and keeps the operator's pins (docs/FIDELITY.md). Scopes are stored by agent name and a keyed digest of their namespace, never the cache salt; keep it as private as the prompts. Settings learned under another target or --kvshare-recompute-head are dropped, pins kept. A file that is not a guard file is a launch error; a missing one starts empty. None = in memory only.")
     fault_perturb_slot: Optional[str] = _option(None, GROUP_ADVANCED, "Test only: add noise to the KV assembled for this slot, so a test can show the guard catching a bad scope. Never set it on a server users reach.")
 
     def __post_init__(self) -> None:
@@ -114,6 +115,8 @@ class KVShareConfig:
             raise ValueError("verify_queue_max must be >= 1 and fidelity_min_samples >= 2")
         if self.pool_file is not None and not str(self.pool_file).strip():
             raise ValueError("pool_file must be a file path (or unset)")
+        if self.fidelity_file is not None and not str(self.fidelity_file).strip():
+            raise ValueError("fidelity_file must be a file path (or unset)")
         if self.pool_save_interval_s < 0:
             raise ValueError(f"pool_save_interval_s must be >= 0 (0 = save only on POST /kvshare/save), "
                              f"got {self.pool_save_interval_s}")

@@ -273,6 +273,27 @@ class Controller:
         self.counters[reason] += 1
         return Action(scope, before, self.settings[state.level], reason)
 
+    def known(self, scope: Hashable) -> bool:
+        return scope in self._scopes
+
+    def learned(self, scope: Hashable) -> int:
+        """The setting the evidence put the scope under, whatever its pin."""
+        state = self._scopes.get(scope)
+        return self.settings[0] if state is None else self.settings[state.level]
+
+    def pinned(self, scope: Hashable) -> Optional[int]:
+        state = self._scopes.get(scope)
+        return None if state is None else state.pinned
+
+    def restore(self, scope: Hashable, head: int, pinned: Optional[int]) -> None:
+        """Start ``scope`` under ``head`` with ``pinned``, as a saved guard left it (``guard.saved``): no action,
+        no evidence. A head not on this ladder leaves the scope at the loosest setting (the pin still applies)."""
+        state = self._state(scope)
+        if head in self.settings:
+            state.level = self.settings.index(head)
+        state.pinned = pinned
+        state.reset_estimates()
+
     def pin(self, scope: Hashable, head: Optional[int]) -> Action:
         """Serve ``scope`` under ``head`` (``DENSE`` for no reuse) whatever its estimates say; None unpins."""
         if head is not None and head != DENSE and head < 0:

@@ -43,6 +43,7 @@ from typing import Any, Hashable, Optional
 from sglang_kvshare.config import KVShareConfig, live_config
 from sglang_kvshare.guard.controller import DENSE, Action, Controller, ladder, setting_name
 from sglang_kvshare.guard.measure import compare
+from sglang_kvshare.guard.saved import GuardFile, SavedScope
 from sglang_kvshare.guard.target import FidelityTarget
 from sglang_kvshare.protocol import CUSTOM_PARAMS_KEY, AnnotationError, parse_annotation
 
@@ -158,6 +159,12 @@ class Guard:
         # approximated lets it burst again.
         self._exact_scopes: OrderedDict[Hashable, None] = OrderedDict()
         self._metrics: Any = None  # GuardMetrics where SGLang runs with --enable-metrics; False where not
+        self._file: Optional[GuardFile] = None  # --kvshare-fidelity-file: settings and pins across restarts
+
+    def attach_file(self, path: Optional[str]) -> None:
+        """Keep the scopes' settings and pins in ``path`` (``guard.saved``); raises ``GuardFileError`` for a file
+        this server cannot use. Called once, at launch, in the HTTP process."""
+        self._file = None if not path else GuardFile.open(path)
 
     # ------------------------------------------------------------ configuration
     def _refresh(self, config: KVShareConfig) -> Controller:
@@ -169,6 +176,9 @@ class Guard:
             self.controller = Controller(target, ladder(config.recompute_head),
                                          min_samples=config.fidelity_min_samples, band=config.fidelity_band)
             self._built_for = key
+            if self._file is not None and not self._file.under(None if target is None else str(target),
+                                                               self.controller.settings):
+                self._write_file()  # the learned settings measured another target or ladder: only pins stay
         self.controller.min_samples = config.fidelity_min_samples
         self.controller.band = config.fidelity_band
         return self.controller
@@ -177,6 +187,10 @@ class Guard:
         namespace = (getattr(obj, "cache_salt", None), getattr(obj, "extra_key", None),
                      json.dumps(getattr(obj, "lora_path", None), default=str))
         scope = (namespace, agent)
+        if self._file is not None and self.controller is not None and not self.controller.known(scope):
+            saved = self._file.scopes.get((self._file.namespace_id(namespace), agent))
+            if saved is not None:
+                self.controller.restore(scope, saved.setting, saved.pinned)
         display = self._displays.get(scope)
         if display is None:
             if namespace == (None, None, "null"):
@@ -313,6 +327,7 @@ class Guard:
 
     def _record(self, action: Action) -> None:
         self.counters[f"action_{action.reason}"] += 1
+        self._save(action.scope)
         entry = {"scope": self._displays.get(action.scope, str(action.scope)), "from": setting_name(action.before),
                  "to": setting_name(action.after), "reason": action.reason, "at": round(time.time(), 3)}
         self.last_actions = (self.last_actions + [entry])[-32:]
@@ -336,6 +351,9 @@ class Guard:
         dropped (their samples measured the old state). The exporter keeps its series until the next update."""
         self.controller, self._built_for = None, None
         self.counters.clear()
+        if self._file is not None:
+            self._file.scopes.clear()
+            self._write_file()
         self.last_actions = []
         self._displays.clear()
         self._waiting.clear()
@@ -343,6 +361,30 @@ class Guard:
         if self._queue is not None:
             while not self._queue.empty():
                 self._queued_bytes -= self._queue.get_nowait().approx_bytes
+
+    def _save(self, scope: Hashable) -> None:
+        """Write ``scope``'s setting and pin to the guard file, if there is one. The loosest setting unpinned is
+        what a scope starts under anyway: not stored. A pinned scope keeps, beside its pin, the setting the guard
+        had reached, which it returns to when unpinned."""
+        if self._file is None or self.controller is None:
+            return
+        namespace, agent = scope
+        key = (self._file.namespace_id(namespace), agent)
+        learned, pinned = self.controller.learned(scope), self.controller.pinned(scope)
+        self._file.scopes.pop(key, None)
+        if pinned is not None or learned != self.controller.settings[0]:
+            self._file.scopes[key] = SavedScope(learned, pinned)
+            while len(self._file.scopes) > self.controller.max_scopes:
+                self._file.scopes.pop(next(iter(self._file.scopes)))
+        self._write_file()
+
+    def _write_file(self) -> None:
+        try:
+            self._file.write()
+            self.counters["file_writes"] += 1
+        except OSError:
+            logger.exception("sglang-kvshare: the guard file %s could not be written", self._file.path)
+            self.counters["file_write_errors"] += 1
 
     def summary(self) -> dict:
         """What ``/kvshare/stats`` shows of the guard."""
@@ -355,10 +397,12 @@ class Guard:
     def pin(self, display: str, setting: Optional[str]) -> dict:
         """Pin the scope shown as ``display`` to ``setting`` (``dense``, ``headK``) or unpin it (None).
 
-        Raises ``KeyError`` for an unknown scope, ``ValueError`` for a bad setting.
+        Any scope the guard has served since its launch or last reset can be pinned, verified or not (a judge is
+        pinned before its first verification). Raises ``KeyError`` for an unknown scope, ``ValueError`` for a bad
+        setting.
         """
         controller = self._refresh(live_config())
-        scope = next((s for s, d in self._displays.items() if d == display and s in controller.scopes()), None)
+        scope = next((s for s, d in self._displays.items() if d == display), None)  # any scope served so far
         if scope is None:
             raise KeyError(display)
         head = _parse_setting(setting)

@@ -38,6 +38,7 @@ def before_setup_http_server(*args: Any, **kwargs: Any) -> None:
         return None
     from sglang_kvshare.chat import hooks as chat_hooks
 
+    guard.attach_file(live_config().fidelity_file)
     app = _http_app()
     dp_size = int(getattr(server_args, "dp_size", 1) or 1)
     keyed = bool(getattr(server_args, "admin_api_key", None) or getattr(server_args, "api_key", None))

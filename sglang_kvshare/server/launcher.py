@@ -24,6 +24,7 @@ import sys  # noqa: E402
 from typing import Sequence  # noqa: E402
 
 from sglang_kvshare.config import BACKEND_NAME, GROUPS, MODES, RECOMPUTE_POLICIES, REUSE_SCOPES, KVShareConfig  # noqa: E402
+from sglang_kvshare.guard.saved import GuardFile  # noqa: E402
 
 KVSHARE_PREFIX = "--kvshare-"
 CHOICES: dict[str, tuple[str, ...]] = {"mode": MODES, "reuse_scope": REUSE_SCOPES,
@@ -197,8 +198,11 @@ def parse_kvshare(argv: Sequence[str]) -> tuple[KVShareConfig, list[str]]:
     ns = parser.parse_args(ours)
     values = {f.name: getattr(ns, "kvshare_" + f.name) for f in dataclasses.fields(KVShareConfig)}
     try:
-        return KVShareConfig(**values), theirs
-    except ValueError as exc:
+        config = KVShareConfig(**values)
+        if config.fidelity_file:  # a file the guard cannot use stops the launch here, before SGLang starts
+            GuardFile.open(config.fidelity_file)
+        return config, theirs
+    except ValueError as exc:  # GuardFileError included
         parser.error(str(exc))
         raise
 

@@ -1,6 +1,7 @@
 """Saved anchor pools in live servers: a kvcmas server learns an edge and saves its pools (on idle time, and
 on ``POST /kvshare/save``); a new server launched with the same ``--kvshare-pool-file`` corrects that edge on
-its first request of a content it has never seen, instead of aligning while it learns again."""
+its first request of a content it has never seen, instead of aligning while it learns again. The same restart
+keeps the fidelity guard's pin (``--kvshare-fidelity-file``): an agent pinned dense is served dense at once."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.server
 KVSHARE = ("--kvshare-mode", "kvcmas", "--kvshare-learn-async", "false", "--kvshare-edge-anchors", "2",
            "--kvshare-tau", "1.0", "--kvshare-verify-rate", "0", "--kvshare-admin-open", "true",
            "--kvshare-pool-save-interval-s", "1")
-A, B = "solver", "analyst"
+A, B, C = "solver", "analyst", "coder"
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +33,16 @@ def tokenizer(model_path):
 def _serve(model_path, pool_file):
     from devtools.server_process import ServerProcess
 
-    return ServerProcess(model_path=model_path, kvshare_args=KVSHARE + ("--kvshare-pool-file", str(pool_file)),
-                         extra_args=("--max-total-tokens", "4096"))
+    saved = ("--kvshare-pool-file", str(pool_file), "--kvshare-fidelity-file", str(pool_file.with_suffix(".json")))
+    return ServerProcess(model_path=model_path, kvshare_args=KVSHARE + saved, extra_args=("--max-total-tokens", "4096"))
+
+
+def _pin_c_dense(server, tokenizer, text: str) -> None:
+    """C reads ``text`` (the guard now knows its scope), then the operator pins C dense."""
+    ids, cp = agent_request(tokenizer, C, text)
+    server.generate(input_ids=ids, custom_params=cp, max_new_tokens=1)
+    pin = requests.post(server.url + "/kvshare/fidelity/pin", json={"scope": C, "setting": "dense"}, timeout=60)
+    assert pin.status_code == 200 and pin.json()["pinned"], pin.text
 
 
 def _read_by_a_then_b(server, tokenizer, text: str) -> dict:
@@ -61,6 +70,7 @@ def test_a_restarted_server_corrects_from_its_first_request(model_path, tokenize
         _warm(first, tokenizer)
         learning = [_read_by_a_then_b(first, tokenizer, context(400 + 2 * i, 2)) for i in range(3)]
         assert learning[0]["tokens_corrected"] == 0  # a cold edge: aligned or prefilled while it learns
+        _pin_c_dense(first, tokenizer, context(404, 2))  # before the saves: whatever C adds to the pools is saved
         deadline = time.monotonic() + 60
         while _counters(first).get("pool_file_autosaves", 0) < 1 and time.monotonic() < deadline:
             time.sleep(0.5)
@@ -80,4 +90,7 @@ def test_a_restarted_server_corrects_from_its_first_request(model_path, tokenize
         fresh = _read_by_a_then_b(second, tokenizer, context(460, 2))  # a content neither server saw
         assert fresh["tokens_corrected"] > 0, fresh
         assert fresh["segments"][1].get("gate_fallback") is None, fresh
+        ids, cp = agent_request(tokenizer, C, context(460, 2))  # C's first request on the new server: dense
+        c_report = report(second.generate(input_ids=ids, custom_params=cp, max_new_tokens=1))
+        assert c_report["guard"]["setting"] == "dense" and c_report["shared_tokens_reused"] == 0, c_report
 
