@@ -344,7 +344,8 @@ class Guard:
                 "settings": [setting_name(h) for h in controller.settings], **controller.snapshot(),
                 "queue": {"jobs": 0 if self._queue is None else self._queue.qsize(),
                           "max": config.verify_queue_max, "approx_bytes": self._queued_bytes},
-                "counters": dict(self.counters), "recent_actions": list(self.last_actions), "per_scope": scopes}
+                "counters": dict(self.counters), "recent_actions": list(self.last_actions), "per_scope": scopes,
+                "file": None if self._file is None else str(self._file.path)}
 
     def reset(self) -> None:
         """Forget every scope (estimates, settings, pins), the counters and the actions; queued jobs are

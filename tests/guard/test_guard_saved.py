@@ -57,6 +57,7 @@ def test_a_restarted_guard_serves_each_scope_where_the_last_one_left_it(tmp_path
     _, display = before._scope(_request(), "worker")
     before.pin(display, "head32")  # served, never verified: an operator can pin it all the same
     assert before.counters["file_writes"] >= 2 and "tenant-secret" not in path.read_text()
+    assert before.snapshot()["file"] == str(path) and Guard().snapshot()["file"] is None
 
     after = _guard(path)
     judge_again, _ = after._scope(_request("tenant-secret"), "judge")
