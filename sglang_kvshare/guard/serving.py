@@ -43,9 +43,9 @@ from typing import Any, Hashable, Optional
 from sglang_kvshare.config import KVShareConfig, live_config
 from sglang_kvshare.guard.controller import DENSE, Action, Controller, ladder, setting_name
 from sglang_kvshare.guard.measure import compare
-from sglang_kvshare.guard.saved import GuardFile, SavedScope
+from sglang_kvshare.guard.saved import DEFAULT_NAMESPACE, GuardFile, SavedScope
 from sglang_kvshare.guard.target import FidelityTarget
-from sglang_kvshare.protocol import CUSTOM_PARAMS_KEY, AnnotationError, parse_annotation
+from sglang_kvshare.protocol import CUSTOM_PARAMS_KEY, MAX_NAME_CHARS, AnnotationError, parse_annotation
 
 logger = logging.getLogger(__name__)
 
@@ -398,15 +398,19 @@ class Guard:
     def pin(self, display: str, setting: Optional[str]) -> dict:
         """Pin the scope shown as ``display`` to ``setting`` (``dense``, ``headK``) or unpin it (None).
 
-        Any scope the guard has served since its launch or last reset can be pinned, verified or not (a judge is
-        pinned before its first verification). Raises ``KeyError`` for an unknown scope, ``ValueError`` for a bad
-        setting.
+        Any scope the guard has served since its launch or last reset can be pinned, verified or not, and an agent
+        of the default namespace (no cache salt, extra key or LoRA) by its name before it is served at all: a
+        judge is pinned ``dense`` before its first request. Raises ``KeyError`` for a scope there is nothing to
+        unpin in, or of another namespace not served yet; ``ValueError`` for a bad setting.
         """
         controller = self._refresh(live_config())
+        head = _parse_setting(setting)
         scope = next((s for s, d in self._displays.items() if d == display), None)  # any scope served so far
         if scope is None:
-            raise KeyError(display)
-        head = _parse_setting(setting)
+            if head is None or "@" in display or len(display) > MAX_NAME_CHARS:
+                raise KeyError(display)  # nothing to unpin; another namespace is named only once served
+            scope = (DEFAULT_NAMESPACE, display)  # an agent of the default namespace, pinned before it is served
+            self._displays[scope] = display
         action = controller.pin(scope, head)
         self._record(action)
         self._export()

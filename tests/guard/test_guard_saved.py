@@ -139,11 +139,21 @@ def test_the_launcher_refuses_a_bad_guard_file_before_sglang_starts(tmp_path, ca
     assert config.fidelity_file == str(tmp_path / "new.json")
 
 
-def test_only_a_scope_the_guard_has_served_can_be_pinned(tmp_path):
+def test_an_agent_is_pinned_before_its_first_request_and_served_under_its_pin(tmp_path):
     g = _guard(tmp_path / "guard.json")
+    assert g.pin("judge", "dense")["setting"] == "dense"  # default namespace, never served
+    scope, display = g._scope(_request(), "judge")
+    assert display == "judge" and g.controller.setting(scope) == DENSE
+    salted, salted_display = g._scope(_request("tenant"), "judge")
+    assert g.controller.setting(salted) == 0  # another namespace: its own scope, not pinned
     with pytest.raises(KeyError):
-        g.pin("judge", "dense")
-    g._scope(_request(), "judge")
-    assert g.pin("judge", "dense")["setting"] == "dense"
+        g.pin("critic", None)  # nothing to unpin
+    with pytest.raises(KeyError):
+        g.pin("critic@0123abcd", "dense")  # another namespace is named only once served
+    assert g.pin(salted_display, "head16")["setting"] == "head16"
     with pytest.raises(ValueError, match="headK"):
-        g.pin("judge", "fast")
+        g.pin("critic", "fast")
+    assert "critic" not in g.snapshot()["per_scope"]  # a refused pin creates nothing
+    after = _guard(tmp_path / "guard.json")
+    again, _ = after._scope(_request(), "judge")
+    assert after.controller.setting(again) == DENSE  # and the pin was saved

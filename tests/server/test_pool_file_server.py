@@ -1,7 +1,8 @@
 """Saved anchor pools in live servers: a kvcmas server learns an edge and saves its pools (on idle time, and
 on ``POST /kvshare/save``); a new server launched with the same ``--kvshare-pool-file`` corrects that edge on
 its first request of a content it has never seen, instead of aligning while it learns again. The same restart
-keeps the fidelity guard's pin (``--kvshare-fidelity-file``): an agent pinned dense is served dense at once."""
+keeps the fidelity guard's pin (``--kvshare-fidelity-file``): an agent pinned dense before it was ever served is
+served dense from its first request on the new server."""
 
 from __future__ import annotations
 
@@ -37,10 +38,8 @@ def _serve(model_path, pool_file):
     return ServerProcess(model_path=model_path, kvshare_args=KVSHARE + saved, extra_args=("--max-total-tokens", "4096"))
 
 
-def _pin_c_dense(server, tokenizer, text: str) -> None:
-    """C reads ``text`` (the guard now knows its scope), then the operator pins C dense."""
-    ids, cp = agent_request(tokenizer, C, text)
-    server.generate(input_ids=ids, custom_params=cp, max_new_tokens=1)
+def _pin_c_dense(server) -> None:
+    """The operator pins C dense before C's first request (C is of the default namespace: no salt)."""
     pin = requests.post(server.url + "/kvshare/fidelity/pin", json={"scope": C, "setting": "dense"}, timeout=60)
     assert pin.status_code == 200 and pin.json()["pinned"], pin.text
 
@@ -70,7 +69,7 @@ def test_a_restarted_server_corrects_from_its_first_request(model_path, tokenize
         _warm(first, tokenizer)
         learning = [_read_by_a_then_b(first, tokenizer, context(400 + 2 * i, 2)) for i in range(3)]
         assert learning[0]["tokens_corrected"] == 0  # a cold edge: aligned or prefilled while it learns
-        _pin_c_dense(first, tokenizer, context(404, 2))  # before the saves: whatever C adds to the pools is saved
+        _pin_c_dense(first)
         deadline = time.monotonic() + 60
         while _counters(first).get("pool_file_autosaves", 0) < 1 and time.monotonic() < deadline:
             time.sleep(0.5)
