@@ -157,3 +157,14 @@ def test_an_agent_is_pinned_before_its_first_request_and_served_under_its_pin(tm
     after = _guard(tmp_path / "guard.json")
     again, _ = after._scope(_request(), "judge")
     assert after.controller.setting(again) == DENSE  # and the pin was saved
+
+
+def test_a_runtime_change_of_target_keeps_the_pins_of_a_guard_with_a_file(tmp_path):
+    g = _guard(tmp_path / "guard.json")
+    judge, _ = g._scope(_request(), "judge")
+    _break(g, judge)
+    g.pin("critic", "head32")
+    g._refresh(CONFIG.replace(fidelity_target="kl<=0.01"))  # what POST /kvshare/config does
+    judge_now, _ = g._scope(_request(), "judge")
+    critic_now, _ = g._scope(_request(), "critic")
+    assert g.controller.setting(judge_now) == 0 and g.controller.setting(critic_now) == 32
