@@ -802,15 +802,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             out["overhead"] = run_overhead(server, tok, args)
             out["overhead_ttft_ratio"] = out["overhead"]["ttft"]["verdict"]
             out["overhead_throughput_ratio"] = out["overhead"]["throughput"]["verdict"]
-        stats = server.stats()
-        out["guard_queue"] = {"peak_approx_bytes": server.peak["approx_bytes"], "peak_jobs": server.peak["jobs"],
-                              "limits": stats.get("limits"), "usage_at_end": stats.get("usage")}
+        out["guard_queue"] = queue_record(server)
     finally:
         server.stop()
     out["wall_s"] = round(time.monotonic() - t0, 1)
     out["complete"] = True
     save(out, out_dir)
     return 0
+
+
+def queue_record(server: GuardServer) -> dict:
+    """The guard queue's peak over the run and its limits and usage now (``guard_queue`` of the results)."""
+    stats = server.stats()
+    return {"peak_approx_bytes": server.peak["approx_bytes"], "peak_jobs": server.peak["jobs"],
+            "limits": stats.get("limits"), "usage_at_end": stats.get("usage")}
 
 
 def overhead_only(args: argparse.Namespace, command: str) -> int:
@@ -834,9 +839,7 @@ def overhead_only(args: argparse.Namespace, command: str) -> int:
     server = GuardServer(args.model_path).start()
     try:
         overhead = run_overhead(server, tok, args)
-        stats = server.stats()
-        queue = {"peak_approx_bytes": server.peak["approx_bytes"], "peak_jobs": server.peak["jobs"],
-                 "limits": stats.get("limits"), "usage_at_end": stats.get("usage")}
+        queue = queue_record(server)
     finally:
         server.stop()
     part = {"meta": meta, "command": command, "model": args.model, "overhead": overhead,

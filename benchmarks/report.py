@@ -363,14 +363,15 @@ def render_guard(d: dict) -> str:
         src, old = d.get("overhead_source"), d.get("overhead_replaced")
         if src:
             rev = str(src["meta"].get("git_revision") or "-")[:7]
-            parts += ["", f"The overhead was measured again, on its own, by `{src['command']}` (revision {rev}, "
-                          f"started {str(src['meta'].get('date', '-'))[:16].replace('T', ' ')} UTC; the serving "
-                          f"code is the tasks' run's, checked with `git diff`)"
-                      + ("." if not old else
-                         f"; the run's own overhead, which it replaced: "
-                         + "; ".join(f"{label} {num(old[key]['median'], '.3f')} {interval(old[key]['ci95'], '.3f')} "
-                                     f"({old[key]['n']} pairs, {old[key]['verdict']})"
-                                     for key, label in (("ttft", "TTFT"), ("throughput", "throughput"))) + ".")]
+            text = (f"The overhead was measured again, on its own, by `{src['command']}` (revision {rev}, started "
+                    f"{str(src['meta'].get('date', '-'))[:16].replace('T', ' ')} UTC; the serving code is the tasks' "
+                    f"run's, checked with `git diff`)")
+            if old:
+                replaced = [f"{label} {num(old[key]['median'], '.3f')} {interval(old[key]['ci95'], '.3f')} "
+                            f"({old[key]['n']} pairs, {old[key]['verdict']})"
+                            for key, label in (("ttft", "TTFT"), ("throughput", "throughput"))]
+                text += "; the run's own overhead, which it replaced: " + "; ".join(replaced)
+            parts += ["", text + "."]
     q = d.get("guard_queue")
     if q:
         limits = q.get("limits") or {}

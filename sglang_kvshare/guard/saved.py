@@ -87,9 +87,9 @@ class GuardFile:
                 pinned = row.get("pinned")
                 scopes[(str(row["namespace"]), str(row["agent"]))] = SavedScope(
                     _head(row["setting"], str(p)), None if pinned is None else _head(pinned, str(p)))
+        except GuardFileError:
+            raise
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            if isinstance(exc, GuardFileError):
-                raise
             raise GuardFileError(f"{p}: malformed guard file ({type(exc).__name__}: {exc})") from None
         if len(key) < 16:
             raise GuardFileError(f"{p}: its key is too short")
