@@ -54,9 +54,18 @@ probes (``probe_setting``), and those samples decide whether it relaxes.
 So a scope moves only on evidence (``min_samples`` verified requests at the
 least), never back and forth on noise (a relax needs more evidence and a
 margin). While its interval straddles the target the verify burst keeps
-sampling it, up to ``DECIDE_AFTER`` times the minimum. An operator may
-pin a scope to a setting. Bounded: at most ``max_scopes`` scopes, least
-recently verified dropped first.
+sampling it, up to ``DECIDE_AFTER`` times the minimum. Bounded: at most
+``max_scopes`` scopes, least recently verified dropped first.
+
+An operator may pin a scope to a setting. Pins live in a table of their own,
+outside the scopes' LRU order: a pinned scope is never verified (nothing it
+could decide), so in that order it would be the first dropped and the judge an
+operator pinned ``dense`` would be served approximations again after a few
+hundred other agents. Pins are never dropped; the table is bounded on its own
+(``max_pins``), and a pin past it is refused (``PinLimitError``). A scope may
+have a **parent** (``parent``: the guard makes an agent of a named workflow
+the child of the same agent outside any workflow): a scope without a pin of
+its own is served under its parent's pin.
 """
 
 from __future__ import annotations
@@ -64,7 +73,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
-from typing import Hashable, Optional
+from typing import Callable, Hashable, Optional
 
 from sglang_kvshare.guard.estimate import RunningEstimate
 from sglang_kvshare.guard.measure import RequestFidelity
@@ -83,6 +92,13 @@ DECIDE_AFTER = 3
 # HumanEval questions, SmolLM2-135M) teacher-forced disagreement fell from head 0 to 8, 16 and 32 by a factor of
 # 0.72-0.81 per step. Only the size of a tightening reads it; a step too short is made up at the next decision.
 RUNG_ERROR_FACTOR = 0.75
+# Pins an operator can hold at once: a handful per deployment of agents; bounded so that a loop of pin calls
+# cannot grow the table, and at most the scope table's default so a guard file keeps every pin (``guard.saved``).
+MAX_PINS = 128
+
+
+class PinLimitError(ValueError):
+    """A pin past ``max_pins``: the message says how many are held and how to free one."""
 
 
 def ladder(base_head: int, steps: tuple[int, ...] = (8, 16, 32, 64)) -> tuple[int, ...]:
@@ -130,7 +146,6 @@ class ScopeState:
     level: int = 0
     top1: RunningEstimate = field(default_factory=lambda: RunningEstimate(0.0, 1.0, TOP1_PRIOR_STD))
     kl: RunningEstimate = field(default_factory=lambda: RunningEstimate(0.0, float("inf"), KL_PRIOR_STD))
-    pinned: Optional[int] = None  # a head (or DENSE) an operator set
     samples: int = 0  # all verified requests of the scope, across settings
 
     def reset_estimates(self) -> None:
@@ -145,7 +160,8 @@ class Controller:
     """Per-scope estimates and settings; not thread-safe (one owner: the guard's worker)."""
 
     def __init__(self, target: Optional[FidelityTarget], settings: tuple[int, ...], *, min_samples: int = 20,
-                 margin: float = 0.5, max_scopes: int = 256, band: float = DEFAULT_BAND) -> None:
+                 margin: float = 0.5, max_scopes: int = 256, band: float = DEFAULT_BAND, max_pins: int = MAX_PINS,
+                 parent: Optional[Callable[[Hashable], Optional[Hashable]]] = None) -> None:
         if min_samples < 2:
             raise ValueError(f"min_samples must be >= 2 (an interval needs two samples), got {min_samples}")
         self.target = target
@@ -154,7 +170,10 @@ class Controller:
         self.margin = margin
         self.band = band
         self.max_scopes = max_scopes
+        self.max_pins = max_pins
+        self.parent = parent
         self._scopes: OrderedDict[Hashable, ScopeState] = OrderedDict()
+        self._pins: dict[Hashable, int] = {}  # a head (or DENSE) an operator set; never dropped
         self.counters: dict[str, int] = defaultdict(int)
 
     @property
@@ -170,24 +189,35 @@ class Controller:
         self.aim = None if self.target is None else self.target.inner(band)
 
     # ------------------------------------------------------------ reads
+    def in_force(self, scope: Hashable) -> Optional[int]:
+        """The pin the scope is served under: its own, else its parent's; None when neither is pinned."""
+        pin = self._pins.get(scope)
+        if pin is None and self.parent is not None:
+            parent = self.parent(scope)
+            if parent is not None:
+                pin = self._pins.get(parent)
+        return pin
+
     def setting(self, scope: Hashable) -> int:
         """The head (or ``DENSE``) the scope is served under now."""
-        state = self._scopes.get(scope)
-        if state is None:
-            return self.settings[0]
-        return state.pinned if state.pinned is not None else self.settings[state.level]
+        pin = self.in_force(scope)
+        return pin if pin is not None else self.learned(scope)
 
     def snapshot(self) -> dict:
         return {"target": None if self.target is None else str(self.target), "min_samples": self.min_samples,
                 "band": self.band, "aim": None if self.aim is None else str(self.aim),
-                "scopes": len(self._scopes), "max_scopes": self.max_scopes, "actions": dict(self.counters)}
+                "scopes": len(self._scopes), "max_scopes": self.max_scopes, "pins": len(self._pins),
+                "max_pins": self.max_pins, "actions": dict(self.counters)}
 
     def scopes(self) -> dict[Hashable, dict]:
-        out = {}
-        for scope, state in self._scopes.items():
-            out[scope] = {"setting": setting_name(self.setting(scope)), "pinned": state.pinned is not None,
-                          "samples": state.samples, "top1": state.top1.as_dict(), "kl": state.kl.as_dict()}
-        return out
+        """Every pinned scope without estimates, then every scope with estimates, least recently verified first."""
+        return {scope: self.view(scope) for scope in [*(s for s in self._pins if s not in self._scopes), *self._scopes]}
+
+    def view(self, scope: Hashable) -> dict:
+        """One scope's setting, pin, samples and estimates (a scope the controller does not hold: none yet)."""
+        state = self._scopes.get(scope) or ScopeState()
+        return {"setting": setting_name(self.setting(scope)), "pinned": self.in_force(scope) is not None,
+                "samples": state.samples, "top1": state.top1.as_dict(), "kl": state.kl.as_dict()}
 
     # ------------------------------------------------------------ writes
     def _state(self, scope: Hashable) -> ScopeState:
@@ -203,7 +233,8 @@ class Controller:
     def probe_setting(self, scope: Hashable) -> Optional[int]:
         """For a ``dense`` scope the controller moved there: the setting its probes are served under."""
         state = self._scopes.get(scope)
-        if state is None or state.pinned is not None or self.settings[state.level] != DENSE or state.level == 0:
+        if (state is None or self.in_force(scope) is not None or self.settings[state.level] != DENSE
+                or state.level == 0):
             return None
         return self.settings[state.level - 1]
 
@@ -222,10 +253,12 @@ class Controller:
         may be slow) nor without a target (measuring only: the samples stay a uniform draw)."""
         if self.target is None:
             return False
+        if self.in_force(scope) is not None:
+            return False
         state = self._scopes.get(scope)
         if state is None:
             return waiting < self.min_samples
-        if state.pinned is not None or self.settings[state.level] == DENSE:
+        if self.settings[state.level] == DENSE:
             return False
         drawn = state.top1.n + waiting
         if drawn < self.min_samples:
@@ -244,7 +277,7 @@ class Controller:
         state.top1.add(fidelity.top1, step=1.0 / max(fidelity.positions, 1))  # one flip: the least it moves
         state.kl.add(fidelity.kl)
         self.counters["samples"] += 1
-        if self.target is None or state.pinned is not None or state.top1.n < self.min_samples:
+        if self.target is None or self.in_force(scope) is not None or state.top1.n < self.min_samples:
             return None
         estimate = state.estimate(self.target.metric)
         interval = estimate.interval()
@@ -274,7 +307,7 @@ class Controller:
         return Action(scope, before, self.settings[state.level], reason)
 
     def known(self, scope: Hashable) -> bool:
-        return scope in self._scopes
+        return scope in self._scopes or scope in self._pins
 
     def learned(self, scope: Hashable) -> int:
         """The setting the evidence put the scope under, whatever its pin."""
@@ -282,26 +315,43 @@ class Controller:
         return self.settings[0] if state is None else self.settings[state.level]
 
     def pinned(self, scope: Hashable) -> Optional[int]:
-        state = self._scopes.get(scope)
-        return None if state is None else state.pinned
+        """The scope's own pin (not its parent's): what a guard file stores."""
+        return self._pins.get(scope)
+
+    def pins(self) -> tuple[Hashable, ...]:
+        return tuple(self._pins)
 
     def restore(self, scope: Hashable, head: int, pinned: Optional[int]) -> None:
         """Start ``scope`` under ``head`` with ``pinned``, as a saved guard left it (``guard.saved``): no action,
-        no evidence. A head not on this ladder leaves the scope at the loosest setting (the pin still applies)."""
-        state = self._state(scope)
-        if head in self.settings:
-            state.level = self.settings.index(head)
-        state.pinned = pinned
-        state.reset_estimates()
+        no evidence. A head not on this ladder leaves the scope at the loosest setting (the pin still applies);
+        a pin past ``max_pins`` is not restored (counted ``pins_not_restored``)."""
+        if head in self.settings and head != self.settings[0]:
+            self._state(scope).level = self.settings.index(head)
+        if pinned is not None:
+            try:
+                self._set_pin(scope, pinned)
+            except PinLimitError:
+                self.counters["pins_not_restored"] += 1
 
     def pin(self, scope: Hashable, head: Optional[int]) -> Action:
-        """Serve ``scope`` under ``head`` (``DENSE`` for no reuse) whatever its estimates say; None unpins."""
+        """Serve ``scope`` under ``head`` (``DENSE`` for no reuse) whatever its estimates say; None unpins.
+        Raises ``PinLimitError`` for a new pin past ``max_pins``."""
         if head is not None and head != DENSE and head < 0:
             raise ValueError(f"a pinned head must be >= 0 or dense, got {head}")
-        state = self._state(scope)
         before = self.setting(scope)
-        state.pinned = head
-        state.reset_estimates()
+        self._set_pin(scope, head)
+        state = self._scopes.get(scope)
+        if state is not None:
+            state.reset_estimates()
         reason = "pinned" if head is not None else "unpinned"
         self.counters[reason] += 1
         return Action(scope, before, self.setting(scope), reason)
+
+    def _set_pin(self, scope: Hashable, head: Optional[int]) -> None:
+        if head is None:
+            self._pins.pop(scope, None)
+            return
+        if scope not in self._pins and len(self._pins) >= self.max_pins:
+            raise PinLimitError(f"{len(self._pins)} scopes are pinned, the most the guard holds: unpin one "
+                                f"(setting null) or reset the guard before pinning another")
+        self._pins[scope] = head

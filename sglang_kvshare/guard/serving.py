@@ -150,7 +150,9 @@ class Guard:
         self.controller: Optional[Controller] = None
         self._queue: Optional[asyncio.Queue] = None
         self._worker: Optional[asyncio.Task] = None
-        self._displays: dict[Hashable, str] = {}
+        # Display name -> scope of the scopes served lately, so that any of them can be pinned by the name the admin
+        # view shows; never read to name a scope (``_display`` derives the name from the scope itself).
+        self._served: OrderedDict[str, Hashable] = OrderedDict()
         self.last_actions: list[dict] = []
         self._queued_bytes = 0
         self._waiting: dict[Hashable, int] = {}  # per scope: sampled requests not yet verified (in flight or queued)
@@ -173,8 +175,8 @@ class Guard:
         key = (config.recompute_head, config.fidelity_target)
         if self.controller is None or key != self._built_for:
             target = FidelityTarget.parse(config.fidelity_target) if config.fidelity_target else None
-            self.controller = Controller(target, ladder(config.recompute_head),
-                                         min_samples=config.fidelity_min_samples, band=config.fidelity_band)
+            self.controller = Controller(target, ladder(config.recompute_head), min_samples=config.fidelity_min_samples,
+                                         band=config.fidelity_band, parent=_outside_workflow)
             self._built_for = key
             if self._file is not None and not self._file.under(None if target is None else str(target),
                                                                self.controller.settings):
@@ -183,25 +185,36 @@ class Guard:
         self.controller.band = config.fidelity_band
         return self.controller
 
-    def _scope(self, obj: Any, agent: str) -> tuple[Hashable, str]:
-        namespace = (getattr(obj, "cache_salt", None), getattr(obj, "extra_key", None),
-                     json.dumps(getattr(obj, "lora_path", None), default=str))
+    def _scope(self, obj: Any, agent: str, workflow: Optional[str] = None) -> tuple[Hashable, str]:
+        """The request's guard scope and its display name. A scope is a reuse scope plus an agent: the namespace
+        (cache salt, extra key, LoRA) and, under ``--kvshare-reuse-scope workflow``, the workflow, since the
+        agents of two workflows are served KV from different requests. A namespace without a workflow is the
+        3-tuple a guard file digests (``guard.saved``), so files written before keep naming the same scopes."""
+        namespace: tuple = (getattr(obj, "cache_salt", None), getattr(obj, "extra_key", None),
+                            json.dumps(getattr(obj, "lora_path", None), default=str))
+        if workflow and live_config().reuse_scope == "workflow":
+            namespace += (workflow,)
         scope = (namespace, agent)
         if self._file is not None and self.controller is not None and not self.controller.known(scope):
             saved = self._file.scopes.get((self._file.namespace_id(namespace), agent))
             if saved is not None:
                 self.controller.restore(scope, saved.setting, saved.pinned)
-        display = self._displays.get(scope)
-        if display is None:
-            if namespace == (None, None, "null"):
-                display = agent
-            else:  # a keyed digest: the admin view tells namespaces apart without showing a salt
-                digest = hashlib.blake2b(repr(namespace).encode(), digest_size=4, key=self._key).hexdigest()
-                display = f"{agent}@{digest}"
-            self._displays[scope] = display
-            if len(self._displays) > 4 * (self.controller.max_scopes if self.controller else 256):
-                self._displays.clear()
+        display = self._display(scope)
+        self._served[display] = scope
+        self._served.move_to_end(display)
+        while len(self._served) > 4 * (self.controller.max_scopes if self.controller else 256):
+            self._served.popitem(last=False)
         return scope, display
+
+    def _display(self, scope: Hashable) -> str:
+        """How every output names ``scope``: its agent, and outside the default namespace a keyed digest of the
+        namespace (the admin view tells namespaces apart without showing a salt, extra key or workflow). Derived
+        from the scope alone, whatever the tables hold."""
+        namespace, agent = scope
+        if namespace == DEFAULT_NAMESPACE:
+            return agent
+        digest = hashlib.blake2b(repr(namespace).encode(), digest_size=4, key=self._key).hexdigest()
+        return f"{agent}@{digest}"
 
     # ------------------------------------------------------------ per request
     def prepare(self, obj: Any, manager: Any) -> Optional[Collector]:
@@ -221,7 +234,7 @@ class Guard:
         if ann is None:
             return None
         controller = self._refresh(config)
-        scope, display = self._scope(obj, ann.agent)
+        scope, display = self._scope(obj, ann.agent, ann.workflow)
         setting = controller.setting(scope)
         # A prefill-only request (``max_new_tokens=0``: a client committing an answer as a shared segment, a
         # warm-up) generates nothing to verify; sampled, it would also pass as exact and stop its scope's burst.
@@ -320,15 +333,15 @@ class Guard:
         if not self._metrics or self.controller is None:
             return
         controller = self.controller
-        per_scope = {self._displays.get(s, str(s)): v for s, v in controller.scopes().items()}
-        heads = {self._displays.get(s, str(s)): controller.setting(s) for s in controller.scopes()}
+        per_scope = controller.scopes()  # the exporter labels slots, never these keys
+        heads = {s: controller.setting(s) for s in per_scope}
         self._metrics.update(per_scope, heads, dict(self.counters), dict(controller.counters),
                              0 if self._queue is None else self._queue.qsize())
 
     def _record(self, action: Action) -> None:
         self.counters[f"action_{action.reason}"] += 1
         self._save(action.scope)
-        entry = {"scope": self._displays.get(action.scope, str(action.scope)), "from": setting_name(action.before),
+        entry = {"scope": self._display(action.scope), "from": setting_name(action.before),
                  "to": setting_name(action.after), "reason": action.reason, "at": round(time.time(), 3)}
         self.last_actions = (self.last_actions + [entry])[-32:]
         logger.info("sglang-kvshare: fidelity guard: %s %s -> %s (%s)", entry["scope"], entry["from"], entry["to"],
@@ -339,7 +352,8 @@ class Guard:
         """``GET /kvshare/fidelity``: settings, per-scope estimates with 95 % intervals, actions, queue."""
         config = live_config()
         controller = self._refresh(config)
-        scopes = {self._displays.get(s, str(s)): v for s, v in controller.scopes().items()}
+        slot = self._metrics.slot if self._metrics else lambda scope: None
+        scopes = {self._display(s): {**v, "slot": slot(s)} for s, v in controller.scopes().items()}
         return {"verify_rate": config.verify_rate, "target": config.fidelity_target,
                 "settings": [setting_name(h) for h in controller.settings], **controller.snapshot(),
                 "queue": {"jobs": 0 if self._queue is None else self._queue.qsize(),
@@ -356,7 +370,7 @@ class Guard:
             self._file.scopes.clear()
             self._write_file()
         self.last_actions = []
-        self._displays.clear()
+        self._served.clear()
         self._waiting.clear()
         self._exact_scopes.clear()
         if self._queue is not None:
@@ -375,8 +389,11 @@ class Guard:
         self._file.scopes.pop(key, None)
         if pinned is not None or learned != self.controller.settings[0]:
             self._file.scopes[key] = SavedScope(learned, pinned)
-            while len(self._file.scopes) > self.controller.max_scopes:
-                self._file.scopes.pop(next(iter(self._file.scopes)))
+            while len(self._file.scopes) > self.controller.max_scopes:  # the oldest learned setting; pins stay
+                oldest = next((k for k, v in self._file.scopes.items() if v.pinned is None), None)
+                if oldest is None:
+                    break
+                self._file.scopes.pop(oldest)
         self._write_file()
 
     def _write_file(self) -> None:
@@ -391,30 +408,38 @@ class Guard:
         """What ``/kvshare/stats`` shows of the guard."""
         snap = self.snapshot()
         out = {k: snap[k] for k in ("verify_rate", "target", "scopes", "actions", "queue", "counters")}
-        out["limits"] = {"queue_jobs": snap["queue"]["max"], "scopes": snap["max_scopes"]}
-        out["usage"] = {"queue_jobs": snap["queue"]["jobs"], "scopes": snap["scopes"]}
+        out["limits"] = {"queue_jobs": snap["queue"]["max"], "scopes": snap["max_scopes"], "pins": snap["max_pins"]}
+        out["usage"] = {"queue_jobs": snap["queue"]["jobs"], "scopes": snap["scopes"], "pins": snap["pins"]}
         return out
 
     def pin(self, display: str, setting: Optional[str]) -> dict:
         """Pin the scope shown as ``display`` to ``setting`` (``dense``, ``headK``) or unpin it (None).
 
-        Any scope the guard has served since its launch or last reset can be pinned, verified or not, and an agent
-        of the default namespace (no cache salt, extra key or LoRA) by its name before it is served at all: a
-        judge is pinned ``dense`` before its first request. Raises ``KeyError`` for a scope there is nothing to
-        unpin in, or of another namespace not served yet; ``ValueError`` for a bad setting.
+        Any scope the guard has served lately (or holds) can be pinned, verified or not, and an agent of the
+        default namespace (no cache salt, extra key or LoRA) by its name before it is served at all: a judge is
+        pinned ``dense`` before its first request. A pin on an agent outside any workflow also holds for that agent
+        in each workflow of its namespace that has no pin of its own (``Controller.parent``). Raises ``KeyError``
+        for a scope there is nothing to unpin in, or of another namespace not served yet; ``ValueError`` for a bad
+        setting, ``PinLimitError`` (a ``ValueError``) for a new pin past the guard's bound on pins.
         """
         controller = self._refresh(live_config())
         head = _parse_setting(setting)
-        scope = next((s for s, d in self._displays.items() if d == display), None)  # any scope served so far
+        scope = next((s for s in controller.scopes() if self._display(s) == display), self._served.get(display))
         if scope is None:
             if head is None or "@" in display or len(display) > MAX_NAME_CHARS:
                 raise KeyError(display)  # nothing to unpin; another namespace is named only once served
             scope = (DEFAULT_NAMESPACE, display)  # an agent of the default namespace, pinned before it is served
-            self._displays[scope] = display
         action = controller.pin(scope, head)
         self._record(action)
         self._export()
-        return controller.scopes()[scope]
+        return controller.view(scope)
+
+
+def _outside_workflow(scope: Hashable) -> Optional[Hashable]:
+    """The parent of an agent's scope in a workflow: the same agent of the same namespace outside any workflow,
+    whose pin it follows when it has none of its own."""
+    namespace, agent = scope
+    return (namespace[:3], agent) if len(namespace) > 3 else None
 
 
 def _metrics_if_enabled(manager: Any) -> Any:

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from sglang_kvshare.guard.controller import DENSE, Controller, ladder, steps_for
+from sglang_kvshare.guard.controller import DENSE, Controller, PinLimitError, ladder, steps_for
 from sglang_kvshare.guard.estimate import Z95, RunningEstimate
 from sglang_kvshare.guard.measure import RequestFidelity, compare
 from sglang_kvshare.guard.target import FidelityTarget
@@ -287,3 +287,30 @@ def test_the_inner_target_keeps_a_share_of_the_allowed_error():
     assert FidelityTarget.parse("top1>=0.99").inner(0.6).bound == pytest.approx(0.996)
     assert FidelityTarget.parse("kl<=0.01").inner(0.5).bound == pytest.approx(0.005)
     assert FidelityTarget.parse("top1>=0.99").inner(0.0) == FidelityTarget.parse("top1>=0.99")
+
+
+def test_a_pin_outlives_any_number_of_other_scopes_and_pins_are_bounded_on_their_own():
+    ctl = Controller(FidelityTarget.parse("top1>=0.99"), ladder(0), min_samples=2, max_scopes=8, max_pins=2)
+    ctl.pin("judge", DENSE)  # never verified: the least recently verified of all
+    for i in range(300):
+        ctl.observe(f"agent-{i}", 0, RequestFidelity(4, 1.0, 0.0))
+    assert ctl.setting("judge") == DENSE and ctl.scopes()["judge"]["pinned"]
+    assert len(ctl.scopes()) == 8 + 1 and ctl.snapshot()["pins"] == 1
+    ctl.pin("critic", 32)
+    with pytest.raises(PinLimitError, match="unpin one"):
+        ctl.pin("third", DENSE)
+    assert ctl.setting("third") == 0 and not ctl.known("third")  # a refused pin changes nothing
+    ctl.pin("critic", 16)  # re-pinning a pinned scope needs no room
+    ctl.pin("critic", None)
+    ctl.pin("third", DENSE)  # an unpin frees its room
+    assert ctl.setting("third") == DENSE and ctl.setting("critic") == 0
+
+
+def test_a_scope_without_a_pin_of_its_own_follows_its_parents():
+    parent = {("w1", "judge"): "judge", ("w2", "judge"): "judge"}
+    ctl = Controller(FidelityTarget.parse("top1>=0.99"), ladder(0), min_samples=2, parent=parent.get)
+    ctl.pin("judge", DENSE)
+    ctl.pin(("w2", "judge"), 16)
+    assert ctl.setting(("w1", "judge")) == DENSE and ctl.setting(("w2", "judge")) == 16
+    assert ctl.pinned(("w1", "judge")) is None  # what a guard file stores: the scope's own pin
+    assert not ctl.wants_evidence(("w1", "judge"), 0) and ctl.wants_evidence(("w1", "critic"), 0)
