@@ -1,8 +1,8 @@
 """Per scope, the setting that keeps the fidelity target: a longer recomputed head, then dense, and back.
 
-A **scope** is (namespace, agent): the measured quantity, one request's output
-distributions, mixes every reused segment of that request, so it cannot be
-split by slot; an agent's role (its prompt, its position in the workflow)
+A **scope** is a reuse scope plus an agent (``guard.serving``): the measured
+quantity, one request's output distributions, mixes every reused segment of
+that request, so it cannot be split by slot; an agent's role (its prompt, its position in the workflow)
 decides how much reuse moves its outputs. Each scope climbs a ladder of
 settings, from the server's own (its ``--kvshare-recompute-head``) through
 longer heads to ``dense`` (no reuse at all):
