@@ -195,10 +195,12 @@ class Guard:
         if workflow and live_config().reuse_scope == "workflow":
             namespace += (workflow,)
         scope = (namespace, agent)
-        if self._file is not None and self.controller is not None and not self.controller.known(scope):
-            saved = self._file.scopes.get((self._file.namespace_id(namespace), agent))
-            if saved is not None:
-                self.controller.restore(scope, saved.setting, saved.pinned)
+        if self._file is not None and self.controller is not None:
+            for known in (scope, _outside_workflow(scope)):  # the scope, and the parent whose pin it follows
+                if known is not None and not self.controller.known(known):
+                    saved = self._file.scopes.get((self._file.namespace_id(known[0]), agent))
+                    if saved is not None:
+                        self.controller.restore(known, saved.setting, saved.pinned)
         display = self._display(scope)
         self._served[display] = scope
         self._served.move_to_end(display)

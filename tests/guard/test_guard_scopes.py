@@ -77,6 +77,17 @@ def test_a_pin_by_agent_name_holds_in_every_workflow_without_its_own():
     assert _served(g, "judge", workflow="w1", salt="t").setting == 0  # another namespace: not under the pin
 
 
+def test_a_saved_pin_by_agent_name_holds_in_its_workflows_after_a_restart(tmp_path):
+    before = Guard(seed=0)
+    before.attach_file(str(tmp_path / "guard.json"))
+    before._refresh(CONFIG)
+    before.pin("judge", "dense")
+    after = Guard(seed=1)
+    after.attach_file(str(tmp_path / "guard.json"))
+    after._refresh(CONFIG)
+    assert _served(after, "judge", workflow="w1").setting == DENSE  # its parent was never served since
+
+
 def test_a_pinned_scope_is_never_evicted_and_a_pin_past_the_bound_is_refused():
     g = Guard(seed=0)
     g._refresh(CONFIG)

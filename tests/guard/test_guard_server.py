@@ -98,11 +98,24 @@ def test_a_perturbed_scope_goes_dense_within_the_minimum_samples_and_the_others_
         unknown = requests.post(server.url + "/kvshare/fidelity/pin", json={"scope": "nobody", "setting": None},
                                 timeout=60, headers=ADMIN_HEADERS)
         assert unknown.status_code == 404
-        # Prometheus shows the scopes' settings and estimates (the HTTP process's series, merged by SGLang).
+        # Prometheus shows the scopes' settings and estimates (the HTTP process's series, merged by SGLang) by slot,
+        # never by a client's agent name; the admin view names each slot's scope.
         metrics = requests.get(server.url + "/metrics", timeout=60).text
-        assert 'sglang_kvshare_guard_setting_head{scope="guard-victim"} 32.0' in metrics
-        assert 'sglang_kvshare_guard_top1{bound="mean",scope="guard-reader"}' in metrics
+        slots = {name: s["slot"] for name, s in _fidelity(server)["per_scope"].items()}
+        assert f'sglang_kvshare_guard_setting_head{{slot="{slots["guard-victim"]}"}} 32.0' in metrics
+        assert f'sglang_kvshare_guard_top1{{bound="mean",slot="{slots["guard-reader"]}"}}' in metrics
         assert 'sglang_kvshare_guard_actions_total{reason="target_missed"}' in metrics
+        guard_lines = [line for line in metrics.splitlines() if line.startswith("sglang_kvshare_guard")]
+        assert guard_lines and not [line for line in guard_lines if "guard-" in line]
+        # Pins are bounded on their own: past the bound a pin is a 422 that says how to free one.
+        held = _fidelity(server)["pins"]
+        for i in range(_fidelity(server)["max_pins"] - held):
+            r = requests.post(server.url + "/kvshare/fidelity/pin", json={"scope": f"pin-{i}", "setting": "dense"},
+                              timeout=60, headers=ADMIN_HEADERS)
+            assert r.status_code == 200, r.text
+        past = requests.post(server.url + "/kvshare/fidelity/pin", json={"scope": "pin-past", "setting": "dense"},
+                             timeout=60, headers=ADMIN_HEADERS)
+        assert past.status_code == 422 and "unpin one" in past.text, past.text
         # A reset starts the guard afresh: no scope, no pin, no action.
         assert requests.post(server.url + "/kvshare/fidelity/reset", timeout=60,
                              headers=ADMIN_HEADERS).json() == {"reset": True}
