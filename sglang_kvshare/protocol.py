@@ -53,6 +53,9 @@ CUSTOM_PARAMS_KEY = "kvshare"
 # The radix tree's estimate namespace: a client's extra_key may not start with it (400).
 RESERVED_EXTRA_KEY_PREFIX = "kvshare-est:"
 MAX_NAME_CHARS = 128
+# The longest recomputed head a request may ask for; the guard's pins and its file are held to the same bound, so
+# no setting it applies can make a request fail validation.
+MAX_RECOMPUTE_HEAD = 65536
 DEFAULT_MAX_SEGMENTS = 64
 
 
@@ -97,7 +100,7 @@ class Annotation(BaseModel):
     """Slot under which this request's generated tokens become shared input of later
     agents (e.g. ``out:solver``): the consumer that passes the same output ids in a
     shared segment of that slot can reuse the producer's KV."""
-    recompute_head: Optional[int] = Field(default=None, ge=0, le=65536)
+    recompute_head: Optional[int] = Field(default=None, ge=0, le=MAX_RECOMPUTE_HEAD)
     """Prefill at least this many first tokens of every reused segment in the request's own context (the
     server's ``--kvshare-recompute-head`` when larger): a request may ask for more fidelity, never less. The
     fidelity guard sets it for the scopes it tightens."""

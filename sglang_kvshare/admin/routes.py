@@ -45,13 +45,14 @@ from sglang_kvshare.admin import aggregate
 from sglang_kvshare.admin.channel import AdminChannel, ChannelError
 from sglang_kvshare.config import RUNTIME_FIELDS, KVShareConfig, live_config, set_live_config
 from sglang_kvshare.guard.target import FidelityTarget
+from sglang_kvshare.protocol import MAX_RECOMPUTE_HEAD
 
 logger = logging.getLogger(__name__)
 
 PREFIX = "/kvshare"
 MAX_CAPACITY = 4096  # bounds that keep values inside SGLang's msgpack IPC (int64)
 MAX_RANK = 65536
-MAX_HEAD = 65536
+MAX_HEAD = MAX_RECOMPUTE_HEAD  # the bound a request's own recompute_head is held to
 
 _HELP = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(KVShareConfig)}
 _CONFIG_FIELDS = {f.name for f in dataclasses.fields(KVShareConfig)}

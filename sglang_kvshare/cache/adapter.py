@@ -79,7 +79,8 @@ class KVShareRadixCache(RadixCache):
         if pool_store is not None and self.state.spec is not None:
             hf_config = getattr(model_config, "hf_config", None)
             store = pool_store.with_model(getattr(hf_config, "text_config", None) or hf_config,
-                                          getattr(model_config, "model_path", None), self.state.spec)
+                                          getattr(model_config, "model_path", None), self.state.spec,
+                                          params.token_to_kv_pool_allocator.get_kvcache())
             self.pool_saver = PoolSaver(store, config.pool_save_interval_s)
         self.registry = PlaceholderRegistry(RegistryLimits(max_namespaces=config.max_namespaces,
                                                            max_slots=config.max_slots))

@@ -2,10 +2,11 @@
 (on ``POST /kvshare/save``, and with ``--kvshare-pool-save-interval-s`` on idle time when the pools changed).
 
 Why here and not in ``correction.pool_file``: the file must name this
-scheduler's model, rank and KV device, which only SGLang's build context
-knows (``server/plugin.py`` builds a ``PoolStore`` from it), and loading must
-also hand the file's key to the cache's content hasher. The format and the
-checks live in ``correction.pool_file``.
+scheduler's model (its weights, found in the hub's cache for a hub id), rank,
+KV layout and KV device, which only SGLang's build context knows
+(``server/plugin.py`` builds a ``PoolStore`` from it, the cache adds the model
+and its KV pool), and loading must also hand the file's key to the cache's
+content hasher. The format and the checks live in ``correction.pool_file``.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from sglang_kvshare.correction.pool_file import PoolFileError, load_pools, model_identity, rank_path, save_pools
+from sglang_kvshare.cache.kv_pool_io import pool_layers
+from sglang_kvshare.correction.pool_file import (PoolFileError, kv_layout, load_pools, model_identity, rank_path,
+                                                 save_pools)
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +53,13 @@ class PoolStore:
         return cls(rank_path(path, tp_rank, tp_size, dp_rank, dp_size),
                    {"tp": [int(tp_rank), int(tp_size)], "dp": [int(dp_rank), int(dp_size)]}, str(device))
 
-    def with_model(self, hf_config: Any, model_path: str | None, spec: Any) -> "PoolStore":
-        return replace(self, identity=model_identity(hf_config, model_path, spec))
+    def with_model(self, hf_config: Any, model_path: str | None, spec: Any, kvcache: Any) -> "PoolStore":
+        """The store for the model at ``model_path`` (a directory, or a hub id with its weights in the hub's
+        cache) whose KV this rank keeps in ``kvcache`` (SGLang's KV pool: its layers, heads and dtype)."""
+        layers = pool_layers(kvcache)
+        k, v = kvcache.get_key_buffer(layers[0]), kvcache.get_value_buffer(layers[0])
+        kv = kv_layout(len(layers), tuple(k.shape[-2:]), tuple(v.shape[-2:]), k.dtype)
+        return replace(self, identity=model_identity(hf_config, local_weights(model_path, hf_config), spec, kv))
 
     def load(self, state: Any, hasher: Any, counters: Any) -> dict | None:
         """Fill ``state``'s (empty, just built) estimator from the file and make ``hasher`` adopt its key.
@@ -89,6 +97,20 @@ class PoolStore:
             raise NoPools(f"mode {state.config.mode} keeps no anchor pools (kvcmas does)")
         with state.lock:
             return save_pools(self.path, estimator, secret=hasher.secret, identity=self.identity, rank=self.rank)
+
+
+def local_weights(model_path: str | None, hf_config: Any = None) -> str | None:
+    """The directory holding the weights of ``model_path``: the path itself, or for a hub id (``org/name``) its
+    snapshot in the hub's local cache (the revision the config was read from), where SGLang loaded the weights
+    from; else ``model_path`` as it is (the identity then names the whole hub id)."""
+    if not model_path or Path(model_path).is_dir():
+        return model_path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(model_path, revision=getattr(hf_config, "_commit_hash", None), local_files_only=True)
+    except Exception:  # noqa: BLE001 - not a hub id, or not in the cache: the identity keeps the id itself
+        return model_path
 
 
 class PoolSaver:

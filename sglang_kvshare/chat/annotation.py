@@ -39,13 +39,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sglang_kvshare.chat.render import RenderedPrompt
+from sglang_kvshare.guard.serving import guard
 from sglang_kvshare.protocol import MAX_NAME_CHARS, Annotation, AnnotationError, Segment
 
 REQUEST_KEY = "kvshare"
@@ -206,22 +206,25 @@ def build_capped(prompt: RenderedPrompt, slots: Mapping[int, str], agent: str, o
         del keep[order.pop(0)]
 
 
-_AGENT_KEY = os.urandom(16)  # per process: an agent name cannot be recomputed outside the server
+def _agent_key() -> bytes:
+    """The key of auto agent names: the guard's (``Guard.agent_key``), kept in ``--kvshare-fidelity-file`` so a
+    restarted server names the same agents alike and pins on them still apply; without a file, per process."""
+    return guard.agent_key
 
 
-def auto_agent(messages: Sequence[Mapping[str, Any]], user: Optional[str], key: bytes = _AGENT_KEY) -> str:
+def auto_agent(messages: Sequence[Mapping[str, Any]], user: Optional[str], key: Optional[bytes] = None) -> str:
     """The agent of an unannotated request: a keyed digest of its system messages (role, name, content) and ``user``.
 
     Why a digest and not a name: in agent frameworks the system prompt *is* the
     agent; two requests with the same one are the same agent, and the digest
-    shows no prompt text in reports. Why keyed (a per-process secret, like the
-    cache's content digests): an unkeyed digest would let anyone confirm a
+    shows no prompt text in reports. Why keyed (a secret of the server,
+    ``_agent_key``, like the cache's content digests): an unkeyed digest would let anyone confirm a
     guessed system prompt offline by hashing it.
     """
     identity = [[m.get("role"), m.get("name"), m.get("content")] for m in messages
                 if m.get("role") in PRIVATE_ROLES]
     digest = hashlib.blake2b(json.dumps([identity, user], sort_keys=True, default=str).encode(),
-                             digest_size=8, key=key).hexdigest()
+                             digest_size=8, key=_agent_key() if key is None else key).hexdigest()
     return f"auto-{digest}"
 
 

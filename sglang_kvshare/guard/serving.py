@@ -43,7 +43,7 @@ from typing import Any, Hashable, Optional
 from sglang_kvshare.config import KVShareConfig, live_config
 from sglang_kvshare.guard.controller import DENSE, Action, Controller, ladder, setting_name
 from sglang_kvshare.guard.measure import compare
-from sglang_kvshare.guard.saved import DEFAULT_NAMESPACE, GuardFile, SavedScope
+from sglang_kvshare.guard.saved import DEFAULT_NAMESPACE, GuardFile, SavedScope, parse_setting
 from sglang_kvshare.guard.target import FidelityTarget
 from sglang_kvshare.protocol import CUSTOM_PARAMS_KEY, MAX_NAME_CHARS, AnnotationError, parse_annotation
 
@@ -145,7 +145,7 @@ class Guard:
     def __init__(self, seed: Optional[int] = None) -> None:
         self.counters: dict[str, int] = defaultdict(int)
         self._rng = random.Random(seed)
-        self._key = os.urandom(16)
+        self._key = os.urandom(16)  # names of namespaces and auto agents; with a guard file, derived from its key
         self._built_for: Optional[tuple] = None
         self.controller: Optional[Controller] = None
         self._queue: Optional[asyncio.Queue] = None
@@ -164,9 +164,19 @@ class Guard:
         self._file: Optional[GuardFile] = None  # --kvshare-fidelity-file: settings and pins across restarts
 
     def attach_file(self, path: Optional[str]) -> None:
-        """Keep the scopes' settings and pins in ``path`` (``guard.saved``); raises ``GuardFileError`` for a file
-        this server cannot use. Called once, at launch, in the HTTP process."""
-        self._file = None if not path else GuardFile.open(path)
+        """Keep the scopes' settings and pins in ``path`` (``guard.saved``), created at once when missing; raises
+        ``GuardFileError`` for a file this server cannot use or create. Called once, at launch, in the HTTP process.
+
+        The names the guard makes (a namespace's digest on the admin view, an automatic-mode agent's name) are then
+        keyed from the file's key, so they stay the same across restarts and the pins made on them still apply;
+        without a file, from a key of this process."""
+        self._file = None if not path else GuardFile.create(path)
+        self._key = os.urandom(16) if self._file is None else self._file.derived_key("names")
+
+    @property
+    def agent_key(self) -> bytes:
+        """The key of automatic-mode agent names (``chat.annotation.auto_agent``); never shown."""
+        return hashlib.blake2b(b"auto-agent", digest_size=16, key=self._key).digest()
 
     # ------------------------------------------------------------ configuration
     def _refresh(self, config: KVShareConfig) -> Controller:
@@ -479,13 +489,13 @@ def _pairs(rows: list) -> list:
 
 
 def _parse_setting(setting: Optional[str]) -> Optional[int]:
+    """A pin's setting (``saved.parse_setting``: the bound of a request's ``recompute_head``); None unpins."""
     if setting is None:
         return None
-    if setting == "dense":
-        return DENSE
-    if setting.startswith("head") and setting[4:].isdigit():
-        return int(setting[4:])
-    raise ValueError(f"setting {setting!r}: use dense, headK (e.g. head16) or null to unpin")
+    try:
+        return parse_setting(setting)
+    except ValueError as exc:
+        raise ValueError(f"{exc}, or null to unpin") from None
 
 
 guard = Guard()

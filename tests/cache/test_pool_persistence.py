@@ -137,3 +137,46 @@ def test_the_idle_hook_is_installed_for_saving_alone():
     saving = synchronous.replace(pool_file="p.pt", pool_save_interval_s=60)
     assert sglang_targets.IDLE_LEARNING_HOOK in scheduler_hooks(saving)
     assert sglang_targets.DECODE_LEARNING_HOOK not in scheduler_hooks(saving)
+
+
+def test_a_forged_file_of_another_kv_layout_stops_the_cache_from_starting(tmp_path, monkeypatch):
+    """A head_dim-8 file that claims a head_dim-16 server's identity is refused at launch, never loaded to fail
+    at a later gate (on one rank only, under tensor parallelism)."""
+    from tests.cache import fakes
+
+    learned = learned_kvcmas(pool_store=_store(tmp_path))  # head_dim 8
+    assert ops.execute(learned.cache.kvshare_admin, "save").ok
+    monkeypatch.setattr(fakes, "HEAD_DIM", 16)
+    wider = make_cache("kvcmas", tau=1.0, pool_store=PoolStore.for_rank(str(tmp_path / "none.pt")))
+    identity = wider.pool_saver.store.identity
+    assert identity["kv"] == {"layers": fakes.LAYERS, "k": [fakes.HEADS, 16], "v": [fakes.HEADS, 16],
+                              "dtype": "float32"}
+    path = tmp_path / "pools.pt"
+    with pytest.raises(PoolFileError, match=r"kv differs: .*'k': \[1, 8\].* there"):
+        make_cache("kvcmas", tau=1.0, pool_store=_store(tmp_path))
+    payload = torch.load(path, weights_only=True)
+    payload["model"] = identity  # forged: the tensors stay head_dim 8
+    torch.save(payload, path)
+    with pytest.raises(PoolFileError, match=r"head shape \[1, 8\]; this server's KV has \[1, 16\]"):
+        make_cache("kvcmas", tau=1.0, pool_store=_store(tmp_path))
+
+
+def test_a_hub_id_is_identified_by_its_cached_weights_and_its_whole_name(tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    from sglang_kvshare.cache.pool_persistence import local_weights
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    for org, byte in (("a", b"\0"), ("b", b"\1")):  # two models of one name, in the hub's cache layout
+        repo = tmp_path / f"models--{org}--Llama-3.2-1B-Instruct"
+        snapshot = repo / "snapshots" / "0123abcd"
+        snapshot.mkdir(parents=True)
+        (snapshot / "model.safetensors").write_bytes(byte * 100)
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text("0123abcd")
+    a, b = (local_weights(f"{org}/Llama-3.2-1B-Instruct") for org in ("a", "b"))
+    assert a == str(tmp_path / "models--a--Llama-3.2-1B-Instruct" / "snapshots" / "0123abcd") and a != b
+    from sglang_kvshare.correction.pool_file import weights_digest
+
+    assert weights_digest(a) != weights_digest(b)
+    assert local_weights("c/not-cached") == "c/not-cached" and local_weights(str(tmp_path)) == str(tmp_path)

@@ -2,10 +2,12 @@
 on ``POST /kvshare/save``); a new server launched with the same ``--kvshare-pool-file`` corrects that edge on
 its first request of a content it has never seen, instead of aligning while it learns again. The same restart
 keeps the fidelity guard's pin (``--kvshare-fidelity-file``): an agent pinned dense before it was ever served is
-served dense from its first request on the new server."""
+served dense from its first request on the new server, and an automatic-mode chat agent keeps its name (keyed from
+the guard file), so its pin applies too. A pin past the request bound is refused; the guard file is private."""
 
 from __future__ import annotations
 
+import stat
 import time
 
 import pytest
@@ -20,7 +22,7 @@ pytestmark = pytest.mark.server
 # A save interval of 1 s: the idle scheduler saves the pools once they changed (checked before the explicit save).
 KVSHARE = ("--kvshare-mode", "kvcmas", "--kvshare-learn-async", "false", "--kvshare-edge-anchors", "2",
            "--kvshare-tau", "1.0", "--kvshare-verify-rate", "0", "--kvshare-admin-open", "true",
-           "--kvshare-pool-save-interval-s", "1")
+           "--kvshare-pool-save-interval-s", "1", "--kvshare-auto", "true")
 A, B, C = "solver", "analyst", "coder"
 
 
@@ -42,6 +44,15 @@ def _pin_c_dense(server) -> None:
     """The operator pins C dense before C's first request (C is of the default namespace: no salt)."""
     pin = requests.post(server.url + "/kvshare/fidelity/pin", json={"scope": C, "setting": "dense"}, timeout=60)
     assert pin.status_code == 200 and pin.json()["pinned"], pin.text
+
+
+def _auto_chat(server) -> dict:
+    """A chat request without the kvshare field (the server names its agent): its kvshare report."""
+    body = {"model": "default", "max_tokens": 1, "temperature": 0,
+            "messages": [{"role": "system", "content": "You judge answers."}, {"role": "user", "content": "2+2=4?"}]}
+    resp = requests.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    return resp.json()["kvshare"]
 
 
 def _read_by_a_then_b(server, tokenizer, text: str) -> dict:
@@ -70,6 +81,13 @@ def test_a_restarted_server_corrects_from_its_first_request(model_path, tokenize
         learning = [_read_by_a_then_b(first, tokenizer, context(400 + 2 * i, 2)) for i in range(3)]
         assert learning[0]["tokens_corrected"] == 0  # a cold edge: aligned or prefilled while it learns
         _pin_c_dense(first)
+        judge = _auto_chat(first)["agent"]
+        pin = requests.post(first.url + "/kvshare/fidelity/pin", json={"scope": judge, "setting": "dense"}, timeout=60)
+        assert pin.status_code == 200 and pin.json()["pinned"], pin.text
+        too_long = requests.post(first.url + "/kvshare/fidelity/pin", json={"scope": C, "setting": "head70000"},
+                                 timeout=60)
+        assert too_long.status_code == 422 and "at most 65536" in too_long.text, too_long.text
+        assert stat.S_IMODE(pool_file.with_suffix(".json").stat().st_mode) == 0o600  # it holds the namespace key
         deadline = time.monotonic() + 60
         while _counters(first).get("pool_file_autosaves", 0) < 1 and time.monotonic() < deadline:
             time.sleep(0.5)
@@ -92,4 +110,6 @@ def test_a_restarted_server_corrects_from_its_first_request(model_path, tokenize
         ids, cp = agent_request(tokenizer, C, context(460, 2))  # C's first request on the new server: dense
         c_report = report(second.generate(input_ids=ids, custom_params=cp, max_new_tokens=1))
         assert c_report["guard"]["setting"] == "dense" and c_report["shared_tokens_reused"] == 0, c_report
+        judge_again = _auto_chat(second)
+        assert judge_again["agent"] == judge and judge_again["guard"]["setting"] == "dense", judge_again
 
