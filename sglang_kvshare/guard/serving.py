@@ -221,10 +221,12 @@ class Guard:
     def _display(self, scope: Hashable) -> str:
         """How every output names ``scope``: its agent, and outside the default namespace a keyed digest of the
         namespace (the admin view tells namespaces apart without showing a salt, extra key or workflow). Derived
-        from the scope alone, whatever the tables hold."""
+        from the scope alone, whatever the tables hold. A default-namespace agent whose own name holds an ``@``
+        is shown with ``@-``, so no client can choose a name that reads as another namespace's agent: a salted
+        display ends in ``@`` and eight hex digits."""
         namespace, agent = scope
         if namespace == DEFAULT_NAMESPACE:
-            return agent
+            return agent if "@" not in agent else f"{agent}@-"
         digest = hashlib.blake2b(repr(namespace).encode(), digest_size=4, key=self._key).hexdigest()
         return f"{agent}@{digest}"
 

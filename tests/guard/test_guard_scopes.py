@@ -107,6 +107,16 @@ def test_a_pinned_scope_is_never_evicted_and_a_pin_past_the_bound_is_refused():
     assert g.pin("one-too-many", "dense")["setting"] == "dense"
 
 
+def test_an_agent_name_cannot_forge_another_namespaces_display_name():
+    g = Guard(seed=0)
+    g._refresh(CONFIG)
+    judge = _served(g, "judge", salt=SALT)
+    forged = _served(g, judge.display)  # a default-namespace client names its agent after the salted judge
+    assert forged.display != judge.display
+    g.pin(judge.display, "dense")
+    assert _served(g, "judge", salt=SALT).setting == DENSE and _served(g, judge.display).setting == 0
+
+
 def test_no_salt_or_extra_key_in_any_output_whatever_the_tables_hold(tmp_path):
     g = Guard(seed=0)
     g.attach_file(str(tmp_path / "guard.json"))
