@@ -224,8 +224,8 @@ class Resolver:
                 raise Unresolved("source_evicted")
         self.tree.inc_lock_ref(source.node)
         locks.append(source.node)
-        # NOTE: a report names the source's agent only to the same workflow (with --kvshare-reuse-scope salt
-        # a source may belong to another one, whose agent names are not this client's to see).
+        # NOTE: a report names the source's agent only to the same workflow (with --kvshare-reuse-scope salt or
+        # salt-required a source may belong to another one, whose agent names are not this client's to see).
         o.source_agent = source.agent_name if source.workflow == plan.workflow else None
         if seg.kind == "private" or self.state.config.mode == "fullshared":
             return Resolution("alignment", source, src_idx)
