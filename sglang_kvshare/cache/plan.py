@@ -17,11 +17,12 @@ from sglang_kvshare.cache.outcome import SegmentOutcome
 from sglang_kvshare.cache.registry import ContentHasher, Namespace
 from sglang_kvshare.cache.tree_paths import TreeNamespace, est_extra_key
 from sglang_kvshare.counters import Counters
-from sglang_kvshare.protocol import Annotation, AnnotationError, parse_annotation
+from sglang_kvshare.protocol import CUSTOM_PARAMS_KEY, Annotation, AnnotationError, parse_annotation
 
 logger = logging.getLogger(__name__)
 
 PLAN_ATTR = "kvshare_plan"
+UNSALTED_ATTR = "kvshare_unsalted"  # counted once as served plain (a waiting request is matched every round)
 
 
 @dataclass
@@ -122,6 +123,11 @@ def plan_request(req: Any, hasher: ContentHasher, max_segments: int, counters: C
     if plan is not None:
         return plan
     custom = getattr(req.sampling_params, "custom_params", None)
+    if reuse_scope == "salt-required" and not getattr(req, "cache_salt", None):
+        if isinstance(custom, dict) and CUSTOM_PARAMS_KEY in custom and not getattr(req, UNSALTED_ATTR, False):
+            setattr(req, UNSALTED_ATTR, True)
+            counters.add("unsalted_served_plain")
+        return None
     tokens = tuple(int(t) for t in req.origin_input_ids)
     try:
         ann = parse_annotation(custom, len(tokens), max_segments)
@@ -132,9 +138,6 @@ def plan_request(req: Any, hasher: ContentHasher, max_segments: int, counters: C
     if ann is None:
         return None
     extra_key, salt = req.extra_key, getattr(req, "cache_salt", None)
-    if reuse_scope == "salt-required" and not salt:
-        counters.add("unsalted_served_plain")
-        return None
     scope = ann.workflow if reuse_scope == "workflow" else None
     namespace = (extra_key, salt, scope)
     scope_digest = hasher((), "scope", scope)[:16] if scope is not None else "-"

@@ -42,6 +42,10 @@ def test_salt_required_serves_an_unsalted_request_nothing_another_computed():
     cache = sched.cache
     assert cache.registry.namespaces == {}  # nothing either request computed is offered to another
     assert cache.counters.get("unsalted_served_plain") == 2
+    waiting = request("C", "waiter", workflow="team")
+    sched.match(waiting)  # matched again every round while it waits: counted once
+    sched.run(waiting)
+    assert cache.counters.get("unsalted_served_plain") == 3 and cache.registry.namespaces == {}
     salted = request("C", "tenant-agent", salt="t1", workflow="team")
     warm(sched, "C", cache_salt="t1")
     sched.run(salted)
