@@ -97,9 +97,10 @@ def test_a_chat_request_without_a_salt_is_served_as_stock_under_salt_required(mo
     from sglang_kvshare.chat import hooks as chat_hooks
 
     planned = []
-    monkeypatch.setattr(chat_hooks, "_auto_plan", lambda *args: planned.append(args[4]))  # the namespace
+    monkeypatch.setattr(chat_hooks, "_auto_plan", lambda *args, **kwargs: planned.append(True))
 
-    def plan(reuse_scope: str, salt: Optional[str]) -> None:
+    def plan(reuse_scope: str, salt: Optional[str]) -> Optional[tuple]:
+        """Plan an automatic chat request; the chat layer's namespace for it (None: it shares nothing)."""
         monkeypatch.setattr(chat_hooks, "live_config", lambda: KVShareConfig(mode="fullshared", auto=True,
                                                                              reuse_scope=reuse_scope))
         messages = [{"role": "system", "content": "You grade."}, {"role": "user", "content": "2 + 3?"}]
@@ -109,10 +110,9 @@ def test_a_chat_request_without_a_salt_is_served_as_stock_under_salt_required(mo
         capture = chat_hooks._Capture(messages=messages, stock_ids=[1, 2])
         serving = SimpleNamespace(tokenizer_manager=SimpleNamespace(tokenizer=None))
         chat_hooks._plan_or_raise(serving, request, adapted, capture, None)
+        return chat_hooks._namespace(adapted, "alice")
 
-    plan("salt-required", None)
-    assert planned == []
-    plan("salt-required", "t1")
-    plan("salt", None)
-    plan("workflow", None)
-    assert [ns[-1] for ns in planned] == [None, None, "alice"]  # the scope part of each namespace
+    assert plan("salt-required", None) is None and planned == []  # served as stock: not annotated
+    assert plan("salt-required", "t1")[-1] is None and plan("salt", None)[-1] is None  # scope: the salt
+    assert plan("workflow", None)[-1] == "alice"
+    assert len(planned) == 3
