@@ -202,8 +202,8 @@ class KVShareRadixCache(RadixCache):
             drop_plan(req)
             self.counters.add("plans_after_retraction")
         config = self.state.config
-        return plan_request(req, self.hasher, config.max_segments, self.counters,
-                            scope_by_workflow=config.reuse_scope == "workflow", epoch=self.state.epoch)
+        return plan_request(req, self.hasher, config.max_segments, self.counters, reuse_scope=config.reuse_scope,
+                            epoch=self.state.epoch, setting=lambda ann: self._rule_of(ann).key)
 
     def _match_annotated(self, req, plan: RequestPlan, params: MatchPrefixParams) -> MatchResult:
         result = super().match_prefix(params)
@@ -279,12 +279,18 @@ class KVShareRadixCache(RadixCache):
                                          config.min_stage_tokens)
         return end, last
 
-    def _head_rule(self, plan: RequestPlan) -> HeadRule:
-        """The request's head (server setting or its annotation's, the larger) and whether it is sparse."""
+    def _rule_of(self, annotation: Any) -> HeadRule:
+        """The head of a request of ``annotation`` (server setting or its annotation's, the larger) and whether
+        it is sparse."""
         config = self.state.config
-        rule = HeadRule(max(config.recompute_head, plan.annotation.recompute_head or 0), config.recompute_ratio,
+        return HeadRule(max(config.recompute_head, annotation.recompute_head or 0), config.recompute_ratio,
                         sparse=config.sparse_extend and self.sparse_unsupported is None,
                         policy=config.recompute_policy)
+
+    def _head_rule(self, plan: RequestPlan) -> HeadRule:
+        """The request's head rule (``_rule_of``), noted in its plan for the report."""
+        config = self.state.config
+        rule = self._rule_of(plan.annotation)
         if rule.head or rule.ratio:
             plan.recompute_via = "sparse" if rule.sparse else "staged"
             plan.sparse_fallback = self.sparse_unsupported if config.sparse_extend and not rule.sparse else None

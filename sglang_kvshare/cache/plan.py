@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from sglang_kvshare.cache.outcome import SegmentOutcome
 from sglang_kvshare.cache.registry import ContentHasher, Namespace
 from sglang_kvshare.cache.tree_paths import TreeNamespace, est_extra_key
 from sglang_kvshare.counters import Counters
-from sglang_kvshare.protocol import Annotation, AnnotationError, parse_annotation
+from sglang_kvshare.protocol import CUSTOM_PARAMS_KEY, Annotation, AnnotationError, parse_annotation
 
 logger = logging.getLogger(__name__)
 
 PLAN_ATTR = "kvshare_plan"
+UNSALTED_ATTR = "kvshare_unsalted"  # counted once as served plain (a waiting request is matched every round)
 
 
 @dataclass
@@ -85,7 +86,9 @@ class RequestPlan:
         automatic chat mode's last message), are prefilled in the request's own context; an estimate that
         starts there would hand approximate KV to rows the request asked to have exact, even when no segment
         of it is reused at all. (Behind the first row it approximates, everything a request computes rests
-        on approximate KV, so only where estimates start is checked.)
+        on approximate KV, so only where estimates start is checked.) Which rows of a reused segment are
+        recomputed is the request's recompute rule, part of the estimate key (``plan_request``'s ``setting``):
+        the estimates it can match were made under the same rule.
         """
         return any(s.kind == "shared" and s.reuse and s.start <= row < s.end for s in self.annotation.segments)
 
@@ -101,20 +104,30 @@ def drop_plan(req: Any) -> None:
 
 
 def plan_request(req: Any, hasher: ContentHasher, max_segments: int, counters: Counters, *,
-                 scope_by_workflow: bool = True, epoch: int = 0) -> Optional[RequestPlan]:
-    """The request's plan (made once, then kept on the request), or None for a request without annotation.
+                 reuse_scope: str = "workflow", epoch: int = 0,
+                 setting: Callable[[Annotation], str] = lambda ann: "") -> Optional[RequestPlan]:
+    """The request's plan (made once, then kept on the request), or None for a request served without one.
 
-    ``scope_by_workflow`` (``--kvshare-reuse-scope workflow``) makes the
-    annotation's ``workflow`` part of the namespace; ``epoch`` names the
-    estimates valid under the settings in force (``CorrectionState.epoch``).
-    A malformed annotation reaching the scheduler (the HTTP process answers it
-    with a 400; the Engine API does not check) is logged, counted and served as
-    no annotation at all.
+    ``reuse_scope`` (``--kvshare-reuse-scope``): with ``workflow`` the
+    annotation's ``workflow`` is part of the namespace; with ``salt-required``
+    a request without a ``cache_salt`` gets no plan, so it is served exactly as
+    an unannotated request (exact prefix only) and nothing it computes is
+    recorded for another request. ``epoch`` names the estimates valid under the
+    settings in force (``CorrectionState.epoch``); ``setting(annotation)`` the
+    request's recompute rule (``resolve.HeadRule.key``): both are part of the
+    estimate namespace's key. A malformed annotation reaching the scheduler (the
+    HTTP process answers it with a 400; the Engine API does not check) is
+    logged, counted and served as no annotation at all.
     """
     plan = plan_of(req)
     if plan is not None:
         return plan
     custom = getattr(req.sampling_params, "custom_params", None)
+    if reuse_scope == "salt-required" and not getattr(req, "cache_salt", None):
+        if isinstance(custom, dict) and CUSTOM_PARAMS_KEY in custom and not getattr(req, UNSALTED_ATTR, False):
+            setattr(req, UNSALTED_ATTR, True)
+            counters.add("unsalted_served_plain")
+        return None
     tokens = tuple(int(t) for t in req.origin_input_ids)
     try:
         ann = parse_annotation(custom, len(tokens), max_segments)
@@ -125,14 +138,14 @@ def plan_request(req: Any, hasher: ContentHasher, max_segments: int, counters: C
     if ann is None:
         return None
     extra_key, salt = req.extra_key, getattr(req, "cache_salt", None)
-    scope = ann.workflow if scope_by_workflow else None
+    scope = ann.workflow if reuse_scope == "workflow" else None
     namespace = (extra_key, salt, scope)
     scope_digest = hasher((), "scope", scope)[:16] if scope is not None else "-"
     first = ann.segments[0]
     own_prefix = tokens[first.start:first.end] if first.kind == "private" else ()
     plan = RequestPlan(
         annotation=ann, tokens=tokens, namespace=namespace,
-        tree_ns=TreeNamespace(extra_key, salt, est_extra_key(extra_key, scope_digest, epoch)),
+        tree_ns=TreeNamespace(extra_key, salt, est_extra_key(extra_key, scope_digest, epoch, setting(ann))),
         # NOTE: an agent is its name *and* its private prefix, so a client that
         # borrows a name cannot feed corrections into another agent's edges.
         agent_id=hasher(own_prefix, "agent", namespace, ann.agent),

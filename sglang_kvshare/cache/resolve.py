@@ -110,6 +110,19 @@ class HeadRule:
     sparse: bool = False
     policy: str = "head"
 
+    @property
+    def key(self) -> str:
+        """The rule as a part of the estimate namespace's tree key (``tree_paths.est_extra_key``).
+
+        Why: an estimate hit serves the rows an earlier identical request left,
+        recomputed or assembled as *its* rule said. Keyed by the rule, a request
+        only ever matches estimates made under its own, so a scope the guard
+        moved to a longer head (or a request that asks for one) is never served
+        rows a shorter head left assembled. ``sparse`` is not part of it: a head
+        recomputed in the forward or as a stage is the same KV.
+        """
+        return f"h{self.head}r{self.ratio:g}{self.policy}"
+
     def rows(self, seg: Any) -> int:
         """Rows of ``seg`` recomputed (its head)."""
         # NOTE: rounded first, so 0.15 x 100 is 15 rows, not the 16 its float product would give.
@@ -211,8 +224,8 @@ class Resolver:
                 raise Unresolved("source_evicted")
         self.tree.inc_lock_ref(source.node)
         locks.append(source.node)
-        # NOTE: a report names the source's agent only to the same workflow (with --kvshare-reuse-scope salt
-        # a source may belong to another one, whose agent names are not this client's to see).
+        # NOTE: a report names the source's agent only to the same workflow (with --kvshare-reuse-scope salt or
+        # salt-required a source may belong to another one, whose agent names are not this client's to see).
         o.source_agent = source.agent_name if source.workflow == plan.workflow else None
         if seg.kind == "private" or self.state.config.mode == "fullshared":
             return Resolution("alignment", source, src_idx)

@@ -9,11 +9,13 @@ duplicate while the request decoded on the estimate. So a request's rows
 ``[0, est_start)`` (exact) live in its own namespace (``extra_key``,
 ``cache_salt``) and rows ``[est_start, ...)`` (assembled, or computed on top
 of something assembled) in the estimate namespace
-``kvshare-est:<epoch>:<scope>:<extra_key>`` with the same ``cache_salt``, as
-children of the exact node at ``est_start``. The reuse scope keeps one
-workflow's estimates from another's; the epoch changes on every reset and
-config change, so estimates made under old settings are never matched again
-(they age out of the tree like any unused leaf). SGLang's own code (plain match, insert, checkpoint) only ever
+``kvshare-est:<epoch>:<scope>:<setting>:<extra_key>`` with the same
+``cache_salt``, as children of the exact node at ``est_start``. The reuse scope
+keeps one workflow's estimates from another's; the epoch changes on every reset
+and config change, so estimates made under old settings are never matched again
+(they age out of the tree like any unused leaf); the setting (the request's
+recompute rule) keeps a request from being served rows a looser rule left
+assembled where its own recomputes them. SGLang's own code (plain match, insert, checkpoint) only ever
 builds keys in the request's namespace, so it never reaches an estimate; the
 parent-chain operations (locking, ``path_device_indices``, eviction of
 leaves) work across the boundary unchanged.
@@ -41,16 +43,17 @@ DEAD_ATTR = "kvshare_dead"
 @dataclass(frozen=True)
 class TreeNamespace:
     """Where one request's rows live: exact ones under SGLang's own key (``extra_key``, ``cache_salt``),
-    estimates under ``est_extra_key`` (the request's reuse scope and the estimate epoch) with the same salt."""
+    estimates under ``est_extra_key`` (the request's reuse scope, the estimate epoch and its recompute rule)
+    with the same salt."""
 
     extra_key: Optional[str]
     cache_salt: Optional[str]
     est_extra_key: str
 
 
-def est_extra_key(extra_key: Optional[str], scope: str = "", epoch: int = 0) -> str:
-    """The extra key of the estimate namespace of (``extra_key``, a scope digest, an epoch)."""
-    return f"{EST_PREFIX}{epoch}:{scope}:{extra_key or ''}"
+def est_extra_key(extra_key: Optional[str], scope: str = "", epoch: int = 0, setting: str = "") -> str:
+    """The extra key of the estimate namespace of (``extra_key``, a scope digest, an epoch, a setting)."""
+    return f"{EST_PREFIX}{epoch}:{scope}:{setting}:{extra_key or ''}"
 
 
 def is_estimate_node(node: TreeNode) -> bool:

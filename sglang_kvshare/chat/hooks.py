@@ -201,9 +201,13 @@ def around_convert(original, self, request, raw_request=None):
     return adapted, processed
 
 
-def _namespace(adapted, workflow: Optional[str]) -> tuple:
-    """Where the chat layer keeps a request's answers and warm-ups: its cache namespace and reuse scope."""
-    scope = workflow if live_config().reuse_scope == "workflow" else None
+def _namespace(adapted, workflow: Optional[str]) -> Optional[tuple]:
+    """Where the chat layer keeps a request's answers and warm-ups: its cache namespace and reuse scope; None
+    for a request that shares nothing (``--kvshare-reuse-scope salt-required`` and no ``cache_salt``)."""
+    reuse_scope = live_config().reuse_scope
+    if reuse_scope == "salt-required" and not getattr(adapted, "cache_salt", None):
+        return None
+    scope = workflow if reuse_scope == "workflow" else None
     return tuple(json.dumps(getattr(adapted, name, None), sort_keys=True, default=str)
                  for name in ("cache_salt", "extra_key", "lora_path")) + (scope,)
 
@@ -268,6 +272,8 @@ def _plan_or_raise(serving, request, adapted, capture: _Capture, spec: Optional[
     user = getattr(request, "user", None) or None
     workflow = (spec.workflow if spec is not None else None) or user or routed_workflow
     namespace = _namespace(adapted, workflow)
+    if namespace is None:
+        return None  # served as stock: no answer of another request looked up, none of its own remembered
     try:
         if spec is not None:
             return _explicit_plan(spec, messages, render, tokenize, capture.stock_ids, namespace, workflow)

@@ -10,7 +10,7 @@ sends, so no client has to know the ranks.
 The key is the reuse scope's own name: the annotation's ``workflow`` (with
 ``--kvshare-reuse-scope workflow``, the default; on the chat API the
 ``kvshare`` field's workflow, else the request's ``user``), or the request's
-``cache_salt`` (with ``--kvshare-reuse-scope salt``). A request without one,
+``cache_salt`` (with ``--kvshare-reuse-scope salt`` or ``salt-required``). A request without one,
 or one that names its rank itself, keeps SGLang's balancing. The rank is a
 stable digest of the key modulo the workers (the same in every process and
 after a restart), so one workflow's requests always meet on one worker; many
@@ -31,7 +31,7 @@ from sglang_kvshare.protocol import CUSTOM_PARAMS_KEY
 
 def scope_key(obj: Any, reuse_scope: str) -> Optional[str]:
     """The name of the request's reuse scope that picks its worker, or None (no affinity)."""
-    if reuse_scope == "salt":
+    if reuse_scope in ("salt", "salt-required"):
         salt = getattr(obj, "cache_salt", None)
         return f"salt:{salt}" if isinstance(salt, str) and salt else None
     sampling = getattr(obj, "sampling_params", None)

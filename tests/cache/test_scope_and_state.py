@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.cache.fakes import FakeReq, MiniScheduler, make_cache
 from tests.cache.test_adapter import QUERY, SYS, annotated, warm
 
@@ -181,3 +183,29 @@ def test_the_fault_switch_perturbs_only_its_slot_and_a_request_may_ask_for_a_lon
     seg = asked.report()["segments"][1]
     assert seg["head_recomputed"] == 6 and seg["resolved_tokens"] == len(QUERY) - 6
     assert LAYERS
+
+
+def with_head(req: FakeReq, head: int) -> FakeReq:
+    """``req`` asking for a recomputed head of ``head`` rows (as the guard's tighter setting does)."""
+    ann = json.loads(req.custom_params["kvshare"])
+    ann["recompute_head"] = head
+    return FakeReq(req.origin_input_ids, custom_params={"kvshare": json.dumps(ann)}, cache_salt=req.cache_salt,
+                   extra_key=req.extra_key)
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["staged", "sparse"])
+def test_a_longer_head_is_never_served_the_estimates_a_shorter_one_left(sparse):
+    sched = MiniScheduler(make_cache("fullshared", sparse_unsupported=None if sparse else "not_checked"))
+    sched.run(annotated("A"))
+    warm(sched, "B")
+    sched.run(annotated("B"))  # head 0: B's query rows are assembled estimates
+    tight = with_head(annotated("B"), 16)
+    sched.run(tight)
+    rep = tight.report()
+    seg = rep["segments"][1]
+    assert rep["tokens_estimate_hit"] == 0  # not the 62 rows the head-0 request left
+    assert seg["resolved_by"] == "alignment" and seg["head_recomputed"] == 16
+    assert seg["resolved_tokens"] == len(QUERY) - 16  # the setting governs every row: 16 recomputed here
+    again = with_head(annotated("B"), 16)
+    sched.run(again)
+    assert again.report()["tokens_estimate_hit"] > 0  # estimates made under the same setting still serve

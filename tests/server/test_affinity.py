@@ -63,9 +63,10 @@ def test_requests_without_a_key_keep_sglangs_routing(live, req, workers):
     assert route(req, _manager(workers)) is None and req.routed_dp_rank == before
 
 
-def test_with_the_salt_scope_the_salt_picks_the_worker(live):
-    live(reuse_scope="salt")
-    assert scope_key(_request("wf", salt="tenant-a"), "salt") == "salt:tenant-a"
+@pytest.mark.parametrize("scope", ["salt", "salt-required"])
+def test_with_a_salt_scope_the_salt_picks_the_worker(live, scope):
+    live(reuse_scope=scope)
+    assert scope_key(_request("wf", salt="tenant-a"), scope) == "salt:tenant-a"
     assert route(_request("wf", salt="tenant-a"), _manager(2)) == rank_of("salt:tenant-a", 2)
     assert route(_request("wf"), _manager(2)) is None  # no salt: no scope to keep together
 
