@@ -98,7 +98,7 @@ class GroupReducer:
     ``group`` is resolved on first use (a callable returning the group): the
     cache is built before SGLang's scheduler holds its TP group. The reducer's
     own group is made then, among those ranks only, with ``timeout_s`` as the
-    deadline of every wait; one reducer per process and group.
+    deadline of every wait.
     """
 
     def __init__(self, group: Callable[[], Any], size: int, timeout_s: float = GATE_TIMEOUT_S) -> None:
