@@ -27,6 +27,9 @@ serializes ``estimate``/``commit``/``evict_one``.
 from __future__ import annotations
 
 import itertools
+import logging
+import math
+import zlib
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Generator, Hashable, Iterator, Literal
 
@@ -38,13 +41,19 @@ from sglang_kvshare.kernels import (gate_from_sq_distances, gate_sq_distances_de
 from .gate import top_mass
 from .low_rank import Factors, factor_nbytes, factorize, stack_factors, stack_layer_groups
 from .plan import MIN_GATE_ANCHORS, CorrectionPlan, EstimateResult
-from .rank_reduce import LocalReducer, Reducer
+from .rank_reduce import LocalReducer, Reducer, decision_key
 from .rope import RopeSpec, to_canonical
 
 __all__ = ["Anchor", "AnchorPool", "PoolConfig", "PreparedObservation", "prepare_observation", "observation_steps",
            "advance", "run_steps", "Edge"]
 
 Edge = Hashable
+
+logger = logging.getLogger(__name__)
+
+# What a rank's own pool says about a gate (``AnchorPool._local_state``), agreed by the ranks before any distance.
+_WEIGH, _NO_EDGE, _TOO_FEW, _FAILED = 0, 1, 2, 3
+_COLD = {_NO_EDGE: "no_edge", _TOO_FEW: "too_few_anchors"}
 
 
 @dataclass(frozen=True)
@@ -286,7 +295,7 @@ class AnchorPool:
         return list(self._anchors)
 
     def estimate(self, source_k: torch.Tensor, source_v: torch.Tensor, src_pos: int, dst_pos: int,
-                 edge: Edge) -> EstimateResult:
+                 edge: Edge, key: Hashable = None) -> EstimateResult:
         """Gate, and when accepted return the correction plan and count activations.
 
         Args:
@@ -295,48 +304,78 @@ class AnchorPool:
             dst_pos: where the segment starts in the target's context (the
                 plan does not depend on it; ``apply`` uses it).
             edge: the key the deltas were recorded under.
+            key: names the decision alike on every tensor-parallel rank (the estimator passes the slot).
         Mutates: activation counters of the anchors holding the top
             ``activation_mass`` of the gate weight (accepted only).
+
+        Every tensor-parallel rank takes the same decision: the ranks first agree what each would do
+        with its own pool (``Reducer.agree``), then reduce the distances, each reduce carrying whether
+        the rank's share failed. No rank leaves a collective to the others. Ways out taken by every rank
+        together: ``gate_failed`` (the gate raised on some rank, logged there; pools kept) and
+        ``ranks_disagree`` (the ranks' pools of this slot differ; the estimator drops them).
+        ``RanksUnreachable`` from the reducer (a missed deadline) passes through.
         """
         cfg = self.config
-        s = source_k.shape[1]
-        if s == 0 or source_v.shape != source_k.shape:
-            raise ValueError(f"the source must be a non-empty [layers, S, kv_heads, head_dim] K and V of one shape, "
-                             f"got {tuple(source_k.shape)} and {tuple(source_v.shape)}")
-        k_len = s if cfg.gate_len is None else min(s, cfg.gate_len)
-        need = k_len if cfg.min_anchor_len is None else min(k_len, cfg.min_anchor_len)
-        long_enough = [a for a in self._anchors if a.length >= need]
-        eligible = [a for a in long_enough if edge in a.deltas]
         size = len(self._anchors)
-        if len(eligible) < cfg.min_edge_anchors:
-            reason = "no_edge" if len(long_enough) >= cfg.min_edge_anchors else "too_few_anchors"
-            return EstimateResult(False, reason, compare_len=k_len, pool_anchors=size, edge_anchors=len(eligible))
-        k_len = min(k_len, min(a.length for a in eligible))  # the common prefix (unchanged by default)
+        try:
+            status, eligible, k_len, covered, digest = self._local_state(source_k, source_v, edge)
+        except Exception:  # noqa: BLE001 - the ranks fall back together (below)
+            logger.exception("sglang-kvshare: the gate failed on this rank; every rank prefills densely")
+            status, eligible, k_len, covered, digest = _FAILED, [], 0, 0, 0
+        lo, hi = self.reducer.agree(decision_key(key, src_pos, dst_pos), [status, len(eligible), k_len, covered,
+                                                                          digest])
+        if hi[0] == _FAILED or lo != hi:
+            reason = "gate_failed" if hi[0] == _FAILED else "ranks_disagree"
+            return EstimateResult(False, reason, compare_len=hi[2], pool_anchors=size, edge_anchors=len(eligible))
+        if status != _WEIGH:
+            return EstimateResult(False, _COLD[status], compare_len=k_len, pool_anchors=size,
+                                  edge_anchors=len(eligible))
+        failed = EstimateResult(False, "gate_failed", compare_len=k_len, pool_anchors=size, edge_anchors=len(eligible))
         work = torch.float64 if source_v.dtype == torch.float64 else torch.float32
-        nl = source_v.shape[0]
-        covered = min(s, max(a.length for a in eligible))
-        src_v = source_v[:, :covered].reshape(nl, covered, -1).to(work)
-        # The gate (first k_len rows) and the value token distances (all covered rows) in one op.
-        dist_v, d2 = self._value_distances(eligible, src_v, k_len)
+        nl, n = source_v.shape[0], len(eligible)
+
+        def values() -> list[torch.Tensor]:
+            # The gate (first k_len rows) and the value token distances (all covered rows) in one op.
+            dist_v, d2 = self._value_distances(eligible, source_v[:, :covered].reshape(nl, covered, -1).to(work),
+                                               k_len)
+            return [d2, dist_v]
+
         # Every rank gates on the distances over all heads (squared distances add up, token distances are means).
-        d2, dist_v = self.reducer.sum(d2), self.reducer.mean(dist_v)
+        reduced = self._together(values, [(n,), (covered, n)])
+        if reduced is None:
+            return failed
+        d2, dist_v = reduced[0], reduced[1] / self.reducer.size
         g, h = gate_from_sq_distances(d2, cfg.temperature)
         ids = [a.id for a in eligible]
         if h > cfg.tau:
             return EstimateResult(False, "gate_rejected", h, compare_len=k_len, pool_anchors=size, anchor_ids=ids,
                                   gate_weights=g)
-        for i in top_mass(g, cfg.activation_mass):
-            eligible[i].activations += 1
-        src_kc = to_canonical(source_k[:, :covered], src_pos, self.spec).reshape(nl, covered, -1).to(work)
         bases_k = [a.base_k for a in eligible]
-        plan = CorrectionPlan(deltas_k=[a.deltas[edge][0] for a in eligible],
-                              deltas_v=[a.deltas[edge][1] for a in eligible],
-                              weights_k=self._weights(self.reducer.mean(self._key_distances(src_kc, bases_k)),
-                                                      bases_k, covered),
-                              weights_v=self._weights(dist_v, [a.base_v for a in eligible], covered),
-                              covered=covered)
+        local: dict[str, Any] = {}
+
+        def keys() -> list[torch.Tensor]:
+            local["weights_v"] = self._weights(dist_v, [a.base_v for a in eligible], covered)
+            src_kc = to_canonical(source_k[:, :covered], src_pos, self.spec).reshape(nl, covered, -1).to(work)
+            return [self._key_distances(src_kc, bases_k)]
+
+        reduced = self._together(keys, [(covered, n)])
+        if reduced is None:
+            return failed
+
+        def plan() -> list[torch.Tensor]:
+            local["plan"] = CorrectionPlan(deltas_k=[a.deltas[edge][0] for a in eligible],
+                                           deltas_v=[a.deltas[edge][1] for a in eligible],
+                                           weights_k=self._weights(reduced[0] / self.reducer.size, bases_k, covered),
+                                           weights_v=local["weights_v"], covered=covered)
+            local["active"] = top_mass(g, cfg.activation_mass)
+            return []
+
+        if self._together(plan, []) is None:  # the last local step: every rank serves the plan, or none does
+            return failed
+        for i in local["active"]:
+            eligible[i].activations += 1
         return EstimateResult(True, "accepted", h, covered=covered, compare_len=k_len, pool_anchors=size,
-                              anchor_ids=ids, gate_weights=g, plan=plan)
+                              anchor_ids=ids, gate_weights=g, plan=local["plan"])
 
     def has_content(self, content_key: Hashable | None) -> bool:
         """True when an anchor of ``content_key`` is held (its base need not be prepared again)."""
@@ -446,6 +485,60 @@ class AnchorPool:
         self._bytes = 0
 
     # ------------------------------------------------------------- internals
+    def _local_state(self, source_k: torch.Tensor, source_v: torch.Tensor,
+                     edge: Edge) -> tuple[int, list[Anchor], int, int, int]:
+        """What this rank's pool would do: (status, eligible anchors, comparison length, covered rows, digest).
+
+        The digest covers what every later decision and eviction of this pool reads (ids, lengths, ages,
+        activations, edge counts, whether each holds ``edge``): equal on the ranks exactly when their pools
+        of this slot are. Edges and content keys are per-rank digests, so only counts and this edge's
+        presence enter it.
+        """
+        cfg = self.config
+        s = source_k.shape[1]
+        if s == 0 or source_v.shape != source_k.shape or source_k.dim() != 4:
+            raise ValueError(f"the source must be a non-empty [layers, S, kv_heads, head_dim] K and V of one shape, "
+                             f"got {tuple(source_k.shape)} and {tuple(source_v.shape)}")
+        record = ";".join(f"{a.id},{a.length},{a.created},{a.activations},{len(a.deltas)},{int(edge in a.deltas)}"
+                          for a in self._anchors)
+        digest = zlib.crc32(record.encode())
+        k_len = s if cfg.gate_len is None else min(s, cfg.gate_len)
+        need = k_len if cfg.min_anchor_len is None else min(k_len, cfg.min_anchor_len)
+        long_enough = [a for a in self._anchors if a.length >= need]
+        eligible = [a for a in long_enough if edge in a.deltas]
+        if len(eligible) < cfg.min_edge_anchors:
+            return (_NO_EDGE if len(long_enough) >= cfg.min_edge_anchors else _TOO_FEW), eligible, k_len, 0, digest
+        k_len = min(k_len, min(a.length for a in eligible))  # the common prefix (unchanged by default)
+        return _WEIGH, eligible, k_len, min(s, max(a.length for a in eligible)), digest
+
+    def _together(self, compute: Callable[[], list[torch.Tensor]],
+                  shapes: list[tuple[int, ...]]) -> list[torch.Tensor] | None:
+        """``compute()``'s tensors summed over the ranks, or None on every rank when it raised on any.
+
+        ``shapes``: those of the tensors, agreed by the ranks beforehand; a rank whose ``compute`` raised
+        sends zeros of them. One reduce carries the tensors and the failure flag.
+        """
+        try:
+            parts = compute()
+            if [tuple(p.shape) for p in parts] != [tuple(sh) for sh in shapes]:
+                raise RuntimeError(f"gate tensors {[tuple(p.shape) for p in parts]}, agreed {shapes}")
+        except Exception:  # noqa: BLE001 - the ranks fall back together
+            logger.exception("sglang-kvshare: the gate failed on this rank; every rank prefills densely")
+            parts = None
+        if self.reducer.size == 1:
+            return parts
+        chunks = ([torch.zeros(math.prod(sh), dtype=torch.float64) for sh in shapes] if parts is None
+                  else [p.detach().to("cpu", torch.float64).reshape(-1) for p in parts])
+        flat = self.reducer.sum(torch.cat(chunks + [torch.tensor([float(parts is None)], dtype=torch.float64)]),
+                                shape_agreed=True)
+        if flat[-1] > 0:
+            return None
+        out, at = [], 0
+        for p in parts:
+            out.append(flat[at:at + p.numel()].reshape(p.shape).to(device=p.device, dtype=p.dtype))
+            at += p.numel()
+        return out
+
     def _find(self, content_key: Hashable | None) -> Anchor | None:
         if content_key is None:
             return None

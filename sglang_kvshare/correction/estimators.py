@@ -47,7 +47,7 @@ import torch
 
 from .anchor_pool import AnchorPool, PoolConfig, PreparedObservation, observation_steps, run_steps
 from .plan import EstimateResult
-from .rank_reduce import LocalReducer, RanksDisagree, Reducer, decision_digest
+from .rank_reduce import LocalReducer, RanksUnreachable, Reducer, decision_digest
 from .rope import RopeSpec
 
 __all__ = ["SegmentCache", "Estimator", "AnchorEstimator", "FullShared", "make_estimator", "anchor_factory",
@@ -218,19 +218,23 @@ class AnchorEstimator(Estimator):
 
     def estimate(self, slot, source, dst_agent, dst_pos):
         pool = self._pools.get(slot)
-        if pool is None:  # NOTE: never creates a pool: unknown slots cost nothing
-            k_len = source.length if self.config.gate_len is None else min(source.length, self.config.gate_len)
-            return EstimateResult(False, "too_few_anchors", compare_len=k_len)
-        self._pools.move_to_end(slot)
+        if pool is not None:
+            self._pools.move_to_end(slot)
+        # NOTE: a slot without a pool gates on an empty one, not kept (unknown slots cost nothing): under tensor
+        # parallelism another rank may hold a pool for it, and every rank takes part in every decision.
+        gate = pool if pool is not None else AnchorPool(self.spec, self.config, self.reducer)
         try:
-            result = pool.estimate(source.k, source.v, source.start_pos, dst_pos, self.edge(source.agent, dst_agent))
-        except RanksDisagree:
-            # Every rank raised here at once: their pools drifted apart (a learning step failed on one).
-            # They start afresh together; this segment is prefilled densely.
-            self._pools.clear()
+            result = gate.estimate(source.k, source.v, source.start_pos, dst_pos, self.edge(source.agent, dst_agent),
+                                   key=slot)
+        except RanksUnreachable:
+            # The ranks can no longer decide together (logged once by the reducer): dense, on every rank.
+            return EstimateResult(False, "ranks_out_of_step", compare_len=source.length)
+        if result.reason == "ranks_disagree":
+            # Every rank sees it at once: their pools of this slot drifted apart (a learning step failed on one).
+            # They drop them together and learn the slot afresh.
+            self._pools.pop(slot, None)
             self.changes += 1
             self.evictions["ranks_disagree"] += 1
-            return EstimateResult(False, "ranks_disagree", compare_len=source.length)
         self.gate_decisions += 1
         self.gate_digest = decision_digest(self.gate_digest, slot, result.reason, list(result.anchor_ids or ()),
                                            result.entropy)

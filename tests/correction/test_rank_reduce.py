@@ -3,15 +3,17 @@ and reducing over a gloo group, decide what one process holding both heads decid
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
-import os
 import socket
+import time
 
 import pytest
 import torch
 
-from sglang_kvshare.correction import AnchorPool, LocalReducer, PoolConfig, RopeSpec, rotate_keys, run_steps
+from sglang_kvshare.correction import AnchorPool, LocalReducer, PoolConfig, RopeSpec, rotate_keys
 from sglang_kvshare.correction.apply import materialize
+from sglang_kvshare.learning.learner import Observation
 
 
 def _observations(rank: int | None, mixed: bool = False):
@@ -51,22 +53,140 @@ def _decide(rank: int | None, reducer, low_rank: int | None, mixed: bool = False
     return out
 
 
+def _estimator(rank: int, reducer, anchors=range(4)):
+    """A kvcmas estimator of the rank's head that learned the given anchors of ``_observations`` for slot ``doc``."""
+    from sglang_kvshare.correction import make_estimator
+
+    spec, obs, _ = _observations(rank)
+    est = make_estimator("kvcmas", spec, tau=0.9, rank=None, reducer=reducer)
+    for i in anchors:
+        est.observe("doc", *_edge(obs[i]), content_key=obs[i][4])
+    return est
+
+
+def _edge(ob):
+    """(source, target) of one observation: agent ``a``'s copy at position 3, agent ``b``'s dense prefill at 7."""
+    from sglang_kvshare.correction import SegmentCache
+
+    k, v, tk, tv, _ = ob
+    return SegmentCache(k, v, 3, "a", exact=True), SegmentCache(tk, tv, 7, "b", exact=True)
+
+
+def _source(rank: int):
+    from sglang_kvshare.correction import SegmentCache
+
+    _, _, (sk, sv) = _observations(rank)
+    return SegmentCache(sk, sv, 3, "a", exact=True)
+
+
+def _gate(est, slot="doc", source=None, rank=0) -> tuple[str, float]:
+    """(reason, seconds) of one gate decision for ``b`` at position 7."""
+    t0 = time.monotonic()
+    res = est.estimate(slot, source if source is not None else _source(rank), "b", 7)
+    return res.reason, time.monotonic() - t0
+
+
 def _drifted(rank: int, reducer) -> dict:
     """Rank 1 learned one more anchor than rank 0 (a learning step that failed on rank 0)."""
-    from sglang_kvshare.correction import SegmentCache, make_estimator
-
-    spec, obs, (sk, sv) = _observations(rank)
-    est = make_estimator("kvcmas", spec, tau=0.9, rank=None, reducer=reducer)
-    for i, (k, v, tk, tv, key) in enumerate(obs):
-        if rank == 1 or i < 3:
-            src, dst = SegmentCache(k, v, 3, "a", exact=True), SegmentCache(tk, tv, 7, "b", exact=True)
-            est.commit_observation(run_steps(est.observation_steps("doc", src, dst, key)))
-    res = est.estimate("doc", SegmentCache(sk, sv, 3, "a", exact=True), "b", 7)
-    return {"reason": res.reason, "pool": est.pool_size("doc")}
+    est = _estimator(rank, reducer, range(4 if rank == 1 else 3))
+    reason, _ = _gate(est, rank=rank)
+    return {"reason": reason, "pool": est.pool_size("doc")}
 
 
-# What each rank runs, in this order, in one process group: the drifted pools last (the ranks give up on them).
-JOBS = (("decide", None), ("decide", 4), ("drifted", None))
+def _pools_differ(rank: int, reducer) -> dict:
+    """Pools that differ by one anchor (1 against 2: rank 0 alone would say ``too_few_anchors``), and a slot only
+    rank 1 holds a pool for."""
+    est = _estimator(rank, reducer, range(1 if rank == 0 else 2))
+    one = _gate(est, rank=rank)
+    est2 = _estimator(rank, reducer, () if rank == 0 else range(2))
+    none = _gate(est2, rank=rank)
+    return {"one": one[0], "none": none[0], "pools": [est.pool_size("doc"), est2.pool_size("doc")],
+            "seconds": max(one[1], none[1])}
+
+
+def _learn_raises(rank: int, reducer) -> dict:
+    """The server's learner, learning in step on both ranks; rank 0's third observation raises there."""
+    import threading
+
+    from sglang_kvshare.counters import Counters
+    from sglang_kvshare.learning.learner import Learner
+
+    est = _estimator(rank, reducer, ())
+    learner = Learner(lambda: est, threading.RLock(), Counters(), max_jobs=8, max_bytes=2**30, asynchronous=False)
+    _, obs, _ = _observations(rank)
+    failures = 0
+    for i in range(3):
+        source, target = _edge(obs[i])
+        if rank == 0 and i == 2:  # a copy that came out wrong on this rank only
+            source = dataclasses.replace(source, k=source.k[:, :5])
+        try:
+            learner.submit(Observation("doc", source, target, obs[i][4]))
+        except ValueError:  # the adapter logs it and goes on
+            failures += 1
+    reason, seconds = _gate(est, rank=rank)
+    return {"failures": failures, "reason": reason, "pool": est.pool_size("doc"), "seconds": seconds}
+
+
+def _gate_raises(rank: int, reducer) -> dict:
+    """Equal pools; the gate raises on rank 0 only, before the ranks agree and while the distances are reduced;
+    then a gate without a fault."""
+    est = _estimator(rank, reducer)
+    src = _source(rank)
+    reasons = [_gate(est, source=dataclasses.replace(src, v=src.v[:, :5]) if rank == 0 else src)[0]]
+    pool = est._pools["doc"]
+    if rank == 0:
+        def broken(*_args):
+            raise RuntimeError("out of memory")
+        pool._key_distances = broken
+    reasons.append(_gate(est, source=src)[0])
+    pool.__dict__.pop("_key_distances", None)
+    res = est.estimate("doc", src, "b", 7)
+    reasons.append(res.reason)
+    return {"reasons": reasons, "entropy": res.entropy, "activations": [a["activations"] for a in pool.describe()],
+            "digest": est.gate_digest}
+
+
+def _fresh_reducer():
+    """A reducer of its own (its own gloo group), warmed up by one decision both ranks take."""
+    import torch.distributed as dist
+
+    from sglang_kvshare.correction import GroupReducer
+
+    reducer = GroupReducer(lambda: dist.group.WORLD, 2, timeout_s=DEADLINE_S)
+    est = _estimator(0, reducer, ())
+    assert _gate(est)[0] == "too_few_anchors"
+    return est
+
+
+def _skips_gate(rank: int, _reducer) -> dict:
+    """Rank 0 never reaches decision A (it raised before its gate) and goes on to decision B."""
+    est = _fresh_reducer()
+    out = {}
+    if rank == 1:
+        out["A"] = _gate(est, slot="A")
+    out["B"] = _gate(est, slot="B")
+    return out
+
+
+def _deadline(rank: int, _reducer) -> dict:
+    """Rank 0 never reaches decision A and waits elsewhere (SGLang's own collective); then both gate B."""
+    import torch.distributed as dist
+
+    est = _fresh_reducer()
+    out = {}
+    if rank == 1:
+        out["A"] = _gate(est, slot="A")
+    dist.barrier()
+    out["B"] = _gate(est, slot="B")
+    return out
+
+
+DEADLINE_S = 3.0
+JOBS = (("decide", None), ("decide", 4), ("drifted", None), ("pools_differ", None), ("learn_raises", None),
+        ("gate_raises", None), ("skips_gate", None), ("deadline", None))
+"""What each rank runs, in this order, in one process group; the last two break their reducers for good."""
+_RUN = {"drifted": _drifted, "pools_differ": _pools_differ, "learn_raises": _learn_raises, "gate_raises": _gate_raises,
+        "skips_gate": _skips_gate, "deadline": _deadline}
 
 
 def _rank_main(rank: int, port: int, results) -> None:
@@ -77,10 +197,11 @@ def _rank_main(rank: int, port: int, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        reducer = GroupReducer(lambda: dist.group.WORLD, 2)
+        reducer = GroupReducer(lambda: dist.group.WORLD, 2, timeout_s=DEADLINE_S)
         out = {}
         for job, low_rank in JOBS:
-            out[(job, low_rank)] = _drifted(rank, reducer) if job == "drifted" else _decide(rank, reducer, low_rank)
+            out[(job, low_rank)] = (_decide(rank, reducer, low_rank) if job == "decide"
+                                    else _RUN[job](rank, reducer))
         results.put((rank, out))
     finally:
         dist.destroy_process_group()
@@ -139,3 +260,43 @@ def test_without_the_reduce_the_ranks_would_decide_apart():
 def test_ranks_whose_pools_drifted_apart_all_start_afresh_instead_of_hanging(two_ranks):
     ranks = two_ranks[("drifted", None)]
     assert ranks[0] == ranks[1] == {"reason": "ranks_disagree", "pool": 0}
+
+
+def test_pools_one_anchor_apart_take_one_decision_at_once(two_ranks):
+    """1 against 2 anchors, and no pool against 2: no rank returns before the others, none waits a deadline."""
+    ranks = two_ranks[("pools_differ", None)]
+    for rank in (0, 1):
+        assert (ranks[rank]["one"], ranks[rank]["none"], ranks[rank]["pools"]) == ("ranks_disagree", "ranks_disagree",
+                                                                                   [0, 0]), ranks
+        assert ranks[rank]["seconds"] < DEADLINE_S
+
+
+def test_a_rank_that_raises_in_learning_does_not_split_the_ranks(two_ranks):
+    ranks = two_ranks[("learn_raises", None)]
+    assert [ranks[r]["failures"] for r in (0, 1)] == [1, 0]
+    assert ranks[0]["reason"] == ranks[1]["reason"] == "ranks_disagree" and ranks[0]["pool"] == ranks[1]["pool"] == 0
+    assert max(ranks[r]["seconds"] for r in (0, 1)) < DEADLINE_S
+
+
+def test_a_rank_that_raises_in_the_gate_does_not_split_the_ranks(two_ranks):
+    """Raised before the ranks agree, or while they reduce: every rank falls back; the next gate is in step."""
+    ranks = two_ranks[("gate_raises", None)]
+    assert ranks[0]["reasons"] == ranks[1]["reasons"] == ["gate_failed", "gate_failed", "accepted"]
+    assert ranks[0]["entropy"] == ranks[1]["entropy"] and ranks[0]["activations"] == ranks[1]["activations"]
+    assert ranks[0]["digest"] == ranks[1]["digest"]
+
+
+def test_a_rank_that_skips_a_gate_sends_every_rank_dense_at_once(two_ranks):
+    """Rank 0's decision B meets rank 1's decision A: both see it and stop correcting, with no wait."""
+    ranks = two_ranks[("skips_gate", None)]
+    decided = [ranks[1]["A"], ranks[0]["B"], ranks[1]["B"]]
+    assert [reason for reason, _ in decided] == ["ranks_out_of_step"] * 3
+    assert max(seconds for _, seconds in decided) < DEADLINE_S
+
+
+def test_a_rank_left_alone_in_a_gate_goes_dense_at_its_deadline_and_so_do_the_others(two_ranks):
+    ranks = two_ranks[("deadline", None)]
+    reason, seconds = ranks[1]["A"]
+    assert reason == "ranks_out_of_step" and seconds < DEADLINE_S + 10
+    for rank in (0, 1):
+        assert ranks[rank]["B"][0] == "ranks_out_of_step" and ranks[rank]["B"][1] < DEADLINE_S
