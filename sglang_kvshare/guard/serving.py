@@ -399,6 +399,7 @@ class Guard:
             self._file.scopes.clear()
             self._write_file()
         self.last_actions = []
+        self._timed_out = []
         self._displays.clear()
         self._waiting.clear()
         self._exact_scopes.clear()
