@@ -36,7 +36,8 @@ def _request(**sampling):
 
 
 @pytest.mark.parametrize("sampling", [
-    {"logit_bias": {"42": 100.0}}, {"json_schema": '{"type": "object"}'}, {"regex": "[a-z]+"}, {"ebnf": "root ::= \"a\""},
+    {"logit_bias": {"42": 100.0}}, {"json_schema": '{"type": "object"}'}, {"regex": "[a-z]+"},
+    {"ebnf": 'root ::= "a"'}, {"structural_tag": "{}"},
     {"frequency_penalty": 0.5}, {"presence_penalty": -0.2}, {"repetition_penalty": 1.1}, {"min_new_tokens": 4},
     {"temperature": 0.7}, {"temperature": 1.5}, {"temperature": "hot"}])
 def test_a_request_whose_logprobs_sglang_changes_is_skipped_and_counted(sampling):
