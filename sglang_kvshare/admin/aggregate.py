@@ -56,9 +56,14 @@ def _mean_entropy(parts: list[dict]) -> Optional[float]:
 
 def merge_stats(snaps: list[dict]) -> dict:
     """``{"config", "stats", "ranks", "dp_size"}`` from the ranks' snapshots (``ops.snapshot`` plus
-    ``dp_rank``). One snapshot comes back as it is, with its rank listed."""
+    ``dp_rank``). One snapshot comes back as it is, with its rank listed. Ranks that did not answer in time
+    (``timed_out_ranks`` on the snapshots, from ``AdminChannel.read``) are named in the stats."""
     snaps = sorted(snaps, key=lambda s: s.get("dp_rank", 0))
     stats = [s["stats"] for s in snaps]
+    timed_out = sorted({int(r) for s in snaps for r in s.get("timed_out_ranks", ())})
+    if timed_out:
+        for part in stats:
+            part["timed_out_ranks"] = timed_out
     ranks = [{"dp_rank": s.get("dp_rank", 0), **{k: s["stats"][k] for k in RANK_FIELDS if k in s["stats"]},
               **({"tp_ranks": s["tp_ranks"]} if s.get("tp_ranks") else {})}
              for s in snaps]
@@ -104,8 +109,9 @@ def merge_replies(op: str, replies: list[dict], dp_size: int) -> Reply:
     per_rank = [{"dp_rank": rank, "status": r["status"], "message": r.get("message", "")}
                 for rank, r in sorted(by_rank.items())]
     if missing:
-        return Reply(502, f"kvshare admin op {op!r}: data-parallel rank(s) {missing} did not answer; the "
-                          f"others ({sorted(by_rank)}) may have applied it", {"ranks": per_rank})
+        return Reply(502, f"kvshare admin op {op!r}: data-parallel rank(s) {missing} did not answer in time; "
+                          f"the others ({sorted(by_rank)}) may have applied it",
+                     {"ranks": per_rank, "timed_out_ranks": missing})
     unknown_here = [r for r in by_rank.values() if r["status"] == 404]
     failed = [r for r in by_rank.values() if r["status"] >= 400 and r["status"] != 404]
     if len(unknown_here) == len(by_rank):

@@ -16,6 +16,11 @@
   the ``rid`` of a ``GetInternalStateReq``, which SGLang sends to every rank
   and answers with one state per rank; each carries that rank's reply.
 
+Every wait has a deadline (``timeout``). SGLang's fan-out waits for every rank
+without one, so a stuck rank would hold this call and every later read behind
+it; here a read or fan-out returns at the deadline with the ranks that
+answered, and names the others (``timed_out_ranks``).
+
 Limits: ``--tokenizer-worker-num 1`` (the default; SGLang's API keys need it too).
 """
 
@@ -53,19 +58,29 @@ class AdminChannel:
         self._lock: Optional[asyncio.Lock] = None
 
     async def read(self) -> list[dict]:
-        """One snapshot (``{"config", "stats", "pools"}``) per DP rank.
+        """One snapshot (``{"config", "stats", "pools"}``) per DP rank that answered within ``timeout``;
+        when a rank did not, every snapshot carries ``timed_out_ranks`` (``aggregate.merge_stats`` shows it).
 
-        Raises ``ChannelError`` (503) when no rank carries one: the scheduler
-        does not run the kvshare cache.
+        Raises ``ChannelError``: 503 when no rank carries a snapshot (the scheduler does not run the
+        kvshare cache), 504 when no rank answered in time.
         """
-        states = await self.tokenizer_manager.get_internal_state()
+        from sglang.srt.managers.io_struct import GetInternalStateReq
+
+        outputs, timed_out = await self._gather(GetInternalStateReq())
+        states = [getattr(out, "internal_state", None) for out in outputs]
         snaps = [s[ops.STATE_KEY] for s in states if isinstance(s, dict) and ops.STATE_KEY in s]
+        missing = self._missing({int(s.get("dp_rank", 0)) for s in snaps}) if timed_out else []
+        if timed_out and not snaps:
+            raise ChannelError(f"no data-parallel rank answered the kvshare read within {self.timeout:g}s "
+                               f"(timed out: rank(s) {missing})", status=504)
         if not snaps:
             raise ChannelError("the scheduler does not run the kvshare cache "
                                "(start the server with --radix-cache-backend kvshare)")
         for snap in snaps:
             if "error" in snap:
                 raise ChannelError(f"reading the kvshare state failed: {snap['error']}", status=500)
+            if missing:
+                snap["timed_out_ranks"] = missing
         return snaps
 
     async def call(self, op: str, **params: Any) -> ops.Reply:
@@ -106,24 +121,45 @@ class AdminChannel:
 
     async def fan_out(self, op: str, **params: Any) -> list[dict]:
         """Run the op on every DP rank; the replies (``Reply`` as a dict plus ``dp_rank``) of the ranks
-        that answered with one (``aggregate.merge_replies`` names the missing ones).
-
-        SGLang's own fan-out serializes these calls and waits without a deadline, as its
-        ``/get_server_info`` does: the ranks answer between two batches.
-        """
+        that answered with one within ``timeout`` (``aggregate.merge_replies`` names the others)."""
         from sglang.srt.managers.io_struct import GetInternalStateReq
 
         call_id = uuid.uuid4().hex
-        tm = self.tokenizer_manager
-        tm.auto_create_handle_loop()
-        outputs = await tm.get_internal_state_communicator(
-            GetInternalStateReq(rid=ops.fanout_rid(op, params, call_id)))
+        outputs, timed_out = await self._gather(GetInternalStateReq(rid=ops.fanout_rid(op, params, call_id)))
         replies = []
         for out in outputs:
             reply = (getattr(out, "internal_state", None) or {}).get(ops.REPLY_KEY)
-            if isinstance(reply, dict) and reply.get("rid") == call_id:
+            if isinstance(reply, dict) and reply.get("rid") == call_id:  # not a late answer to an earlier call
                 replies.append(reply)
+        if timed_out:
+            logger.warning("sglang-kvshare: the kvshare %r call timed out after %gs on data-parallel rank(s) %s",
+                           op, self.timeout, self._missing({int(r.get("dp_rank", 0)) for r in replies}))
         return replies
+
+    async def _gather(self, req: Any) -> tuple[list, bool]:
+        """SGLang's fan-out of ``req`` to every DP rank, within ``timeout``: (what arrived, whether it timed out).
+
+        SGLang's communicator waits for every rank and holds its queue while it does. At the deadline this
+        takes what has arrived so far (the communicator's own list of the call in flight) and cancels the wait,
+        which frees the queue for the next caller; a rank's late answer is then dropped or, on a fan-out, told
+        apart by its call id.
+        """
+        tm = self.tokenizer_manager
+        tm.auto_create_handle_loop()
+        communicator = tm.get_internal_state_communicator
+        task = asyncio.ensure_future(communicator(req))
+        done, _ = await asyncio.wait({task}, timeout=self.timeout)
+        if task in done:
+            return list(task.result()), False
+        arrived = list(getattr(communicator, "_result_values", None) or [])
+        task.cancel()
+        await asyncio.wait({task})  # the communicator's queue is free again before this returns
+        return arrived, True
+
+    def _missing(self, answered: set[int]) -> list[int]:
+        """The data-parallel ranks (of ``--dp-size``) not in ``answered``."""
+        dp_size = int(getattr(getattr(self.tokenizer_manager, "server_args", None), "dp_size", 1) or 1)
+        return sorted(set(range(max(dp_size, 1))) - answered)
 
     def _ensure_socket(self):
         if self._socket is None:

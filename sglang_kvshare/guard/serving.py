@@ -13,6 +13,11 @@ kvshare annotated), ``Guard.prepare`` runs before SGLang sees it:
   fewer verified or waiting requests than a decision needs
   (``Controller.wants_evidence``). A prefill-only request (``max_new_tokens=0``,
   as a client commits an answer) is never sampled: it has no output to judge.
+  Nor is a request whose logprobs SGLang takes after changes a plain prefill
+  does not make (penalties, ``min_new_tokens``, ``logit_bias``, a grammar, a
+  temperature other than 1 or 0, a custom logit processor: ``_sampling_changes``),
+  nor one with ``n > 1``; such a draw is counted (``skipped_sampling``,
+  ``skipped_parallel``) and the request passes as it came.
 
 The returned ``Collector`` watches the outputs as they pass, adds the guard's
 part to the report (``kvshare.guard``: scope, setting, whether verified) and,
@@ -25,6 +30,8 @@ top-k logprobs from the last prompt token on. ``measure.compare`` scores the
 served distributions against it; the controller updates the scope's estimates
 and may change its setting. The reference never delays a user's response, is
 never an estimate, and waits in a bounded queue (a full one drops, counted).
+A reference not answered within ``REFERENCE_WAIT_S`` is aborted, counted
+(``verify_timeouts``) and named (``timed_out_references``); the next job runs.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import logging
 import os
 import random
 import time
+import uuid
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Optional
@@ -50,8 +58,19 @@ from sglang_kvshare.protocol import CUSTOM_PARAMS_KEY, MAX_NAME_CHARS, Annotatio
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 30.0  # a reference waits at most this long for no user request to be in flight
+REFERENCE_WAIT_S = 120.0  # then at most this long for its answer: a stuck reference must not stop verification
+TIMED_OUT_SHOWN = 16  # the last timed-out references named in the snapshot
+# What SGLang adds to ``meta_info`` for ``return_logprob`` (``TokenizerManager.convert_logprob_style``): all of it
+# leaves the response of a client that did not ask.
 LOGPROB_KEYS = ("output_token_logprobs", "output_top_logprobs", "input_token_logprobs", "input_top_logprobs",
-                "output_token_ids_logprobs", "input_token_ids_logprobs")
+                "output_token_ids_logprobs", "input_token_ids_logprobs", "output_token_logprobs_length")
+# Sampling parameters at which SGLang's logprobs are those of the model's logits (a dense prefill's): any other
+# value changes the logits before the logprobs are taken (``Sampler``: penalties, min_new_tokens, logit_bias and
+# grammars in ``apply_logits_bias``, then the temperature; top-p, top-k and min-p only after).
+NEUTRAL_SAMPLING = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+                    "min_new_tokens": 0}
+CONSTRAINTS = ("logit_bias", "json_schema", "regex", "ebnf", "structural_tag")
+GREEDY_TEMPERATURE = 1e-6  # below it SGLang samples greedily, from the unscaled logits (``SamplingParams``)
 TOKEN_BYTES = 36  # a token id in a Python list: the int object and its pointer
 ROW_BYTES = 160  # one (logprob, token id, text) entry of a top-k row
 APPROXIMATED = ("tokens_aligned", "tokens_corrected", "tokens_estimate_hit")
@@ -71,6 +90,7 @@ class Job:
     lora_path: Any = None
     extra_key: Optional[str] = None
     cache_salt: Optional[str] = None
+    display: str = ""  # the scope as the admin view shows it: how a timed-out reference is named
 
     @property
     def approx_bytes(self) -> int:
@@ -136,7 +156,7 @@ class Collector:
         obj = self.obj
         self.guard.enqueue(Job(self.scope, self.setting, list(self.prompt), output, served[:len(output)],
                                self.manager, getattr(obj, "lora_path", None), getattr(obj, "extra_key", None),
-                               getattr(obj, "cache_salt", None)))
+                               getattr(obj, "cache_salt", None), self.display))
 
 
 class Guard:
@@ -162,6 +182,7 @@ class Guard:
         self._exact_scopes: OrderedDict[Hashable, None] = OrderedDict()
         self._metrics: Any = None  # GuardMetrics where SGLang runs with --enable-metrics; False where not
         self._file: Optional[GuardFile] = None  # --kvshare-fidelity-file: settings and pins across restarts
+        self._timed_out: list[dict] = []  # the last references that did not answer in time, by rid and scope
 
     def attach_file(self, path: Optional[str]) -> None:
         """Keep the scopes' settings and pins in ``path`` (``guard.saved``), created at once when missing; raises
@@ -258,6 +279,10 @@ class Guard:
         draw = verifiable and self._rng.random() < config.verify_rate
         burst = (not draw and verifiable and config.verify_burst and scope not in self._exact_scopes
                  and controller.wants_evidence(scope, self._waiting.get(scope, 0)))
+        skip = (draw or burst) and _unverifiable(obj, sampling, manager)
+        if skip:  # its logprobs are not what a plain prefill gives, or it has several answers: never compared
+            self.counters[f"skipped_{skip}"] += 1
+            draw = burst = False
         probe = controller.probe_setting(scope) if draw else None
         if probe is not None:  # a dense scope: this request probes the next looser setting
             setting = probe
@@ -308,6 +333,20 @@ class Guard:
             finally:
                 self.release(job.scope)
 
+    def _reference_timed_out(self, job: Job, rid: str) -> None:
+        """Count and name a reference that did not answer within ``REFERENCE_WAIT_S``, and abort it in SGLang."""
+        self.counters["verify_timeouts"] += 1
+        entry = {"reference": rid, "scope": job.display, "at": round(time.time(), 3)}
+        self._timed_out = (self._timed_out + [entry])[-TIMED_OUT_SHOWN:]
+        logger.warning("sglang-kvshare: fidelity reference %s (scope %s) did not answer within %gs; aborted",
+                       rid, job.display, REFERENCE_WAIT_S)
+        try:
+            abort = getattr(job.manager, "abort_request", None)
+            if abort is not None:
+                abort(rid)
+        except Exception:  # noqa: BLE001 - the reference is already given up; SGLang finishes it on its own
+            logger.exception("sglang-kvshare: aborting the fidelity reference %s failed", rid)
+
     def release(self, scope: Hashable) -> None:
         """One sampled request of ``scope`` is verified or will not be: it no longer counts as waiting."""
         left = self._waiting.get(scope, 0) - 1
@@ -323,12 +362,15 @@ class Guard:
         while getattr(manager, "rid_to_state", None) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)  # never beside a user's request while one is in flight
         k = live_config().verify_top_k
+        rid = f"kvshare-verify-{uuid.uuid4().hex}"
         obj = GenerateReqInput(input_ids=job.prompt + job.output, sampling_params={"max_new_tokens": 0},
                                return_logprob=True, logprob_start_len=len(job.prompt) - 1, top_logprobs_num=k,
-                               lora_path=job.lora_path, extra_key=job.extra_key, cache_salt=job.cache_salt)
-        meta: dict = {}
-        async for out in manager.generate_request(obj, None):
-            meta = out.get("meta_info") or meta
+                               lora_path=job.lora_path, extra_key=job.extra_key, cache_salt=job.cache_salt, rid=rid)
+        try:
+            meta = await asyncio.wait_for(_answer_meta(manager, obj), REFERENCE_WAIT_S)
+        except asyncio.TimeoutError:
+            self._reference_timed_out(job, rid)
+            return
         reference = (meta.get("input_top_logprobs") or [])[1:]  # from the first generated token on
         fidelity = compare(_pairs(job.served), _pairs(reference))
         if fidelity is None:
@@ -373,6 +415,7 @@ class Guard:
                 "queue": {"jobs": 0 if self._queue is None else self._queue.qsize(),
                           "max": config.verify_queue_max, "approx_bytes": self._queued_bytes},
                 "counters": dict(self.counters), "recent_actions": list(self.last_actions), "per_scope": scopes,
+                "timed_out_references": list(self._timed_out),
                 "file": None if self._file is None else str(self._file.path)}
 
     def reset(self) -> None:
@@ -385,6 +428,7 @@ class Guard:
             self._write_file()
         self.last_actions = []
         self._served.clear()
+        self._timed_out = []
         self._waiting.clear()
         self._exact_scopes.clear()
         if self._queue is not None:
@@ -471,6 +515,47 @@ def _with_setting(ann: Any, setting: int) -> Any:
         segments = tuple(s.model_copy(update={"reuse": False}) if s.kind == "shared" else s for s in ann.segments)
         return ann.model_copy(update={"segments": segments})
     return ann.model_copy(update={"recompute_head": max(ann.recompute_head or 0, setting)})
+
+
+async def _answer_meta(manager: Any, obj: Any) -> dict:
+    """The last ``meta_info`` SGLang answers ``obj`` with; its generator is closed however this ends."""
+    meta: dict = {}
+    answers = manager.generate_request(obj, None)
+    try:
+        async for out in answers:
+            meta = out.get("meta_info") or meta
+    finally:
+        await answers.aclose()
+    return meta
+
+
+def _unverifiable(obj: Any, sampling: dict, manager: Any) -> Optional[str]:
+    """Why a request cannot be compared with a plain dense prefill (None: it can).
+
+    ``sampling``: its logprobs are taken after changes the reference does not make (``_sampling_changes``).
+    ``parallel``: ``n > 1`` answers come back as one list, several answers to one request.
+    """
+    preferred = getattr(manager, "preferred_sampling_params", None)  # SGLang fills what the request leaves out
+    effective = {**preferred, **sampling} if isinstance(preferred, dict) else sampling
+    if _sampling_changes(effective) or getattr(obj, "custom_logit_processor", None):
+        return "sampling"
+    n = effective.get("n")
+    if n is not None and n != 1:
+        return "parallel"
+    return None
+
+
+def _sampling_changes(sampling: dict) -> bool:
+    """Whether SGLang's logprobs for these sampling parameters differ from the model's own (a dense prefill's)."""
+    try:
+        temperature = float(sampling["temperature"]) if sampling.get("temperature") is not None else 1.0
+        if not (0 <= temperature < GREEDY_TEMPERATURE or temperature == 1.0):
+            return True
+        if any(float(sampling[k]) != v for k, v in NEUTRAL_SAMPLING.items() if sampling.get(k) is not None):
+            return True
+    except (TypeError, ValueError):
+        return True  # SGLang refuses it; nothing to verify either way
+    return any(sampling.get(k) for k in CONSTRAINTS)
 
 
 def _ask_logprobs(obj: Any, k: int) -> tuple[bool, bool]:

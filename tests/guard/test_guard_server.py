@@ -3,6 +3,7 @@ their reuse, and the guard's state is visible and steerable through its routes."
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -199,3 +200,75 @@ def test_bad_guard_settings_are_refused_and_change_nothing(server_pool, change, 
     after = requests.get(server.url + "/kvshare/fidelity", timeout=60, headers=ADMIN_HEADERS).json()
     assert (after["verify_rate"], after["target"], after["min_samples"], after["band"]) == \
         (before["verify_rate"], before["target"], before["min_samples"], before["band"])
+
+
+def _set_rate(server, rate: float) -> None:
+    r = requests.post(server.url + "/kvshare/config", json={"verify_rate": rate}, timeout=60, headers=ADMIN_HEADERS)
+    assert r.status_code == 200, r.text
+
+
+def _answers(server, body: dict) -> list[dict]:
+    """``/generate``'s answers to ``body``: one per choice, or a stream's chunks in order."""
+    r = requests.post(server.url + "/generate", json=body, timeout=300, stream=bool(body.get("stream")))
+    assert r.status_code == 200, r.text
+    if not body.get("stream"):
+        out = r.json()
+        return out if isinstance(out, list) else [out]
+    chunks = [line[len(b"data: "):] for line in r.iter_lines() if line.startswith(b"data: ")]
+    return [json.loads(c) for c in chunks if c != b"[DONE]"]
+
+
+def _shape(answers: list[dict]) -> list:
+    """What a client reads in the answers, the kvshare report aside: every key, and the values that greedy
+    decoding fixes (the text, the tokens, the top token of each logprob row the client asked for)."""
+    shape = []
+    for out in answers:
+        meta = out.get("meta_info") or {}
+        rows = meta.get("output_top_logprobs") or []
+        shape.append((sorted(out), sorted(meta), out.get("text"), out.get("output_ids"),
+                      [max(row, key=lambda e: e[0])[1] if row else None for row in rows]))
+    return shape
+
+
+def test_verification_leaves_every_response_as_the_client_asked_for_it(server_pool, tokenizer):
+    """At verify rate 1 a response has exactly the keys and greedy values it has at rate 0 (plus the kvshare
+    report): one answer, several (``n``), a stream, and a request that asked for logprobs itself."""
+    server = shared_server(server_pool)
+    ids, custom = _reader_request(tokenizer, "shape-writer", _doc("shape", 0), "shape")
+    sampling = {"max_new_tokens": 6, "temperature": 0.0, "custom_params": custom}
+    bodies = {"one": {"input_ids": ids, "sampling_params": sampling},
+              "n2": {"input_ids": ids, "sampling_params": {**sampling, "n": 2}},
+              "stream": {"input_ids": ids, "sampling_params": sampling, "stream": True},
+              "logprobs": {"input_ids": ids, "sampling_params": sampling, "return_logprob": True,
+                           "top_logprobs_num": 3, "logprob_start_len": -1}}
+    with reconfigured(server, verify_rate=0.0, fidelity_target="top1>=0.5"):
+        plain = {name: _shape(_answers(server, body)) for name, body in bodies.items()}
+        _set_rate(server, 1.0)
+        verified = {name: _shape(_answers(server, body)) for name, body in bodies.items()}
+        _drain(server)
+    for name in bodies:
+        assert verified[name] == plain[name], name
+    assert all("output_top_logprobs" in keys[1] for keys in plain["logprobs"])  # what the client asked for stays
+
+
+def test_requests_whose_logprobs_sglang_changes_are_never_counted_as_kv_error(server_pool, tokenizer):
+    """A ``logit_bias`` or ``json_schema`` request of an intact, approximated scope: its served logprobs are taken
+    after the bias or grammar, a dense prefill's are not, so it is not verified (counted) and shows no top-1 miss."""
+    server = shared_server(server_pool)
+    agent = "biased-reader"
+    with reconfigured(server, verify_rate=1.0, fidelity_target="top1>=0.5"):
+        before = _fidelity(server)["counters"].get("skipped_sampling", 0)
+        for i, extra in enumerate(({"logit_bias": {str(tokenizer.encode(" banana")[0]): 100.0}},
+                                   {"json_schema": json.dumps({"type": "object", "properties": {
+                                       "n": {"type": "integer"}}, "required": ["n"]})})):
+            _ask(server, tokenizer, "biased-writer", _doc("biased", i), "biased")  # the first copy
+            ids, custom = _reader_request(tokenizer, agent, _doc("biased", i), "biased")
+            out = requests.post(server.url + "/generate", timeout=300, json={
+                "input_ids": ids, "sampling_params": {"max_new_tokens": 6, "temperature": 0.0,
+                                                      "custom_params": custom, **extra}})
+            assert out.status_code == 200, out.text
+            report = out.json()["meta_info"]["kvshare"][0]
+            assert report["tokens_aligned"] > 0 and not report["guard"]["verified"], report  # approximated
+        snap = _drain(server)
+    assert snap["counters"].get("skipped_sampling", 0) - before == 2, snap["counters"]
+    assert snap["per_scope"].get(agent, {}).get("samples", 0) == 0, snap["per_scope"]  # no verified miss
