@@ -255,8 +255,8 @@ class Guard:
     def prepare(self, obj: Any, manager: Any) -> Optional[Collector]:
         """Apply the scope's setting to an annotated request and decide whether to verify it; None to pass."""
         config = live_config()
-        if config.mode == "off":
-            return None
+        if config.mode == "off" or (config.reuse_scope == "salt-required" and not getattr(obj, "cache_salt", None)):
+            return None  # served as stock: nothing approximated to verify, no scope to hold
         sampling = getattr(obj, "sampling_params", None)
         ids = getattr(obj, "input_ids", None)
         if not isinstance(sampling, dict) or not isinstance(ids, list) or (ids and isinstance(ids[0], list)):

@@ -107,6 +107,13 @@ def test_a_pinned_scope_is_never_evicted_and_a_pin_past_the_bound_is_refused():
     assert g.pin("one-too-many", "dense")["setting"] == "dense"
 
 
+def test_an_unsalted_request_under_salt_required_holds_no_scope(monkeypatch):
+    _configure(monkeypatch, reuse_scope="salt-required", verify_rate=1.0)
+    g = Guard(seed=0)
+    assert _served(g, "judge") is None and g.summary()["usage"]["scopes"] == 0
+    assert _served(g, "judge", salt=SALT) is not None
+
+
 def test_an_agent_name_cannot_forge_another_namespaces_display_name():
     g = Guard(seed=0)
     g._refresh(CONFIG)
