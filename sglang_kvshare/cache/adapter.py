@@ -42,10 +42,11 @@ from sglang_kvshare.cache.plan import RequestPlan, drop_plan, plan_of, plan_requ
 from sglang_kvshare.cache.pool_persistence import PoolSaver, PoolStore
 from sglang_kvshare.cache.record import Recorder
 from sglang_kvshare.cache.registry import ContentHasher, PlaceholderRegistry, RegistryLimits
-from sglang_kvshare.cache.resolve import (HeadRule, Resolver, candidates, mark_matched, mark_unreached,
-                                          next_stage, resolve_segments)
+from sglang_kvshare.cache.resolve import (HeadRule, Resolver, candidates, mark_dense_from, mark_matched,
+                                          mark_unreached, next_stage, resolve_segments)
 from sglang_kvshare.cache.tail_probe import TAIL_TOKENS, pick_rows
 from sglang_kvshare.config import KVShareConfig
+from sglang_kvshare.correction.rank_reduce import RanksUnreachable, decision_key
 from sglang_kvshare.counters import Counters
 from sglang_kvshare.learning.learner import Learner
 from sglang_kvshare.learning.serving_activity import ServingActivity
@@ -160,14 +161,23 @@ class KVShareRadixCache(RadixCache):
                 if leaked:  # NOTE: impossible by construction; counted so the soak can prove it
                     self.counters.add("plain_tokens_from_estimates", leaked)
             return result
+        result: Optional[MatchResult] = None
         try:
             with self.counters.timed("match"):
-                return self._match_annotated(req, plan, params)
+                result = self._match_annotated(req, plan, params)
         except Exception:  # noqa: BLE001 - never fail a request because of kvshare
             logger.exception("sglang-kvshare: assembly failed; prefilling densely")
             self.counters.add("internal_errors")
-            plan.est_start, plan.sparse_rows = None, []
-            return super().match_prefix(params)
+        served = -1 if result is None else result.device_prefix_len
+        if result is not None and self._ranks_agree(("match", req.rid, len(plan.tokens)), served):
+            return result
+        # Every rank prefills from its exact prefix: one that raised, or ranks whose matches differ (a forward
+        # of different lengths on two tensor-parallel ranks would pair mismatched collectives).
+        result = super().match_prefix(params)
+        mark_dense_from(plan, result.device_prefix_len, "internal_error" if served < 0 else "ranks_disagree",
+                        exact_before=True)
+        report.publish(req, plan)
+        return result
 
     def checkpoint(self, req, *, up_to: int):
         if up_to >= len(req.origin_input_ids) or req.finished():
@@ -191,6 +201,22 @@ class KVShareRadixCache(RadixCache):
         except Exception:  # noqa: BLE001
             logger.exception("sglang-kvshare: learning from a dense prefill failed")
             self.counters.add("internal_errors")
+
+    def _ranks_agree(self, key: tuple, served: int) -> bool:
+        """Whether every tensor-parallel rank serves this request the same prefix (``served``; -1 where a rank
+        raised), so every rank runs a forward of one length. One small reduce per annotated match at TP > 1,
+        bounded by the reducer's deadline; ranks that can no longer reduce go dense together."""
+        reducer = self.state.reducer
+        if reducer is None or reducer.size < 2:
+            return served >= 0
+        try:
+            lo, hi = reducer.agree(decision_key(*key), [served])
+        except RanksUnreachable:
+            self.counters.add("ranks_unreachable")
+            return False
+        if lo[0] != hi[0]:
+            self.counters.add("ranks_disagree")
+        return lo[0] == hi[0] and lo[0] >= 0
 
     # ------------------------------------------------------------ the request's path
     def _plan(self, req) -> Optional[RequestPlan]:
@@ -382,7 +408,11 @@ class KVShareRadixCache(RadixCache):
         except Exception:  # noqa: BLE001 - never fail a request because of kvshare
             logger.exception("sglang-kvshare: resuming reuse failed; prefilling densely")
             self.counters.add("internal_errors")
+            end = -1
+        if not self._ranks_agree(("resume", req.rid, p), end):
             plan.next_stage = None
+            mark_dense_from(plan, p, "internal_error" if end < 0 else "ranks_disagree", exact_before=False)
+            report.publish(req, plan)
             return 0
         if end > p:
             rows = self.path_device_indices(last)[p:end]

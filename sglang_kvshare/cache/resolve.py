@@ -391,3 +391,25 @@ def mark_unreached(plan: RequestPlan) -> None:
     for o in plan.outcomes:
         if o.kind == "shared" and o.resolved_by == "dense" and o.reason is None and not prefilled_by_request(plan, o):
             o.reason = "not_reached"
+
+
+def mark_dense_from(plan: RequestPlan, m: int, reason: str, *, exact_before: bool) -> None:
+    """The plan as served when the cache falls back to dense prefill from row ``m`` on.
+
+    Every segment past ``m`` is prefilled densely; a shared one without a reason of its own gets ``reason``.
+    ``exact_before``: ``[0, m)`` is the tree's exact prefix (a fallback at the match), so the segments inside it
+    are hits; otherwise (a fallback between two stages) they keep how they were served. Why: the report and the
+    stats count what was served, not what was assembled and then not used.
+    """
+    plan.est_start, plan.sparse_rows, plan.next_stage = None, [], None
+    if exact_before:
+        plan.exact_len, plan.estimate_len = m, 0
+    for o, seg in zip(plan.outcomes, plan.annotation.segments):
+        if seg.end <= m:
+            if exact_before:
+                o.resolved_by, o.resolved_tokens, o.reason = "hit", o.tokens, None
+            continue
+        if o.resolved_by != "dense" or (o.kind == "shared" and o.reason is None):
+            o.reason = (o.reason if o.resolved_by == "dense" else None) or (reason if o.kind == "shared" else None)
+            o.resolved_by, o.resolved_tokens, o.head_recomputed, o.recompute_policy = "dense", 0, None, None
+            o.source_agent, o.entropy, o.pool_anchors, o.gate_fallback = None, None, None, None

@@ -3,6 +3,7 @@ and reducing over a gloo group, decide what one process holding both heads decid
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing as mp
 import socket
@@ -146,6 +147,32 @@ def _gate_raises(rank: int, reducer) -> dict:
             "digest": est.gate_digest}
 
 
+def _assembly_raises(rank: int, reducer) -> dict:
+    """Two agents read one text through a fullshared cache on each rank; assembling agent B's copy raises on rank 0
+    only, then a third agent's request runs with no fault. Per request: the prefix served and the shared
+    segment's report."""
+    from unittest import mock
+
+    from tests.cache.fakes import MiniScheduler, make_cache
+    from tests.cache.test_adapter import annotated
+
+    sched = MiniScheduler(make_cache("fullshared", reducer=reducer))
+    out = {"A": sched.run(annotated("A"))}
+    b = annotated("B")
+
+    def broken(*_args, **_kw):
+        raise RuntimeError("out of memory")
+
+    with mock.patch("sglang_kvshare.cache.adapter.write_and_insert", side_effect=broken) if rank == 0 \
+            else contextlib.nullcontext():
+        out["B"] = sched.run(b)
+    out["B_shared"] = {k: b.report()["segments"][1].get(k) for k in ("resolved_by", "reason")}
+    c = annotated("C")
+    out["C"] = sched.run(c)
+    out["C_shared"] = c.report()["segments"][1].get("resolved_by")
+    return out
+
+
 def _fresh_reducer():
     """A reducer of its own (its own gloo group), warmed up by one decision both ranks take."""
     import torch.distributed as dist
@@ -183,10 +210,10 @@ def _deadline(rank: int, _reducer) -> dict:
 
 DEADLINE_S = 3.0
 JOBS = (("decide", None), ("decide", 4), ("drifted", None), ("pools_differ", None), ("learn_raises", None),
-        ("gate_raises", None), ("skips_gate", None), ("deadline", None))
+        ("gate_raises", None), ("assembly_raises", None), ("skips_gate", None), ("deadline", None))
 """What each rank runs, in this order, in one process group; the last two break their reducers for good."""
 _RUN = {"drifted": _drifted, "pools_differ": _pools_differ, "learn_raises": _learn_raises, "gate_raises": _gate_raises,
-        "skips_gate": _skips_gate, "deadline": _deadline}
+        "assembly_raises": _assembly_raises, "skips_gate": _skips_gate, "deadline": _deadline}
 
 
 def _rank_main(rank: int, port: int, results) -> None:
@@ -284,6 +311,16 @@ def test_a_rank_that_raises_in_the_gate_does_not_split_the_ranks(two_ranks):
     assert ranks[0]["reasons"] == ranks[1]["reasons"] == ["gate_failed", "gate_failed", "accepted"]
     assert ranks[0]["entropy"] == ranks[1]["entropy"] and ranks[0]["activations"] == ranks[1]["activations"]
     assert ranks[0]["digest"] == ranks[1]["digest"]
+
+
+def test_a_rank_whose_assembly_raises_sends_every_rank_to_the_same_prefix(two_ranks):
+    """Any mode: the rank that raised and the rank that assembled both prefill B's shared text from the same row,
+    so their forwards have one length; the next request reuses again on both."""
+    ranks = two_ranks[("assembly_raises", None)]
+    assert ranks[0]["B"] == ranks[1]["B"] and ranks[0]["C"] == ranks[1]["C"]
+    assert ranks[0]["B_shared"] == {"resolved_by": "dense", "reason": "internal_error"}
+    assert ranks[1]["B_shared"] == {"resolved_by": "dense", "reason": "ranks_disagree"}
+    assert ranks[0]["C_shared"] == ranks[1]["C_shared"] == "alignment"
 
 
 def test_a_rank_that_skips_a_gate_sends_every_rank_dense_at_once(two_ranks):
