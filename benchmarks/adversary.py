@@ -3,31 +3,31 @@
 Each attack is traffic a hostile client (or a careless operator) can send, and each ends in a verdict in
 ``benchmarks/results/adversary.json``:
 
-* ``long_chats``: automatic-mode chats of hundreds to thousands of messages (longer than the model's context)
-  are answered as stock answers them (the same body with ``"kvshare": false``) within ``LONG_CHAT_S``, and
-  a short chat sent meanwhile is delayed at most ``SHORT_DELAY_S``;
-* ``name_flood``: more agent names than every table of the guard and the cache holds (display table, scope
-  table, namespaces, slots), under random-hex canary salts and extra keys; then ``/kvshare/stats``,
-  ``/kvshare/fidelity``, ``/kvshare/pools`` and ``/metrics`` are read. Verdicts: no salt, extra key or guard
-  file key in any answer (``no_secret_in_any_answer``, checked on every answer of the run); no client-chosen
-  agent name and at most the guard's cap of scope series on ``/metrics`` (``metrics_bounded``); the
-  operator's dense pins (a salted agent and a default-namespace judge) still serve dense
-  (``pins_survive_flood``);
-* ``pin_bounds``: a pin past the request bound of ``recompute_head`` (and malformed settings) gets a 4xx, a
-  pin at the bound a 200, and the pinned agent still gets 200s; a temp file planted as a symlink beside the
-  guard file is not followed and the guard file is private (``guard_file_writes``);
+* ``long_chats``: automatic-mode chats of 500 to 4,000 messages (longer than the model's context) are answered
+  as stock answers them (the same body with ``"kvshare": false``) within 2 s, and a short chat sent meanwhile
+  is delayed at most 0.2 s (``adversary_tenants``);
+* ``forged_workflow``: under ``--kvshare-reuse-scope salt-required``, a request without ``cache_salt`` naming
+  another workflow (annotation ``workflow``, chat ``user``) is served none of its KV and sees none of its
+  agents as ``source_agent`` (``adversary_tenants``);
 * ``verify_keys``: at verify rate 1, ``n = 1``, ``n = 2``, a stream and a request that asked for logprobs
-  answer with the keys (and greedy outputs) they have at rate 0;
-* ``sampling_not_error``: ``logit_bias`` and ``json_schema`` requests served approximated KV are not scored
-  as KV error: their top-1 estimate stays that of a plain request on the same KV;
-* ``forged_workflow``: under ``--kvshare-reuse-scope salt-required``, a request without ``cache_salt`` that
-  names another workflow (annotation ``workflow``, chat ``user``) is served none of its KV and sees none of
-  its agents as ``source_agent``;
-* ``hostile_files``: hostile guard and pool files stop the launch with a message naming the file
-  (``benchmarks.adversary_files``, no server).
+  answer with the keys and greedy outputs they have at rate 0, the kvshare report included
+  (``adversary_guard``, as the next three);
+* ``sampling_not_error``: ``logit_bias`` and ``json_schema`` requests served approximated KV are not scored as
+  KV error: their top-1 estimate stays that of a plain request on the same KV;
+* ``pin_bounds``: pins past the request bound of ``recompute_head`` and malformed settings get a 4xx, a pin
+  at the bound a 200, and the pinned agent's requests 200s;
+* the name flood: more agent names than every table holds (the guard's display and scope tables, the cache's
+  namespaces and slots), under random-hex cache salts and extra keys, the admin routes and ``/metrics`` read
+  after it. ``pins_survive_flood``: two agents pinned dense before it (one salted, one of the default
+  namespace pinned by name) are still listed and served dense; ``metrics_bounded``: at most the guard's cap of
+  per-scope series on ``/metrics``, none labelled with an agent name;
+* ``hostile_files``: hostile guard files stop the launch with a message naming the file, a guard file is
+  written private and through no planted symlink, and hostile pool files (made from the server's own) stop
+  a real launch (``adversary_files``; after the server is down).
 
-Overall: no 5xx, no request lost (``no_5xx``, ``nothing_lost``). The HTTP side (endpoint with timeouts,
-tallies) is ``benchmarks.soak``'s. ``--short`` is the form the test suite runs.
+Overall: ``no_secret_in_any_answer`` (no salt or extra key of the run in any answer, admin route or metric),
+``no_5xx``, ``nothing_lost``. The HTTP side (endpoint with timeouts, tallies) is ``benchmarks.soak``'s.
+``--short`` is the form the test suite runs (``tests/test_adversary.py``), against a server it shares.
 """
 
 from __future__ import annotations
