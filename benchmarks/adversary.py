@@ -81,7 +81,8 @@ def save_pool_file(r: Run) -> Optional[Path]:
         out = r.admin("save", "POST", "/kvshare/save")
     finally:
         r.configure(mode="fullshared")
-    path = Path(out.body.get("path", "")) if out.status == 200 and isinstance(out.body, dict) else None
+    saved = (out.body.get("saved") or {}) if out.status == 200 and isinstance(out.body, dict) else {}
+    path = Path(saved["path"]) if saved.get("path") else None
     return path if path is not None and path.is_file() else None
 
 
