@@ -16,6 +16,7 @@ from benchmarks.soak_faults import cross_scope_signs
 
 LONG_CHAT_S, SHORT_DELAY_S = 2.0, 0.2  # the issue's bounds
 CONTEXT_TOKENS = 8192  # SmolLM2's context: every long chat is built past twice this
+SHORT_AFTER_S = 0.02  # the short chat leaves this long after the long one: while the server reads and plans it
 
 
 def forged_workflow(r: Run) -> dict:
@@ -61,7 +62,7 @@ def _probe_row(out: Outcome, producer: Optional[str]) -> dict:
 
 
 def long_chats(r: Run, sizes: tuple[int, ...]) -> dict:
-    """Per size: the chat opted out (stock), then automatic with a short chat sent 0.1 s into it."""
+    """Per size: the chat opted out (stock), then automatic with a short chat sent ``SHORT_AFTER_S`` into it."""
     salt = r.watch.secret("salt")
     short = {"model": "default", "max_tokens": 1, "temperature": 0.0, "cache_salt": salt,
              "messages": [{"role": "system", "content": "You answer in one word."},
@@ -78,7 +79,7 @@ def long_chats(r: Run, sizes: tuple[int, ...]) -> dict:
         got: list[Outcome] = []
         t = threading.Thread(target=lambda: got.append(r.ep.chat("long_chat_auto", body)), daemon=True)
         t.start()
-        time.sleep(0.1)
+        time.sleep(SHORT_AFTER_S)
         during = r.ep.chat("short_chat", short)
         t.join(r.ep.timeout + 5)
         auto = got[0] if got else Outcome(0, None, r.ep.timeout, "no answer")
