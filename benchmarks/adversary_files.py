@@ -141,9 +141,10 @@ def launch_refused(model_path: str, pool_file: Path, timeout: float = 300.0) -> 
         log = server.log_text()
     finally:
         server.stop()
-    named = [ln.strip() for ln in log.splitlines() if pool_file.name in ln and "--kvshare-pool-file" not in ln[:40]]
+    named = [ln.strip() for ln in log.splitlines() if pool_file.name in ln]
+    errors = [ln for ln in named if "Error" in ln] or named or log.strip().splitlines()[-1:]
     return {"refused": code not in (None, 0) and not up, "crashed": None, "came_up": up,
-            "message": (named[-1] if named else log.strip().splitlines()[-1] if log.strip() else "")[-400:]}
+            "message": (errors[-1] if errors else "")[-400:]}
 
 
 def hostile_files(folder: Path, model_path: str, saved_pool: Optional[Path] = None,
