@@ -471,6 +471,21 @@ def render_soak(d: dict) -> str:
             f"identical.\n\n" + table(["verdict", "result"], rows))
 
 
+def render_adversary(d: dict) -> str:
+    rows = [[f"`{k}`", "pass" if v is True else ("not checked" if v == "not checked" else "FAIL")]
+            for k, v in d["verdicts"].items()]
+    t, flood = d["totals"], d["attacks"].get("name_flood") or {}
+    chats = (d["attacks"].get("long_chats") or {}).get("sizes") or {}
+    sizes = ", ".join(f"{n} messages: {c['auto_status']} in {num(c['auto_s'])} s (stock {c['stock_status']}), short chat "
+                      f"delayed {num(c['short_delay_s'])} s" for n, c in chats.items())
+    return (f"Form `{d['form']}`, {d['server_s']} s against the server. Passed: **{'yes' if d['passed'] else 'no'}**. "
+            f"Requests {t['requests']}: 2xx {t['ok_2xx']}, 4xx {t['client_4xx']}, 5xx {t['server_5xx']}, lost "
+            f"{t['lost']}; {d['secrets']['count']} secrets looked for in {d['secrets']['answers_scanned']} answers, "
+            f"{len(d['secrets']['leaks'])} found; name flood {flood.get('flood_requests', '-')} agents, guard scope "
+            f"series {(flood.get('series') or {}).get('scopes', '-')} (cap {flood.get('series_cap', '-')}). "
+            f"Long chats: {sizes or '-'}.\n\n" + table(["verdict", "result"], rows))
+
+
 def render_langgraph(d: dict) -> str:
     rows = []
     for mode, r in d["summary"].items():
@@ -733,6 +748,14 @@ REGISTRY: list[Benchmark] = [
         "Each verdict is a check over the whole run; plain requests are replayed against an `off` server and must "
         "give the same tokens.",
         render_soak),
+    Benchmark(
+        "adversary", "adversary.json", "python -m benchmarks.adversary",
+        "Do hostile clients and hostile launch files (long chats, floods of agent names, pins past the bounds, "
+        "verification with n > 1, streams, logprobs and constrained sampling, forged workflow labels) leave the "
+        "server answering, its tenants apart and its secrets unseen?",
+        "One server, every attack in turn; each verdict is one attack's check. Secrets: the run's random cache salts, "
+        "extra keys and the guard file's key, looked for in every answer, admin route and `/metrics`.",
+        render_adversary, optional=True),
     Benchmark(
         "guard", "guard.json", "python -m benchmarks.guard --seed 13 --offset 700 --task-offset humaneval=110",
         "Does the fidelity guard's estimate hold the truth, does it keep a target at more reuse than one global "
