@@ -83,6 +83,7 @@ class _Capture:
     messages: Optional[list] = None
     kwargs: dict = field(default_factory=dict)
     stock_ids: Optional[list[int]] = None
+    over_context: bool = False  # the prompt reaches the context length: nothing else is recorded
 
 
 @dataclass
@@ -170,9 +171,11 @@ def around_render(original, self, messages, *args, **kwargs):
     result = original(self, messages, *args, **kwargs)
     capture = getattr(_local, "capture", None)
     if capture is not None:
-        capture.messages = copy.deepcopy(messages)
-        capture.kwargs = dict(kwargs)
         capture.stock_ids = [int(t) for t in result[0]]
+        capture.over_context = _over_context(self.tokenizer_manager, capture.stock_ids)
+        if not capture.over_context:  # a copy of a long chat alone costs what stock's rendering costs
+            capture.messages = copy.deepcopy(messages)
+            capture.kwargs = dict(kwargs)
     return result
 
 
@@ -246,6 +249,9 @@ def _plan_or_raise(serving, request, adapted, capture: _Capture, spec: Optional[
             raise ValueError("pass either the chat-level kvshare field or custom_params.kvshare (token spans), "
                              "not both")
         return None  # the client annotated token spans itself
+    if capture.over_context:
+        counters["over_context"] += 1
+        return None  # stock answers it (its own context-length error, or its truncation), unplanned
     if (request.n or 1) != 1:
         return _refuse(spec, "it asks for n > 1 choices; send one request per choice")
     if capture.messages is None or capture.stock_ids is None:
@@ -254,9 +260,6 @@ def _plan_or_raise(serving, request, adapted, capture: _Capture, spec: Optional[
     if list(adapted.input_ids or ()) != capture.stock_ids or len(capture.messages) != len(request.messages):
         return _refuse(spec, "the rendered messages are changed after the template (continue_final_message "
                              "or reordered tool results)")
-    if _over_context(serving.tokenizer_manager, capture.stock_ids):
-        counters["over_context"] += 1
-        return None  # stock answers it (its own context-length error, or its truncation), unplanned
     render, tokenize = template_fns(serving.tokenizer_manager.tokenizer, capture.kwargs)
     messages = capture.messages
     user = getattr(request, "user", None) or None
