@@ -284,7 +284,8 @@ def template_fns(tokenizer, render_kwargs: dict) -> tuple[Render, Tokenize]:
                                              **template_kwargs)
 
     def tokenize(texts):
-        return [[int(t) for t in ids] for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+        batch = tokenizer(texts, add_special_tokens=False, return_attention_mask=False, return_token_type_ids=False)
+        return [[int(t) for t in ids] for ids in batch["input_ids"]]
 
     return render, tokenize
 

@@ -377,3 +377,11 @@ def test_the_auto_plan_of_a_long_chat_costs_about_what_stock_spends(tokenizer, m
     assert plan.input_ids == stock and len(plan.annotation.segments) <= 64
     assert calls["render"] == 2 and calls["tokenize"] == 1 and calls["texts"] <= len(messages) + 10
     assert plan_s <= 2 * stock_s + 1.0, (plan_s, stock_s)
+    # A newest message that merges with its role header: its boundaries are probed, all in one more call.
+    messages[-2]["content"] = "\n\nTwo newlines first"
+    stock = _ids(tokenizer, render(messages))
+    calls.update(render=0, tokenize=0)
+    plan = chat_hooks._auto_plan(messages, counted_render, counted_tokenize, stock, ("ns",), None)
+    assert plan.input_ids == stock and calls["render"] == 4 and calls["tokenize"] == 3
+    shared = {m.index for m in plan.messages if m.slot is not None}
+    assert len(messages) - 2 not in shared and len(messages) - 3 in shared
