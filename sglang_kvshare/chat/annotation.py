@@ -142,6 +142,40 @@ class ChatPlan:
                 "messages": [m.as_dict() for m in self.messages]}
 
 
+_Kind = tuple[str, Optional[str], tuple[int, ...], bool]  # kind, slot, ids, reuse: one piece of the prompt
+
+
+def _kinds(prompt: RenderedPrompt, slots: Mapping[int, str], ids_for: Mapping[int, Sequence[int]],
+           share_tail: bool, no_reuse: frozenset[int]) -> list[_Kind]:
+    """Each piece of ``prompt`` as ``build_annotation`` shares it (the rules are in its docstring)."""
+    kinds: list[_Kind] = []
+    for piece, ids in zip(prompt.pieces, prompt.piece_ids):
+        if piece.message is not None and piece.message in slots:
+            kinds.append(("shared", slots[piece.message], tuple(ids_for.get(piece.message, ids)),
+                          piece.message not in no_reuse))
+        else:
+            kinds.append(("private", None, tuple(ids), True))
+    for k in range(1, len(kinds)):
+        last = k == len(kinds) - 1
+        if (kinds[k][0] == "private" and prompt.pieces[k].message is None and kinds[k - 1][0] == "shared"
+                and ((last and share_tail) or (not last and kinds[k + 1][0] == "shared"))):
+            kinds[k] = ("shared", GLUE_SLOT, kinds[k][2], True)
+    return kinds
+
+
+def _count_segments(kinds: Sequence[_Kind], output_slot: Optional[str]) -> int:
+    """How many segments ``build_annotation`` makes of ``kinds``; 0 when it returns None."""
+    count, shared, last = 0, False, None
+    for kind, _, ids, _ in kinds:
+        if not ids:
+            continue
+        shared = shared or kind == "shared"
+        if kind == "shared" or last != "private":
+            count += 1
+        last = kind
+    return count if shared or output_slot is not None else 0
+
+
 def build_annotation(prompt: RenderedPrompt, slots: Mapping[int, str], agent: str,
                      output_slot: Optional[str], ids_for: Optional[Mapping[int, Sequence[int]]] = None, *,
                      share_tail: bool = True, workflow: Optional[str] = None, no_reuse: frozenset[int] = frozenset(),
@@ -156,25 +190,12 @@ def build_annotation(prompt: RenderedPrompt, slots: Mapping[int, str], agent: st
     one segment. ``workflow`` is the request's reuse scope; the messages in
     ``no_reuse`` are shared for later requests but prefilled by this one.
     """
-    ids_for = ids_for or {}
-    kinds: list[tuple[str, Optional[str], tuple[int, ...]]] = []
-    reuse: dict[int, bool] = {}
-    for k, (piece, ids) in enumerate(zip(prompt.pieces, prompt.piece_ids)):
-        if piece.message is not None and piece.message in slots:
-            kinds.append(("shared", slots[piece.message], tuple(ids_for.get(piece.message, ids))))
-            reuse[k] = piece.message not in no_reuse
-        else:
-            kinds.append(("private", None, tuple(ids)))
-    for k in range(1, len(kinds)):
-        last = k == len(kinds) - 1
-        if (kinds[k][0] == "private" and prompt.pieces[k].message is None and kinds[k - 1][0] == "shared"
-                and ((last and share_tail) or (not last and kinds[k + 1][0] == "shared"))):
-            kinds[k] = ("shared", GLUE_SLOT, kinds[k][2])
-    if output_slot is None and not any(kind == "shared" and ids for kind, _, ids in kinds):
+    kinds = _kinds(prompt, slots, ids_for or {}, share_tail, no_reuse)
+    if output_slot is None and not any(kind == "shared" and ids for kind, _, ids, _ in kinds):
         return None
     input_ids: list[int] = []
     segments: list[Segment] = []
-    for k, (kind, slot, ids) in enumerate(kinds):
+    for kind, slot, ids, reuse in kinds:
         if not ids:
             continue
         start = len(input_ids)
@@ -182,12 +203,14 @@ def build_annotation(prompt: RenderedPrompt, slots: Mapping[int, str], agent: st
         if kind == "private" and segments and segments[-1].kind == "private":
             segments[-1] = Segment(kind="private", start=segments[-1].start, end=len(input_ids))
         else:
-            segments.append(Segment(kind=kind, start=start, end=len(input_ids), slot=slot, reuse=reuse.get(k, True)))
+            segments.append(Segment(kind=kind, start=start, end=len(input_ids), slot=slot, reuse=reuse))
     return input_ids, Annotation(agent=agent, segments=tuple(segments), output_slot=output_slot, workflow=workflow)
 
 
 def build_capped(prompt: RenderedPrompt, slots: Mapping[int, str], agent: str, output_slot: Optional[str],
-                 max_segments: int, **kwargs) -> tuple[Optional[tuple[list[int], Annotation]], dict[int, str]]:
+                 max_segments: int, *, share_tail: bool = True, workflow: Optional[str] = None,
+                 no_reuse: frozenset[int] = frozenset(),
+                 ) -> tuple[Optional[tuple[list[int], Annotation]], dict[int, str]]:
     """``build_annotation``, keeping the newest shared messages that fit in ``max_segments`` segments;
     also returns the slots kept.
 
@@ -195,15 +218,35 @@ def build_capped(prompt: RenderedPrompt, slots: Mapping[int, str], agent: str, o
     segments (its content and the glue after it); past the limit the oldest
     shared messages become private text of the agent (prefilled, or reused only
     as the agent's own prefix) instead of the request being refused, so a chat
-    stock SGLang answers is never rejected for its length.
+    stock SGLang answers is never rejected for its length. The messages in
+    ``no_reuse`` are never dropped; when even dropping every other one does not
+    fit, the annotation is returned over the limit (the request's validation refuses it).
+
+    Cost: making an older message private never adds a segment (its
+    content and the glue beside it join the private text around them), so the
+    number to drop is found by a binary search that counts segments without
+    building them: O(pieces x log messages), and the annotation is built once.
     """
-    keep = dict(slots)
-    order = [i for i in sorted(keep) if i not in kwargs.get("no_reuse", ())]  # the newest stay longest
-    while True:
-        built = build_annotation(prompt, keep, agent, output_slot, **kwargs)
-        if built is None or len(built[1].segments) <= max_segments or not order:
-            return built, keep
-        del keep[order.pop(0)]
+    order = [i for i in sorted(slots) if i not in no_reuse]  # the newest stay longest
+
+    def kept(dropped: int) -> dict[int, str]:
+        gone = set(order[:dropped])
+        return {i: slot for i, slot in slots.items() if i not in gone}
+
+    def fits(dropped: int) -> bool:
+        kinds = _kinds(prompt, kept(dropped), {}, share_tail, no_reuse)
+        return _count_segments(kinds, output_slot) <= max_segments
+
+    lo, hi = 0, len(order)  # the fewest drops that fit lie in [lo, hi] (hi: drop all, fitting or not)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    keep = kept(lo)
+    return build_annotation(prompt, keep, agent, output_slot, share_tail=share_tail, workflow=workflow,
+                            no_reuse=no_reuse), keep
 
 
 def _agent_key() -> bytes:

@@ -28,7 +28,8 @@ What is never changed: requests without the field when ``--kvshare-auto`` is
 off; ``lora_path``, ``extra_key`` and ``cache_salt`` (passed through, also to the
 warm-up request, so the cache keeps its namespaces); requests whose template or
 options this module cannot reproduce (automatic mode serves them as stock;
-explicit mode answers 400 saying why).
+explicit mode answers 400 saying why); requests whose prompt reaches the
+context length (both modes: stock answers them, unplanned, with its own error).
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ from sglang_kvshare.chat.annotation import (
     AUTO_SLOT, REQUEST_KEY, ChatKVShare, ChatPlan, MessageOutcome, auto_agent, auto_candidates,
     auto_slot, build_annotation, build_capped, parse_chat_kvshare)
 from sglang_kvshare.chat.outputs import OutputMemory
-from sglang_kvshare.chat.render import TemplateSplitError, align_to_stock, render_pieces, safe_messages
+from sglang_kvshare.chat.render import (
+    Render, TemplateSplitError, Tokenize, align_to_stock, render_pieces, safe_messages)
 from sglang_kvshare.config import live_config
 from sglang_kvshare import routing
 from sglang_kvshare.protocol import CUSTOM_PARAMS_KEY, AnnotationError, generated_ids_for_text
@@ -64,7 +66,7 @@ _tracks: dict[int, "_Track"] = {}  # id(GenerateReqInput) -> track, from convers
 _warmed: "OrderedDict[tuple, None]" = OrderedDict()
 outputs = OutputMemory()
 counters: dict[str, int] = {"explicit": 0, "auto": 0, "auto_stock": 0, "same_as_stock": 0, "warmups": 0,
-                            "opted_out": 0, "internal_errors": 0}
+                            "opted_out": 0, "over_context": 0, "internal_errors": 0}
 
 
 @dataclass
@@ -81,6 +83,7 @@ class _Capture:
     messages: Optional[list] = None
     kwargs: dict = field(default_factory=dict)
     stock_ids: Optional[list[int]] = None
+    over_context: bool = False  # the prompt reaches the context length: nothing else is recorded
 
 
 @dataclass
@@ -168,9 +171,11 @@ def around_render(original, self, messages, *args, **kwargs):
     result = original(self, messages, *args, **kwargs)
     capture = getattr(_local, "capture", None)
     if capture is not None:
-        capture.messages = copy.deepcopy(messages)
-        capture.kwargs = dict(kwargs)
         capture.stock_ids = [int(t) for t in result[0]]
+        capture.over_context = _over_context(self.tokenizer_manager, capture.stock_ids)
+        if not capture.over_context:  # a copy of a long chat alone costs what stock's rendering costs
+            capture.messages = copy.deepcopy(messages)
+            capture.kwargs = dict(kwargs)
     return result
 
 
@@ -248,6 +253,9 @@ def _plan_or_raise(serving, request, adapted, capture: _Capture, spec: Optional[
             raise ValueError("pass either the chat-level kvshare field or custom_params.kvshare (token spans), "
                              "not both")
         return None  # the client annotated token spans itself
+    if capture.over_context:
+        counters["over_context"] += 1
+        return None  # stock answers it (its own context-length error, or its truncation), unplanned
     if (request.n or 1) != 1:
         return _refuse(spec, "it asks for n > 1 choices; send one request per choice")
     if capture.messages is None or capture.stock_ids is None:
@@ -256,18 +264,7 @@ def _plan_or_raise(serving, request, adapted, capture: _Capture, spec: Optional[
     if list(adapted.input_ids or ()) != capture.stock_ids or len(capture.messages) != len(request.messages):
         return _refuse(spec, "the rendered messages are changed after the template (continue_final_message "
                              "or reordered tool results)")
-    tokenizer = serving.tokenizer_manager.tokenizer
-    kw = capture.kwargs
-    template_kwargs = dict(kw.get("template_kwargs") or {})
-
-    def render(messages):
-        return tokenizer.apply_chat_template(messages, tokenize=False, tools=kw.get("tools"), return_dict=False,
-                                             add_generation_prompt=kw.get("add_generation_prompt", True),
-                                             **template_kwargs)
-
-    def tokenize(text):
-        return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
-
+    render, tokenize = template_fns(serving.tokenizer_manager.tokenizer, capture.kwargs)
     messages = capture.messages
     user = getattr(request, "user", None) or None
     workflow = (spec.workflow if spec is not None else None) or user or routed_workflow
@@ -280,6 +277,34 @@ def _plan_or_raise(serving, request, adapted, capture: _Capture, spec: Optional[
         return _auto_plan(messages, render, tokenize, capture.stock_ids, namespace, user, workflow)
     except TemplateSplitError as exc:
         return _refuse(spec, str(exc))
+
+
+def template_fns(tokenizer, render_kwargs: dict) -> tuple[Render, Tokenize]:
+    """``render`` and ``tokenize`` (``chat.render``) for SGLang's tokenizer and the options SGLang rendered with."""
+    template_kwargs = dict(render_kwargs.get("template_kwargs") or {})
+
+    def render(messages):
+        return tokenizer.apply_chat_template(messages, tokenize=False, tools=render_kwargs.get("tools"),
+                                             return_dict=False,
+                                             add_generation_prompt=render_kwargs.get("add_generation_prompt", True),
+                                             **template_kwargs)
+
+    def tokenize(texts):
+        batch = tokenizer(texts, add_special_tokens=False, return_attention_mask=False, return_token_type_ids=False)
+        return [[int(t) for t in ids] for ids in batch["input_ids"]]
+
+    return render, tokenize
+
+
+def _over_context(tokenizer_manager, stock_ids: list[int]) -> bool:
+    """The prompt reaches the context length: SGLang refuses it (or truncates it) whatever kvshare plans.
+
+    Why check first: planning costs time on the HTTP process, and such a
+    request must get stock's answer as fast as stock gives it.
+    """
+    context_len = getattr(tokenizer_manager, "context_len", None)
+    reserved = getattr(tokenizer_manager, "num_reserved_tokens", 0) or 0
+    return isinstance(context_len, int) and len(stock_ids) + reserved >= context_len
 
 
 def _explicit_plan(spec, messages, render, tokenize, stock_ids, namespace, workflow: Optional[str]) -> ChatPlan:
@@ -317,12 +342,14 @@ def _explicit_plan(spec, messages, render, tokenize, stock_ids, namespace, workf
 
 def _auto_plan(messages, render, tokenize, stock_ids, namespace, user: Optional[str],
                workflow: Optional[str] = None) -> Optional[ChatPlan]:
-    candidates = auto_candidates(messages)
-    prompt = render_pieces(render, tokenize, messages, cut=candidates)
-    safe = safe_messages(tokenize, prompt.pieces)
-    if safe != prompt.content_messages():
-        prompt = render_pieces(render, tokenize, messages, cut=safe)
-    prompt, same = align_to_stock(prompt, stock_ids)
+    # Cut at every candidate; only when the ids then differ from stock's, cut only where the tokenizer cuts
+    # anyway (a content that starts with a whitespace run merges with its role header's newline).
+    cut_all = render_pieces(render, tokenize, messages, cut=auto_candidates(messages))
+    prompt, same = align_to_stock(cut_all, stock_ids)
+    if not same:
+        safe = safe_messages(tokenize, cut_all.pieces)
+        if safe != cut_all.content_messages():
+            prompt, same = align_to_stock(render_pieces(render, tokenize, messages, cut=safe), stock_ids)
     if not same:  # never change what the model reads without being asked to
         return _refuse(None, "piece-wise ids differ from the stock encoding")
     slots, outcomes = {}, []

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import re
 import secrets
+from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 # Private-use code points (no chat template or tokenizer gives them a meaning) around a random
 # nonce drawn per rendering: a message that holds sentinel-like text can never be mistaken for one.
@@ -37,7 +38,21 @@ def _sentinel_re(nonce: str) -> re.Pattern:
     return re.compile("\ue000kvshare-" + re.escape(nonce) + "-([0-9]+)\ue001")
 
 Render = Callable[[list[dict[str, Any]]], str]
-Tokenize = Callable[[str], list[int]]
+Tokenize = Callable[[list[str]], Sequence[Sequence[int]]]
+"""The ids of each text, tokenized on its own without special tokens, in one call for all of them.
+
+Why batched: a long chat cuts into thousands of pieces of a few tokens each, and one call of a
+tokenizer costs far more than the tokens of one piece.
+"""
+
+
+def tokenize_each(tokenize: Tokenize, texts: Iterable[str]) -> dict[str, tuple[int, ...]]:
+    """The ids of every distinct text of ``texts`` (keyed by text), from one call of ``tokenize``."""
+    distinct = list(dict.fromkeys(t for t in texts if t))
+    ids: dict[str, tuple[int, ...]] = {"": ()}
+    if distinct:
+        ids.update(zip(distinct, (tuple(x) for x in tokenize(distinct))))
+    return ids
 
 
 class TemplateSplitError(ValueError):
@@ -92,8 +107,8 @@ def split_rendered(render: Render, messages: Sequence[dict[str, Any]],
             candidates.add(i)
         probe.append(m)
     templated = render(probe)
-    found = [int(x) for x in sentinel_re.findall(templated)]
-    once = {i for i in candidates if found.count(i) == 1}
+    found = Counter(int(x) for x in sentinel_re.findall(templated))
+    once = {i for i in candidates if found[i] == 1}
     pieces: list[Piece] = []
     pos = 0
     template_text: list[str] = []
@@ -125,35 +140,33 @@ def render_pieces(render: Render, tokenize: Tokenize, messages: Sequence[dict[st
                   cut: Optional[set[int]] = None) -> RenderedPrompt:
     """``split_rendered`` plus tokenization of each piece on its own (no special tokens added)."""
     pieces = split_rendered(render, messages, cut)
-    return RenderedPrompt(tuple(pieces), tuple(tuple(tokenize(p.text)) for p in pieces))
+    ids = tokenize_each(tokenize, (p.text for p in pieces))
+    return RenderedPrompt(tuple(pieces), tuple(ids[p.text] for p in pieces))
 
 
 _PROBE_CHARS = 64
 
 
-def boundary_safe(tokenize: Tokenize, left: str, content: str, right: str) -> bool:
-    """Whether tokenizing ``content`` alone gives the ids it gets between ``left`` and ``right``.
-
-    Checks both cuts on a window of ``_PROBE_CHARS`` characters (pre-tokens
-    are local); ``cuts_matching_stock`` then confirms the whole prompt.
-    """
-    head, tail = content[:_PROBE_CHARS], content[-_PROBE_CHARS:]
-    lwin, rwin = left[-_PROBE_CHARS:], right[:_PROBE_CHARS]
-    return (tokenize(lwin + head) == tokenize(lwin) + tokenize(head)
-            and tokenize(tail + rwin) == tokenize(tail) + tokenize(rwin))
-
-
 def safe_messages(tokenize: Tokenize, pieces: Sequence[Piece]) -> set[int]:
-    """The messages of ``pieces`` whose content pieces cut the prompt where the tokenizer cuts anyway."""
-    safe = set()
+    """The messages of ``pieces`` whose content pieces cut the prompt where the tokenizer cuts anyway.
+
+    A content is safe when tokenizing it alone gives the ids it gets between
+    its neighbours, checked at both cuts on a window of ``_PROBE_CHARS``
+    characters (pre-tokens are local); ``align_to_stock`` then confirms the
+    whole prompt. All windows are tokenized in one call.
+    """
+    windows: dict[int, tuple[str, str, str, str]] = {}
     for k, piece in enumerate(pieces):
         if piece.message is None:
             continue
         left = pieces[k - 1].text if k > 0 else ""
         right = pieces[k + 1].text if k + 1 < len(pieces) else ""
-        if boundary_safe(tokenize, left, piece.text, right):
-            safe.add(piece.message)
-    return safe
+        windows[piece.message] = (left[-_PROBE_CHARS:], piece.text[:_PROBE_CHARS], piece.text[-_PROBE_CHARS:],
+                                  right[:_PROBE_CHARS])
+    ids = tokenize_each(tokenize, (t for lwin, head, tail, rwin in windows.values()
+                                   for t in (lwin + head, lwin, head, tail + rwin, tail, rwin)))
+    return {m for m, (lwin, head, tail, rwin) in windows.items()
+            if ids[lwin + head] == ids[lwin] + ids[head] and ids[tail + rwin] == ids[tail] + ids[rwin]}
 
 
 def align_to_stock(prompt: RenderedPrompt, stock_ids: Sequence[int]) -> tuple[RenderedPrompt, bool]:

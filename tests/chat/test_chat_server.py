@@ -6,6 +6,8 @@ with the ``kvshare`` field is explicit, one without is annotated by the server.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import requests
 
@@ -214,6 +216,25 @@ def test_auto_mode_answers_long_chats_and_hostile_content_like_stock(client):
     text, report, _ = _ask(client, "You echo.", hostile, {"agent": "echo", "shared": [{"message": 1, "slot": "q"}]},
                            max_tokens=4)
     assert text is not None and report["chat"]["mode"] == "explicit"
+
+
+def test_a_chat_past_the_context_length_gets_stocks_own_error_at_once(server):
+    """A 4,000-message chat (about 40k tokens, past the 8k context): the 400 stock answers, as fast as stock
+    answers it, the request handed to stock unplanned (planning it took minutes on the HTTP process)."""
+    from tests.chat.plan_timing import long_chat
+
+    url = server.url + "/v1/chat/completions"
+    body = {"model": "default", "messages": long_chat(4000), "max_tokens": 4, "temperature": 0}
+    before = requests.get(server.url + "/kvshare/chat", timeout=30).json()["requests"]
+    stock = requests.post(url, json={**body, "kvshare": False}, timeout=120)  # served exactly as stock
+    t0 = time.monotonic()
+    auto = requests.post(url, json=body, timeout=120)
+    elapsed = time.monotonic() - t0
+    after = requests.get(server.url + "/kvshare/chat", timeout=30).json()["requests"]
+    assert stock.status_code == 400 and "context length" in stock.json()["message"]
+    assert (auto.status_code, auto.json()) == (stock.status_code, stock.json())
+    assert after["over_context"] == before["over_context"] + 1 and after["auto"] == before["auto"]
+    assert elapsed < 2.0  # the issue's bound
 
 
 def test_a_request_can_opt_out(client, server):

@@ -29,13 +29,14 @@ def tokenizer(model_path):
 
 
 def _fns(tokenizer):
-    def render(messages):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    """The server's ``render`` and (batched) ``tokenize`` for a request without tools or template options."""
+    from sglang_kvshare.chat.hooks import template_fns
 
-    def tokenize(text):
-        return list(tokenizer(text, add_special_tokens=False).input_ids)
+    return template_fns(tokenizer, {})
 
-    return render, tokenize
+
+def _ids(tokenizer, text):
+    return list(tokenizer(text, add_special_tokens=False).input_ids)
 
 
 def _stock(tokenizer, messages):
@@ -82,7 +83,7 @@ def test_a_message_content_gets_the_same_ids_behind_any_agent(tokenizer):
         messages = [{"role": "system", "content": system}, {"role": "user", "content": task}]
         prompt = render_pieces(render, tokenize, messages)
         ids.append([p_ids for p, p_ids in zip(prompt.pieces, prompt.piece_ids) if p.message == 1][0])
-    assert ids[0] == ids[1] == tuple(tokenize(task))
+    assert ids[0] == ids[1] == tuple(_ids(tokenizer, task))
 
 
 def test_a_template_that_rewrites_content_is_refused():
@@ -109,7 +110,7 @@ def test_explicit_annotation_shapes_and_covers_the_prompt(tokenizer):
                      ("shared", GLUE_SLOT)]
     assert parse_annotation(ann.to_custom_params(), len(ids)) == ann  # what the server's validation accepts
     task = ann.segments[1]
-    assert ids[task.start:task.end] == tokenize("Task: 2 + 3.")
+    assert ids[task.start:task.end] == _ids(tokenizer, "Task: 2 + 3.")
     # Nothing shared and no output slot: no annotation at all.
     assert build_annotation(prompt, {}, "solver", None) is None
     _, only_output = build_annotation(prompt, {}, "solver", "out:solver")
@@ -151,11 +152,10 @@ def test_auto_policy():
 
 
 def test_output_memory_matches_text_per_namespace_and_counts_retokenization(tokenizer):
-    _, tokenize = _fns(tokenizer)
     text = "The sum is 5."
-    generated = tokenize(text) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    generated = _ids(tokenizer, text) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
     ids = generated_ids_for_text(tokenizer, text, generated)
-    assert ids == tuple(tokenize(text))
+    assert ids == tuple(_ids(tokenizer, text))
     memory = OutputMemory(capacity=2)
     memory.remember(("salt-a",), text, ids, "out:solver")
     assert memory.lookup(("salt-b",), text, ids) is None  # another tenant never sees it
@@ -178,8 +178,8 @@ def test_explicit_plan_substitutes_an_answers_generated_ids_and_says_so(tokenize
     memory = OutputMemory()
     monkeypatch.setattr(chat_hooks, "outputs", memory)
     answer = "The sum is 5."
-    generated = tuple(tokenize("The s")) + tuple(tokenize("um is 5."))  # spells the same text, other ids
-    assert generated != tuple(tokenize(answer)) and tokenizer.decode(generated) == answer
+    generated = tuple(_ids(tokenizer, "The s") + _ids(tokenizer, "um is 5."))  # spells the same text, other ids
+    assert generated != tuple(_ids(tokenizer, answer)) and tokenizer.decode(generated) == answer
     memory.remember(("ns",), answer, generated, "out:solver")
     messages = [{"role": "system", "content": "You check."}, {"role": "user", "content": "Task: 2 + 3."},
                 {"role": "assistant", "content": answer}]
@@ -201,7 +201,7 @@ def test_auto_plan_never_changes_the_prompt(tokenizer, monkeypatch):
     memory = OutputMemory()
     monkeypatch.setattr(chat_hooks, "outputs", memory)
     answer = "The sum is 5."
-    memory.remember(("ns",), answer, tuple(tokenize("The s")) + tuple(tokenize("um is 5.")), AUTO_SLOT)
+    memory.remember(("ns",), answer, tuple(_ids(tokenizer, "The s") + _ids(tokenizer, "um is 5.")), AUTO_SLOT)
     for last in ("Is it right?", "\n\nIs it right?"):  # the second starts with a whitespace run
         messages = [{"role": "system", "content": "You grade."}, {"role": "user", "content": "Task: 2 + 3."},
                     {"role": "assistant", "content": answer}, {"role": "user", "content": last}]
@@ -225,7 +225,7 @@ def test_auto_plan_always_prefills_the_last_message_and_the_generation_prompt(to
     plan = chat_hooks._auto_plan(messages, render, tokenize, _stock(tokenizer, messages), ("ns",), "alice")
     *_, asked, tail = plan.annotation.segments
     assert asked.kind == "shared" and not asked.reuse  # prefilled here, offered to the requests after it
-    assert plan.input_ids[asked.start:asked.end] == tokenize(question)
+    assert plan.input_ids[asked.start:asked.end] == _ids(tokenizer, question)
     assert tail.kind == "private"  # the generation prompt: the cache always prefills a last private segment
     assert tokenizer.decode(plan.input_ids[tail.start:tail.end]).endswith("<|im_start|>assistant\n")
     assert all(s.reuse for s in plan.annotation.segments[:-2])
@@ -296,3 +296,92 @@ def test_verify_false_travels_in_the_annotation_and_the_default_adds_nothing(tok
         plan = chat_hooks._explicit_plan(spec, messages, render, tokenize, _stock(tokenizer, messages), ("ns",),
                                          None)
         assert plan.annotation.verify is verify
+
+
+def _reference_capped(prompt, slots, agent, output_slot, max_segments, **kwargs):
+    """The cap's meaning, one message at a time: drop the oldest droppable shared message until it fits."""
+    keep = dict(slots)
+    order = [i for i in sorted(keep) if i not in kwargs.get("no_reuse", ())]
+    while True:
+        built = build_annotation(prompt, keep, agent, output_slot, **kwargs)
+        if built is None or len(built[1].segments) <= max_segments or not order:
+            return built, keep
+        del keep[order.pop(0)]
+
+
+def test_the_segment_cap_keeps_exactly_the_newest_messages_that_fit():
+    """Against the drop-one-at-a-time meaning, on random chats: template pieces, contents (some with no ids,
+    some adjacent), a BOS piece, a last message prefilled here, with and without a shared tail."""
+    import random
+
+    from sglang_kvshare.chat.annotation import build_capped
+    from sglang_kvshare.chat.render import Piece, RenderedPrompt
+
+    rng = random.Random(7)
+    for _ in range(300):
+        pieces, piece_ids, message = [], [], 0
+        if rng.random() < 0.3:
+            pieces.append(Piece(""))
+            piece_ids.append((1,))
+        for _ in range(rng.randint(1, 30)):
+            if rng.random() < 0.8:
+                pieces.append(Piece("<hdr>"))
+                piece_ids.append((2, 3))
+            pieces.append(Piece(f"m{message}", message))
+            piece_ids.append(tuple(range(10, 10 + rng.choice((0, 1, 3)))))
+            message += 1
+        if rng.random() < 0.7:
+            pieces.append(Piece("<gen>"))
+            piece_ids.append((4,))
+        prompt = RenderedPrompt(tuple(pieces), tuple(piece_ids))
+        slots = {i: AUTO_SLOT for i in range(message) if rng.random() < 0.8}
+        kwargs = {"share_tail": rng.random() < 0.5, "workflow": None,
+                  "no_reuse": frozenset({message - 1}) & frozenset(slots) if rng.random() < 0.5 else frozenset()}
+        output_slot = rng.choice((None, AUTO_SLOT))
+        max_segments = rng.randint(1, 20)
+        assert (build_capped(prompt, slots, "a", output_slot, max_segments, **kwargs)
+                == _reference_capped(prompt, slots, "a", output_slot, max_segments, **kwargs))
+
+
+def test_the_auto_plan_of_a_long_chat_costs_about_what_stock_spends(tokenizer, monkeypatch):
+    """A 2,000-message chat (``m<i>``): one batched tokenizer call, two renderings, and at most the issue's
+    bound of 2x stock's render + encode plus 1 s (about 2x plus 50 ms is what ``tests.chat.plan_timing``
+    measures). Rebuilding the annotation per dropped message took a minute here."""
+    import time
+
+    from sglang_kvshare.chat import hooks as chat_hooks
+    from sglang_kvshare.config import KVShareConfig
+    from tests.chat.plan_timing import long_chat
+
+    monkeypatch.setattr(chat_hooks, "live_config", lambda: KVShareConfig(mode="fullshared", auto=True))
+    monkeypatch.setattr(chat_hooks, "outputs", OutputMemory())
+    render, tokenize = _fns(tokenizer)
+    calls = {"render": 0, "tokenize": 0, "texts": 0}
+
+    def counted_render(messages):
+        calls["render"] += 1
+        return render(messages)
+
+    def counted_tokenize(texts):
+        calls["tokenize"] += 1
+        calls["texts"] += len(texts)
+        return tokenize(texts)
+
+    messages = long_chat(2000)
+    t0 = time.perf_counter()
+    stock = _ids(tokenizer, render(messages))
+    stock_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    plan = chat_hooks._auto_plan(messages, counted_render, counted_tokenize, stock, ("ns",), None)
+    plan_s = time.perf_counter() - t0
+    assert plan.input_ids == stock and len(plan.annotation.segments) <= 64
+    assert calls["render"] == 2 and calls["tokenize"] == 1 and calls["texts"] <= len(messages) + 10
+    assert plan_s <= 2 * stock_s + 1.0, (plan_s, stock_s)
+    # A newest message that merges with its role header: its boundaries are probed, all in one more call.
+    messages[-2]["content"] = "\n\nTwo newlines first"
+    stock = _ids(tokenizer, render(messages))
+    calls.update(render=0, tokenize=0)
+    plan = chat_hooks._auto_plan(messages, counted_render, counted_tokenize, stock, ("ns",), None)
+    assert plan.input_ids == stock and calls["render"] == 4 and calls["tokenize"] == 3
+    shared = {m.index for m in plan.messages if m.slot is not None}
+    assert len(messages) - 2 not in shared and len(messages) - 3 in shared
