@@ -457,11 +457,16 @@ def render_kernels(d: dict) -> str:
                      "reconstructed)", "repeats"], rows))
 
 
+def verdict_rows(verdicts: dict) -> list[list[str]]:
+    """One table row per verdict: pass, not checked or FAIL."""
+    return [[f"`{k}`", "pass" if v is True else ("not checked" if v == "not checked" else "FAIL")]
+            for k, v in verdicts.items()]
+
+
 def render_soak(d: dict) -> str:
     s = d["settings"]
     t = d["totals"]
-    rows = [[f"`{k}`", "pass" if v is True else ("not checked" if v == "not checked" else "FAIL")]
-            for k, v in d["verdicts"].items()]
+    rows = verdict_rows(d["verdicts"])
     rep = d["replay"]
     return (f"Mode `{s['mode']}`, tau {s['tau']}, {s['clients']} clients for {s['minutes']} min, KV pool "
             f"{s['max_total_tokens']} tokens, {s['slot_names']} slot names; wall {d['wall_s']} s. "
@@ -472,8 +477,7 @@ def render_soak(d: dict) -> str:
 
 
 def render_adversary(d: dict) -> str:
-    rows = [[f"`{k}`", "pass" if v is True else ("not checked" if v == "not checked" else "FAIL")]
-            for k, v in d["verdicts"].items()]
+    rows = verdict_rows(d["verdicts"])
     t, flood = d["totals"], d["attacks"].get("name_flood") or {}
     chats = (d["attacks"].get("long_chats") or {}).get("sizes") or {}
     sizes = ", ".join(f"{n} messages: {c['auto_status']} in {num(c['auto_s'])} s (stock {c['stock_status']}), short chat "

@@ -15,6 +15,7 @@ from sglang_kvshare.guard.measure import RequestFidelity
 from sglang_kvshare.guard.metrics import GuardMetrics
 from sglang_kvshare.guard.serving import Guard
 from sglang_kvshare.protocol import Annotation, Segment
+from tests.guard.test_guard_saved import _break
 
 CONFIG = KVShareConfig(mode="fullshared", fidelity_target="top1>=0.99", fidelity_min_samples=2, verify_rate=0.0)
 SALT, EXTRA = "tenant-secret-salt-7f3a", "extra-secret-key-91c2"
@@ -44,14 +45,6 @@ def _request(agent, workflow=None, salt=None, extra_key=None):
 def _served(g, agent, **kw):
     """The collector of one request: its scope, display name and the setting it is served under."""
     return g.prepare(_request(agent, **kw), manager=None)
-
-
-def _break(g, scope):
-    for _ in range(4):
-        action = g.controller.observe(scope, g.controller.setting(scope), RequestFidelity(32, 0.2, 1.0))
-        if action is not None:
-            g._record(action)
-    assert g.controller.setting(scope) == DENSE
 
 
 def test_the_same_agent_of_two_workflows_is_two_scopes(monkeypatch):
