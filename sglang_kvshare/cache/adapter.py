@@ -168,14 +168,15 @@ class KVShareRadixCache(RadixCache):
         except Exception:  # noqa: BLE001 - never fail a request because of kvshare
             logger.exception("sglang-kvshare: assembly failed; prefilling densely")
             self.counters.add("internal_errors")
-        served = -1 if result is None else result.device_prefix_len
-        if result is not None and self._ranks_agree(("match", req.rid, len(plan.tokens)), served):
+        served = [-1] if result is None else [result.device_prefix_len, len(plan.sparse_rows),
+                                              -1 if plan.est_start is None else plan.est_start]
+        why = self._ranks_differ(("match", req.rid, len(plan.tokens)), served)
+        if why is None:
             return result
         # Every rank prefills from its exact prefix: one that raised, or ranks whose matches differ (a forward
         # of different lengths on two tensor-parallel ranks would pair mismatched collectives).
         result = super().match_prefix(params)
-        mark_dense_from(plan, result.device_prefix_len, "internal_error" if served < 0 else "ranks_disagree",
-                        exact_before=True)
+        mark_dense_from(plan, result.device_prefix_len, why, exact_before=True)
         report.publish(req, plan)
         return result
 
@@ -202,21 +203,32 @@ class KVShareRadixCache(RadixCache):
             logger.exception("sglang-kvshare: learning from a dense prefill failed")
             self.counters.add("internal_errors")
 
-    def _ranks_agree(self, key: tuple, served: int) -> bool:
-        """Whether every tensor-parallel rank serves this request the same prefix (``served``; -1 where a rank
-        raised), so every rank runs a forward of one length. One small reduce per annotated match at TP > 1,
-        bounded by the reducer's deadline; ranks that can no longer reduce go dense together."""
+    def _ranks_differ(self, key: tuple, served: list[int]) -> Optional[str]:
+        """Why this request must be prefilled densely from its exact prefix, or None to serve it as matched.
+
+        ``served``: what this rank would serve (the prefix, the rows its forward recomputes, where estimates
+        start), ``[-1]`` where this rank raised. At TP > 1 the ranks compare it in one small reduce per annotated
+        match, bounded by the reducer's deadline, so no two ranks run forwards of different lengths: ranks that
+        differ (``ranks_disagree``) or can no longer reduce (``ranks_out_of_step``, until a restart) go dense
+        together.
+        """
+        failed = served[0] < 0
         reducer = self.state.reducer
         if reducer is None or reducer.size < 2:
-            return served >= 0
+            return "internal_error" if failed else None
         try:
-            lo, hi = reducer.agree(decision_key(*key), [served])
+            lo, hi = reducer.agree(decision_key(*key), served + [0] * (3 - len(served)))
         except RanksUnreachable:
             self.counters.add("ranks_unreachable")
-            return False
-        if lo[0] != hi[0]:
+            return "ranks_out_of_step"
+        if failed:
+            return "internal_error"
+        if lo[0] < 0:
+            return "ranks_disagree"  # another rank raised
+        if lo != hi:
             self.counters.add("ranks_disagree")
-        return lo[0] == hi[0] and lo[0] >= 0
+            return "ranks_disagree"
+        return None
 
     # ------------------------------------------------------------ the request's path
     def _plan(self, req) -> Optional[RequestPlan]:
@@ -409,9 +421,9 @@ class KVShareRadixCache(RadixCache):
             logger.exception("sglang-kvshare: resuming reuse failed; prefilling densely")
             self.counters.add("internal_errors")
             end = -1
-        if not self._ranks_agree(("resume", req.rid, p), end):
-            plan.next_stage = None
-            mark_dense_from(plan, p, "internal_error" if end < 0 else "ranks_disagree", exact_before=False)
+        why = self._ranks_differ(("resume", req.rid, p), [end, len(plan.sparse_rows)])
+        if why is not None:
+            mark_dense_from(plan, p, why, exact_before=False)
             report.publish(req, plan)
             return 0
         if end > p:

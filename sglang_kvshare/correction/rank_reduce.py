@@ -89,7 +89,8 @@ class LocalReducer:
         return t
 
 
-MAX_DIMS = 4  # the tensors ``sum`` checks are 1-D or 2-D
+FRAME_VALUES = 16  # the values one frame carries: a gate's agreement, a tensor's rank and shape
+_AGREE, _SUM = 1, 2  # what a frame announces
 
 
 class GroupReducer:
@@ -115,27 +116,42 @@ class GroupReducer:
         """Why this reducer stopped communicating (None while it works)."""
 
     def agree(self, key: int, values: Sequence[int]) -> tuple[list[int], list[int]]:
-        n = len(values) + 1
-        both = torch.tensor([key, *values], dtype=torch.int64)
-        both = self._all_reduce(torch.cat([both, -both]), max_op=True)
-        hi, lo = both[:n], -both[n:]
-        if hi[0] != lo[0]:
-            self._fail("the ranks reached different gate decisions (a rank skipped one)")
-        return lo[1:].tolist(), hi[1:].tolist()
+        return self._frame(_AGREE, key, values)
 
     def sum(self, t: torch.Tensor, shape_agreed: bool = False) -> torch.Tensor:
-        """The elementwise sum over the ranks; unless ``shape_agreed``, ``RanksDisagree`` on every rank when a
-        rank's ``t`` has another shape (checked first, so no rank reduces a tensor the others do not have)."""
-        if not shape_agreed:
-            shape = list(t.shape) + [0] * (MAX_DIMS - t.dim())
-            bounds = torch.tensor([t.dim(), *shape, -t.dim(), *(-x for x in shape)], dtype=torch.int64)
-            bounds = self._all_reduce(bounds, max_op=True)
-            half = MAX_DIMS + 1
-            if not torch.equal(bounds[:half], -bounds[half:]):
-                raise RanksDisagree(f"tensor-parallel ranks reduce different shapes (this rank {tuple(t.shape)})")
+        """The elementwise sum over the ranks; ``RanksDisagree`` on every rank when a rank's ``t`` has another
+        shape (checked in the frame sent first, so no rank reduces a tensor the others do not have).
+        ``shape_agreed``: the ranks already agreed on ``t``'s shape, so a difference means they are out of step."""
+        if t.dim() >= FRAME_VALUES:
+            raise ValueError(f"sum takes tensors of fewer than {FRAME_VALUES} dimensions, got {t.dim()}")
+        lo, hi = self._frame(_SUM, 0, [t.dim(), *t.shape])
+        if lo != hi:
+            if shape_agreed:
+                self._fail("the ranks reduced tensors of different shapes where their shapes were agreed")
+            raise RanksDisagree(f"tensor-parallel ranks reduce different shapes (this rank {tuple(t.shape)})")
         buf = self._all_reduce(t.detach().to("cpu", torch.float64).contiguous(), max_op=False)
         self.calls += 1
         return buf.to(device=t.device, dtype=t.dtype)
+
+    def _frame(self, kind: int, key: int, values: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Per entry of ``values``, its minimum and maximum over the ranks, in a frame of one fixed size.
+
+        Why a fixed size: gloo aborts the process when two ranks reduce buffers of different lengths, so every
+        collective starts with this frame (what it is, its key, how many values) and a payload follows only
+        once every rank's frame matched. Ranks whose frames differ are out of step: ``RanksUnreachable`` on every
+        rank, at once.
+        """
+        if len(values) > FRAME_VALUES:
+            raise ValueError(f"a frame holds at most {FRAME_VALUES} values, got {len(values)}")
+        row = torch.zeros(3 + FRAME_VALUES, dtype=torch.int64)
+        row[:3] = torch.tensor([kind, key, len(values)], dtype=torch.int64)
+        row[3:3 + len(values)] = torch.tensor(list(values), dtype=torch.int64)
+        both = self._all_reduce(torch.cat([row, -row]), max_op=True)
+        hi, lo = both[:row.numel()], -both[row.numel():]
+        if not torch.equal(hi[:3], lo[:3]):
+            self._fail("the ranks reached different collectives (a rank skipped one)")
+        n = int(hi[2])
+        return lo[3:3 + n].tolist(), hi[3:3 + n].tolist()
 
     def mean(self, t: torch.Tensor) -> torch.Tensor:
         return self.sum(t) / self.size

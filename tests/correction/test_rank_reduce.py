@@ -185,6 +185,28 @@ def _fresh_reducer():
     return est
 
 
+def _mismatched_frames(rank: int, _reducer) -> dict:
+    """Ranks out of step whose collectives differ in size: rank 0 agrees on one value while rank 1 agrees on five,
+    then rank 0 agrees while rank 1 sums a tensor. Each pair on a reducer of its own (the first breaks it)."""
+    import torch.distributed as dist
+
+    from sglang_kvshare.correction import GroupReducer
+    from sglang_kvshare.correction.rank_reduce import RanksUnreachable
+
+    out = {}
+    for name, mine in (("agree", lambda r: r.agree(11, [-1]) if rank == 0 else r.agree(12, [0, 3, 16, 16, 123])),
+                       ("sum", lambda r: r.agree(11, [1]) if rank == 0 else r.sum(torch.ones(3, 5)))):
+        reducer = GroupReducer(lambda: dist.group.WORLD, 2, timeout_s=DEADLINE_S)
+        reducer.agree(1, [0])  # its own group is made on first use, by both ranks
+        t0 = time.monotonic()
+        try:
+            mine(reducer)
+            out[name] = ("returned", time.monotonic() - t0)
+        except RanksUnreachable:
+            out[name] = ("unreachable", time.monotonic() - t0)
+    return out
+
+
 def _skips_gate(rank: int, _reducer) -> dict:
     """Rank 0 never reaches decision A (it raised before its gate) and goes on to decision B."""
     est = _fresh_reducer()
@@ -210,10 +232,11 @@ def _deadline(rank: int, _reducer) -> dict:
 
 DEADLINE_S = 3.0
 JOBS = (("decide", None), ("decide", 4), ("drifted", None), ("pools_differ", None), ("learn_raises", None),
-        ("gate_raises", None), ("assembly_raises", None), ("skips_gate", None), ("deadline", None))
+        ("gate_raises", None), ("assembly_raises", None), ("mismatched_frames", None), ("skips_gate", None), ("deadline", None))
 """What each rank runs, in this order, in one process group; the last two break their reducers for good."""
 _RUN = {"drifted": _drifted, "pools_differ": _pools_differ, "learn_raises": _learn_raises, "gate_raises": _gate_raises,
-        "assembly_raises": _assembly_raises, "skips_gate": _skips_gate, "deadline": _deadline}
+        "assembly_raises": _assembly_raises,
+        "mismatched_frames": _mismatched_frames, "skips_gate": _skips_gate, "deadline": _deadline}
 
 
 def _rank_main(rank: int, port: int, results) -> None:
@@ -321,6 +344,16 @@ def test_a_rank_whose_assembly_raises_sends_every_rank_to_the_same_prefix(two_ra
     assert ranks[0]["B_shared"] == {"resolved_by": "dense", "reason": "internal_error"}
     assert ranks[1]["B_shared"] == {"resolved_by": "dense", "reason": "ranks_disagree"}
     assert ranks[0]["C_shared"] == ranks[1]["C_shared"] == "alignment"
+
+
+def test_collectives_of_different_sizes_end_out_of_step_on_every_rank_without_aborting(two_ranks):
+    """Gloo aborts a process whose buffer's length differs from its peer's: the fixed-size frame sent first makes
+    both ranks see the mismatch and raise, at once."""
+    ranks = two_ranks[("mismatched_frames", None)]
+    for rank in (0, 1):
+        for name in ("agree", "sum"):
+            outcome, seconds = ranks[rank][name]
+            assert outcome == "unreachable" and seconds < DEADLINE_S, (rank, name, ranks)
 
 
 def test_a_rank_that_skips_a_gate_sends_every_rank_dense_at_once(two_ranks):
