@@ -49,7 +49,7 @@ __all__ = ["FORMAT", "VERSION", "PoolFileError", "kv_layout", "model_identity", 
            "load_pools"]
 
 FORMAT = "sglang-kvshare-pools"
-VERSION = 1
+VERSION = 2  # 2: the model identity holds the KV layout and the weights digest
 # The config fields that decide what a layer's K and V are (a fine-tune changes none of them: the weights digest
 # tells it apart).
 _ARCH_FIELDS = ("model_type", "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",

@@ -244,11 +244,11 @@ class Guard:
         namespace (the admin view tells namespaces apart without showing a salt, extra key or workflow). Derived
         from the scope alone, whatever the tables hold. A default-namespace agent whose own name holds an ``@``
         is shown with ``@-``, so no client can choose a name that reads as another namespace's agent: a salted
-        display ends in ``@`` and eight hex digits."""
+        display ends in ``@`` and sixteen hex digits."""
         namespace, agent = scope
         if namespace == DEFAULT_NAMESPACE:
             return agent if "@" not in agent else f"{agent}@-"
-        digest = hashlib.blake2b(repr(namespace).encode(), digest_size=4, key=self._key).hexdigest()
+        digest = hashlib.blake2b(repr(namespace).encode(), digest_size=8, key=self._key).hexdigest()
         return f"{agent}@{digest}"
 
     # ------------------------------------------------------------ per request
