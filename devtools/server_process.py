@@ -254,7 +254,8 @@ def settings_args(settings: Mapping[str, Any]) -> list[str]:
     in_file = {}
     for key, value in settings.items():
         if key in FLAG_FIELDS:
-            args += ["--kvshare-" + key.replace("_", "-"), str(value).lower() if isinstance(value, bool) else str(value)]
+            text = str(value).lower() if isinstance(value, bool) else str(value)
+            args += ["--kvshare-" + key.replace("_", "-"), text]
         else:
             in_file[key] = value
     if in_file:

@@ -98,7 +98,7 @@ def _option(default: Any, group: str, help: str, *, flag: bool = False, runtime:
 class KVShareConfig:
     """Settings of cross-agent KV reuse (defaults from ALGORITHM.md)."""
 
-    # --- what most users set
+    # Each field names its component (its config-file section and --help group); this order is the docs'.
     mode: Mode = _option("kvcmas", GROUP_MAIN, "off = stock radix cache; fullshared = re-align only; kvcmas = re-align and correct with chained low-rank anchors learned online (KVCOMM's full-dimension anchors are an offline baseline: python -m benchmarks.fidelity).", flag=True, runtime=True)
     auto: bool = _option(False, GROUP_MAIN, "Annotate /v1/chat/completions requests that carry no kvshare field: agent = digest of the system messages, every other message's content and every answer shared under the slot auto:message (docs/USAGE.md). Off by default: with it on, every chat request may receive estimated KV.", flag=True)
     recompute_head: int = _option(0, GROUP_MAIN, "K: the first K tokens of every reused segment are prefilled densely in the request's own context (EPIC-style boundary recompute); only the rest is re-aligned (and corrected). 0 = reuse whole segments.", flag=True, runtime=True, ge=0, le=MAX_RECOMPUTE_HEAD)
@@ -111,7 +111,6 @@ class KVShareConfig:
     staged: bool = _option(True, GROUP_PREFILL, "Staged prefill: after a dense stretch (an unseen segment, or a recomputed head) resume reuse for the segments behind it, within the same request. false = stop reusing at the first segment that needs prefill.", runtime=True)
     verify_rate: float = _option(0.05, GROUP_GUARD, "Share of the requests served approximated KV that the fidelity guard verifies: after the answer, a dense reference of the same prompt and answer is prefilled at low priority (never before or beside the user's request) and the request's own next-token distributions are compared with it (docs/FIDELITY.md); 0 = off.", flag=True, runtime=True, ge=0.0, le=1.0)
     fidelity_target: Optional[str] = _option(None, GROUP_GUARD, "The fidelity the guard keeps per scope (a reuse scope and an agent), e.g. top1>=0.99 or kl<=0.01: a scope whose 95 % interval misses it gets a longer recomputed head (as many steps as the miss asks for), then dense; met with margin, it relaxes. None = measure only.", flag=True, runtime=True, max_length=64, check=_fidelity_target)
-    # --- bounds of what kvshare keeps
     pool_budget_mb: float = _option(512.0, GROUP_LIMITS, "Upper bound on the memory all anchor pools hold together (MiB); past it the least recently used pool's oldest anchors are evicted.", gt=0.0)
     max_pools: int = _option(1024, GROUP_LIMITS, "Most anchor pools (one per slot and namespace); past it the least recently used pool is dropped.", ge=1)
     max_namespaces: int = _option(64, GROUP_LIMITS, "Most (LoRA id, cache salt) namespaces whose copy records are kept; least recently used dropped first.", ge=1)
@@ -120,7 +119,6 @@ class KVShareConfig:
     learn_queue_max: int = _option(16, GROUP_LIMITS, "Most dense-prefill observations waiting to be learned; a full queue drops new ones (counted).", ge=1)
     learn_queue_mb: float = _option(1024.0, GROUP_LIMITS, "Most memory (MiB) the K/V copies of waiting observations may hold (a 4K-token observation of a 135M model holds about 190 MiB in float16, a 1K one 47 MiB: 1024 lets a chain's burst of 4K observations wait instead of being dropped).", gt=0.0)
     chat_memory_mb: float = _option(64.0, GROUP_LIMITS, "Most memory (MiB) the HTTP process keeps for answers remembered so that they can come back as shared chat messages (at most 4096 answers); least recently used dropped first.", gt=0.0)
-    # --- tuning: the defaults suit most servers
     capacity: Optional[int] = _option(None, GROUP_KVCMAS, "Anchors per slot pool (V); default 10.", flag=True, runtime=True, ge=2, le=MAX_CAPACITY)
     rank: Optional[int] = _option(32, GROUP_KVCMAS, "Rank r of the factors of new anchors; 0 means full dimension.", flag=True, runtime=True, ge=0, le=MAX_RANK)
     evict_window: int = _option(5, GROUP_KVCMAS, "W: evict the least-activated among the W oldest anchors.", ge=1)

@@ -79,8 +79,8 @@ def add_kvshare_args(parser: argparse.ArgumentParser) -> None:
         help_text = f.metadata.get("help", "").replace("%", "%%")  # argparse formats help with %
         default = str(f.default).lower() if isinstance(f.default, bool) else f.default
         groups[f.metadata["group"]].add_argument(
-            flag, dest=f.name, type=functools.partial(from_text, f.name), default=argparse.SUPPRESS, metavar=_metavar(f),
-            help=f"{help_text} (default: {default})")
+            flag, dest=f.name, type=functools.partial(from_text, f.name), default=argparse.SUPPRESS,
+            metavar=_metavar(f), help=f"{help_text} (default: {default})")
     groups[GROUP_MAIN].add_argument(
         CONFIG_FLAG, dest=CONFIG_DEST, metavar="FILE", default=argparse.SUPPRESS,
         help="A TOML file of kvshare settings: the ones without a flag, in the sections "
