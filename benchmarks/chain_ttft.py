@@ -24,8 +24,8 @@ with SGLang's default cache: is ``off`` free?), ``MODE:K`` for
 ``--kvshare-recompute-head K`` (recomputed inside the one prefill forward, the
 sparse extend; ``MODE:K@sparse-extend=false`` stages it, one extra forward per
 reused segment: the stage cost is the difference), and ``ARM@name=value,...``
-for more ``--kvshare-name value`` launch flags (``kvcmas@learn-yield-s=0``,
-``fullshared@recompute-ratio=0.15``).
+for more settings (``kvcmas@learn-yield-s=0``, ``fullshared@recompute-ratio=0.15``; a
+setting without a flag goes into a ``--kvshare-config`` file).
 ``kvcmas`` learns on its background thread (the serving default) from
 ``--warm`` chains; the measured repeats start once that learning is done
 (``wait_learning``, at most 300 s); the probes run before it.
@@ -47,7 +47,8 @@ from benchmarks.harness import (RESULTS, machine, mode_args, prefilled_tokens, r
                                 write_json)
 from benchmarks.texts import context_tokens
 from sglang_kvshare.frontend.builder import build_request, private_part, shared_part
-from devtools.server_process import ServerProcess
+from devtools.server_process import ServerProcess, settings_args
+from sglang_kvshare.config import FIELD_NAMES, from_text
 
 AGENTS = {
     "planner": "You are the planner. Break the task into steps.",
@@ -109,16 +110,20 @@ def probe_dense(url: str, tok, length: int, n: int, gap_s: float = 0.0) -> list[
 
 
 def arm_launch(arm: str, tau: float) -> tuple[str, list[str]]:
-    """An arm's mode and extra kvshare flags: ``MODE[:K][@name=value,...]``."""
+    """An arm's mode and extra kvshare launch arguments: ``MODE[:K][@name=value,...]``, each name a setting
+    (docs/CONFIGURATION.md, dashes for underscores); one without a flag goes into a ``--kvshare-config`` file."""
     arm, _, flags = arm.partition("@")
     mode, _, head = arm.partition(":")
-    extra = ["--kvshare-tau", str(tau)] + (["--kvshare-recompute-head", head] if head else [])
-    for flag in filter(None, flags.split(",")):  # ``kvcmas@learn-yield-s=0``: one more launch flag
+    settings: dict = {"tau": tau, **({"recompute_head": int(head)} if head else {})}
+    for flag in filter(None, flags.split(",")):  # ``kvcmas@learn-yield-s=0``: one more setting
         name, sep, value = flag.partition("=")
+        key = name.replace("-", "_")
         if not sep or not name:
             raise ValueError(f"arm {arm!r}: flag {flag!r} is not name=value")
-        extra += [f"--kvshare-{name}", value]
-    return mode, extra
+        if key not in FIELD_NAMES:
+            raise ValueError(f"arm {arm!r}: {name!r} is not a kvshare setting")
+        settings[key] = from_text(key, value)
+    return mode, settings_args(settings)
 
 
 def start(model_path: str, arm: str, tau: float) -> ServerProcess:

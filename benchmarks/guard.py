@@ -85,7 +85,7 @@ from sglang_kvshare.guard.measure import compare
 from sglang_kvshare.guard.target import FidelityTarget
 
 COST_TOLERANCE = 0.05  # the guard's cost target: user TTFT and throughput within 5 % of the guard off
-TOP_K = 5  # the guard's default --kvshare-verify-top-k: the benchmark's replay compares what the guard compares
+TOP_K = 5  # the guard's default verify_top_k: the benchmark's replay compares what the guard compares
 VICTIM_SLOTS = {"retrieval": "doc", "gsm8k": "query", "humaneval": "query"}  # read by every consumer
 
 
@@ -492,7 +492,7 @@ def parse_task_offsets(items: Sequence[str]) -> dict[str, int]:
 
 def controlled_budget(rate: float, warmup: int) -> int:
     """Verified requests per scope and setting that the controlled warm-up can supply: at the rate alone
-    ``rate * warmup``; with the server's burst (``--kvshare-verify-burst``, on by default) every setting gets its
+    ``rate * warmup``; with the server's burst (``verify_burst``, on by default) every setting gets its
     minimum at once, so a minimum of ``warmup / steps`` still lets a scope climb the whole ladder (five steps from
     head 0 to dense) before the scored samples."""
     steps = len(ladder(0)) - 1

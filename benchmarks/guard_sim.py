@@ -161,7 +161,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--warmup", type=int, default=None, help="default: the guard run's controlled warm-up, else 40")
     ap.add_argument("--scored", type=int, default=None, help="default: the run's scored samples per task")
     ap.add_argument("--band", type=float, nargs="+", default=[DEFAULT_BAND],
-                    help="the controller's --kvshare-fidelity-band; several values: one replay each, keyed by band")
+                    help="the controller's fidelity_band; several values: one replay each, keyed by band")
     ap.add_argument("--replicates", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)

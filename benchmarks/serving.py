@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tau", type=float, default=0.3)
     ap.add_argument("--kvshare-extra", default="",
                     help="more kvshare launch flags for the fullshared/kvcmas servers, one string "
-                         "(e.g. \"--kvshare-learn-before-decode false\")")
+                         "(e.g. \"--kvshare-learn-async false\"; settings without a flag: --kvshare-config FILE)")
     ap.add_argument("--max-seconds", type=float, default=240.0, help="bound on arrivals per (length, rate)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None,

@@ -245,7 +245,7 @@ def chat_hostile(system: str, doc: str, rng: random.Random) -> list[ChatCase]:
                  refuse=True),
         ChatCase("explicit_too_many_shared", {"messages": many, "kvshare": {
             "agent": "hostile", "shared": [{"message": i, "slot": "q"} for i in range(1, 69)]}},
-            fix="--kvshare-max-segments", refuse=True),
+            fix="max_segments", refuse=True),
         ChatCase("explicit_empty_message", {"messages": [sysm, {"role": "user", "content": ""}, *base[1:]],
                                             "kvshare": field}, fix="non-empty text", refuse=True),
         ChatCase("explicit_sentinel_agent", {"messages": base, "kvshare": {**field, "agent": SENTINEL}},

@@ -7,6 +7,7 @@ stock SGLang for comparison), and all of them must always shut it down.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import signal
@@ -17,7 +18,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import requests
 
@@ -238,3 +239,31 @@ class ServerProcess:
 
     def server_info(self) -> dict:
         return requests.get(self.url + "/get_server_info", timeout=30).json()
+
+
+def settings_args(settings: Mapping[str, Any]) -> list[str]:
+    """Launch arguments that set ``settings`` (key -> value, as in docs/CONFIGURATION.md).
+
+    A setting that is a flag becomes ``--kvshare-<key> value``; the others go into one ``--kvshare-config``
+    file in the temp directory, named by its content, so the same settings always give the same arguments
+    (the test pool keys its servers by them).
+    """
+    from sglang_kvshare.config import FLAG_FIELDS, config_file_text
+
+    args: list[str] = []
+    in_file = {}
+    for key, value in settings.items():
+        if key in FLAG_FIELDS:
+            text = str(value).lower() if isinstance(value, bool) else str(value)
+            args += ["--kvshare-" + key.replace("_", "-"), text]
+        else:
+            in_file[key] = value
+    if in_file:
+        text = config_file_text(in_file)
+        path = Path(tempfile.gettempdir()) / f"kvshare-config-{hashlib.sha256(text.encode()).hexdigest()[:16]}.toml"
+        if not path.exists():
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(text)
+            os.replace(tmp, path)
+        args += ["--kvshare-config", str(path)]
+    return args

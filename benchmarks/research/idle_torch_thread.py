@@ -17,7 +17,7 @@ of a decode step of the 135M model) on the main thread in three states:
 * ``single_idle`` / ``single_busy``: the same with the side thread's torch ops
   on that thread alone (``cache.single_thread.single_threaded_torch``: its own
   OpenMP count and MKL's thread-local one), as the learner's steps run with
-  ``--kvshare-learn-single-thread``;
+  ``learn_single_thread``;
 * ``after_exit``: the side threads have exited.
 
 Medians and min-max over ``--repeats``; one process, so the ratios are within

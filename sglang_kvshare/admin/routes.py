@@ -35,75 +35,24 @@ import dataclasses
 import json
 import logging
 from http import HTTPStatus
-from typing import Any, Literal, Optional
+from typing import Any, Optional
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from sglang_kvshare.admin import aggregate
 from sglang_kvshare.admin.channel import AdminChannel, ChannelError
-from sglang_kvshare.config import RUNTIME_FIELDS, KVShareConfig, live_config, set_live_config
-from sglang_kvshare.guard.target import FidelityTarget
-from sglang_kvshare.protocol import MAX_RECOMPUTE_HEAD
+from sglang_kvshare.config import (RUNTIME_FIELDS, SETTINGS, ConfigError, KVShareConfig, live_config,
+                                   runtime_update, set_live_config)
 
 logger = logging.getLogger(__name__)
 
 PREFIX = "/kvshare"
-MAX_CAPACITY = 4096  # bounds that keep values inside SGLang's msgpack IPC (int64)
-MAX_RANK = 65536
-MAX_HEAD = MAX_RECOMPUTE_HEAD  # the bound a request's own recompute_head is held to
-
-_HELP = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(KVShareConfig)}
 _CONFIG_FIELDS = {f.name for f in dataclasses.fields(KVShareConfig)}
 _channel: Optional[AdminChannel] = None
 _dp_size = 1  # the server's --dp-size, set by ``mount``
 _keyed = True  # the server has --admin-api-key or --api-key (set by ``mount``)
 _summaries: dict[str, Any] = {}  # name -> callable: more of the HTTP process's state in /kvshare/stats
-
-
-class ConfigUpdate(BaseModel):
-    """Body of ``POST /kvshare/config``: the settings to change (at least one; null = keep)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    tau: Optional[float] = Field(None, ge=0.0, le=1.0, strict=True, allow_inf_nan=False,
-                                 description=_HELP["tau"])
-    capacity: Optional[int] = Field(None, ge=2, le=MAX_CAPACITY, strict=True, description=_HELP["capacity"])
-    rank: Optional[int] = Field(None, ge=0, le=MAX_RANK, strict=True, description=_HELP["rank"])
-    edge_anchors: Optional[int] = Field(None, ge=2, le=MAX_CAPACITY, strict=True, description=_HELP["edge_anchors"])
-    mode: Optional[Literal["off", "fullshared", "kvcmas"]] = Field(
-        None, description="off | fullshared | kvcmas; switching between "
-                          "fullshared and kvcmas starts with empty pools.")
-    recompute_head: Optional[int] = Field(None, ge=0, le=MAX_HEAD, strict=True,
-                                          description=_HELP["recompute_head"])
-    recompute_ratio: Optional[float] = Field(None, ge=0.0, le=1.0, strict=True, allow_inf_nan=False,
-                                             description=_HELP["recompute_ratio"])
-    recompute_policy: Optional[Literal["head", "query", "correction"]] = Field(None, description=_HELP["recompute_policy"])
-    sparse_extend: Optional[bool] = Field(None, strict=True, description=_HELP["sparse_extend"])
-    staged: Optional[bool] = Field(None, strict=True, description=_HELP["staged"])
-    verify_rate: Optional[float] = Field(None, ge=0.0, le=1.0, strict=True, allow_inf_nan=False,
-                                         description=_HELP["verify_rate"])
-    fidelity_target: Optional[str] = Field(None, max_length=64, description=_HELP["fidelity_target"]
-                                           + " An empty string clears it.")
-    fidelity_min_samples: Optional[int] = Field(None, ge=2, le=100000, strict=True,
-                                                description=_HELP["fidelity_min_samples"])
-    fidelity_band: Optional[float] = Field(None, ge=0.0, lt=1.0, strict=True, allow_inf_nan=False,
-                                           description=_HELP["fidelity_band"])
-    verify_burst: Optional[bool] = Field(None, strict=True, description=_HELP["verify_burst"])
-    fault_perturb_slot: Optional[str] = Field(None, max_length=128, description=_HELP["fault_perturb_slot"]
-                                              + " An empty string clears it.")
-
-    @model_validator(mode="after")
-    def _not_empty(self) -> "ConfigUpdate":
-        if not self.changes():
-            raise ValueError(f"nothing to change: give at least one of {', '.join(RUNTIME_FIELDS)}")
-        if self.fidelity_target:
-            FidelityTarget.parse(self.fidelity_target)
-        return self
-
-    def changes(self) -> dict[str, Any]:
-        return {k: v for k, v in self.model_dump().items() if v is not None}
 
 
 def error(status: int, message: str, **extra: Any) -> JSONResponse:
@@ -203,31 +152,38 @@ async def get_pool(slot: str):
     return response
 
 
-_CONFIG_BODY = {"requestBody": {"required": True, "content": {
-    "application/json": {"schema": ConfigUpdate.model_json_schema(ref_template="#/components/schemas/{model}")}}}}
+def _update_schema() -> dict:
+    """The body's JSON schema: the runtime settings' entries of the settings model's own schema."""
+    schema = SETTINGS.model_json_schema()
+    return {"title": "ConfigUpdate", "type": "object", "additionalProperties": False, "minProperties": 1,
+            "description": "The settings to change (null = keep; an empty string clears fidelity_target). "
+                           "The runtime settings: docs/CONFIGURATION.md#runtime-settings.",
+            "properties": {name: schema["properties"][name] for name in RUNTIME_FIELDS}}
+
+
+_CONFIG_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": _update_schema()}}}}
 
 
 @router.post("/config", openapi_extra=_CONFIG_BODY,
              responses={**_ERRORS, **_DP_RANKS, 422: {"description": "invalid body; `message` says what to fix"}},
-             summary="Change tau, capacity, rank or mode, atomically")
+             summary="Change runtime settings, atomically")
 @admin_auth
 async def post_config(request: Request):
-    """Validate and apply the change in the scheduler between two batches (all or
-    nothing); answers the new config. The next request runs under it."""
+    """Validate the change against the settings model (as a flag or the config file is: the same message) and
+    apply it in the scheduler between two batches (all or nothing); answers the new config. The next request
+    runs under it. Which settings may change: docs/CONFIGURATION.md#runtime-settings."""
     raw = await request.body()
     try:
         data = json.loads(raw) if raw.strip() else None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         return error(422, f"body is not valid JSON: {exc}")
     if not isinstance(data, dict):
-        return error(422, "body must be a JSON object with at least one of tau, capacity, rank, mode")
+        return error(422, f"body must be a JSON object with at least one of {', '.join(RUNTIME_FIELDS)}")
     try:
-        update = ConfigUpdate.model_validate(data)
-    except ValidationError as exc:
-        errors = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
-        message = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in errors[:5])
-        return error(422, f"invalid kvshare config: {message}", errors=errors)
-    return await _call("configure", **update.changes())
+        runtime_update(live_config(), data)
+    except ConfigError as exc:
+        return error(422, str(exc))
+    return await _call("configure", **{k: v for k, v in data.items() if v is not None})
 
 
 @router.post("/pools/{slot:path}/reset", responses={**_ERRORS, **_DP_RANKS, 404: {"description": "unknown slot"}},

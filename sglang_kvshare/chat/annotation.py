@@ -99,7 +99,7 @@ def parse_chat_kvshare(raw: Any, num_messages: int, max_segments: int) -> ChatKV
     # Each shared message adds at most two segments (its content and the glue after it).
     if 2 * len(spec.shared) + 1 > max_segments:
         raise AnnotationError(f"kvshare.shared lists {len(spec.shared)} messages; at most "
-                              f"{(max_segments - 1) // 2} fit in --kvshare-max-segments {max_segments}")
+                              f"{(max_segments - 1) // 2} fit in the server's max_segments ({max_segments})")
     return spec
 
 

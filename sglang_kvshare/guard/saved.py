@@ -1,7 +1,7 @@
 """The guard's settings and pins in a file (``--kvshare-fidelity-file``), so a restarted server keeps them.
 
 Why: per scope the guard learns which setting keeps the target, often only after several times
-``--kvshare-fidelity-min-samples`` verified requests, and an operator pins agents (a judge ``dense``). Held in
+``fidelity_min_samples`` verified requests, and an operator pins agents (a judge ``dense``). Held in
 memory only, a restart served every agent under the launch head again, pins included, until the evidence came
 back: the agents the guard had found unsafe were served the approximation it had taken away from them.
 

@@ -9,7 +9,7 @@ kvshare annotated), ``Guard.prepare`` runs before SGLang sees it:
 * with probability ``--kvshare-verify-rate`` it asks SGLang for the request's
   own top-k next-token distributions (``return_logprob``, ``top_logprobs_num``),
   which the response does not carry unless the client asked for them; with a
-  target and ``--kvshare-verify-burst``, always while the scope's setting has
+  target and ``verify_burst``, always while the scope's setting has
   fewer verified or waiting requests than a decision needs
   (``Controller.wants_evidence``). A prefill-only request (``max_new_tokens=0``,
   as a client commits an answer) is never sampled: it has no output to judge.

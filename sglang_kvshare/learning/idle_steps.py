@@ -9,13 +9,13 @@ docs/PROFILE.md). SGLang's scheduler, when it has no batch to run and
 nothing waits, polls ``Scheduler.maybe_sleep_on_idle`` in a loop; a step run
 there, on the scheduler's own thread and OpenMP team, never overlaps a forward.
 A request that arrives meanwhile waits at most one step (one factorization of
-``--kvshare-learn-step-layers`` layers: about 26 ms at 1K tokens on this
+``learn_step_layers`` layers: about 26 ms at 1K tokens on this
 2-core machine with 10 layers, 74 ms with all 30). Under serving load the
 scheduler is rarely fully idle but decodes most of the time: with
-``--kvshare-learn-before-decode`` it also takes a step in front of a decode
+``learn_before_decode`` it also takes a step in front of a decode
 batch when no request waits for a prefill (the step delays one decode
 iteration, not a first token). A step not taken within the learner's wait
-budget (``--kvshare-learn-yield-s`` per observation) is withdrawn and run
+budget (``learn_yield_s`` per observation) is withdrawn and run
 beside the scheduler as before, so pools fill under any load (idle-only
 learning left a serving run with 4 observations learned, 28 dropped and no
 reuse).

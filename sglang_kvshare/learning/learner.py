@@ -35,7 +35,7 @@ with the forward and slow every request while it learns; docs/PROFILE.md):
   of its own slows the scheduler's forward while it lives, computing or
   asleep); with ``single_thread`` each step runs on its thread alone (no
   OpenMP team, no MKL threads): no tax on the forward, half the learning speed;
-* with ``idle_steps`` (``--kvshare-learn-on-idle``, the server's default) the
+* with ``idle_steps`` (``learn_on_idle``, the server's default) the
   steps run instead on the scheduler's own thread while it is fully idle, or
   in front of a decode batch (``learning/idle_steps.py``): such a step never
   overlaps a forward; a step the scheduler does not take within the
@@ -404,7 +404,7 @@ class Learner:
 def _in_own_thread(step: Callable[[], Any], single: bool = False) -> Any:
     """``step()`` on a fresh low-priority thread that ends with it; returns its result or raises its error.
 
-    ``single``: the thread's torch ops run on it alone (``--kvshare-learn-single-thread``).
+    ``single``: the thread's torch ops run on it alone (``learn_single_thread``).
     """
     out: dict[str, Any] = {}
 

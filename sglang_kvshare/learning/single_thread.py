@@ -11,7 +11,7 @@ on this project's 2-core CPU (``python -m benchmarks.research.idle_torch_thread`
 PROFILE finding 1d): a small op mix on the main thread took 243 us alone,
 708 us beside a thread computing with torch's defaults and 259 us beside one
 computing single-threaded (medians of 5). Used only with
-``--kvshare-learn-single-thread``: the slower learning cost serving reuse.
+``learn_single_thread``: the slower learning cost serving reuse.
 
 ``torch.set_num_threads`` is process-wide, so this sets the calling thread's
 own counts: OpenMP's in the libgomp torch loaded and MKL's thread-local one

@@ -7,7 +7,7 @@ one posted learning step per pass (``learning/idle_steps.py`` says why). Not on
 ``on_idle`` itself: the admin metrics already hook it, and SGLang patches a
 target once.
 
-With ``--kvshare-learn-before-decode`` a BEFORE hook on ``Scheduler.run_batch``
+With ``learn_before_decode`` a BEFORE hook on ``Scheduler.run_batch``
 also runs one posted step in front of a *decode* batch when no request waits:
 under serving load the scheduler is rarely fully idle, but it decodes most of
 the time, and a step there delays one decode iteration (inter-token latency)

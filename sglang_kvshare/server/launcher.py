@@ -19,16 +19,19 @@ cpu_standins.install()
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
+import functools  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
+import typing  # noqa: E402
 from typing import Sequence  # noqa: E402
 
-from sglang_kvshare.config import BACKEND_NAME, GROUPS, MODES, RECOMPUTE_POLICIES, REUSE_SCOPES, KVShareConfig  # noqa: E402
+from sglang_kvshare.config import (BACKEND_NAME, GROUP_MAIN, GROUPS, KVShareConfig, config_from_file,  # noqa: E402
+                                   from_text)
 from sglang_kvshare.guard.saved import GuardFile  # noqa: E402
 
 KVSHARE_PREFIX = "--kvshare-"
-CHOICES: dict[str, tuple[str, ...]] = {"mode": MODES, "reuse_scope": REUSE_SCOPES,
-                                       "recompute_policy": RECOMPUTE_POLICIES}
+CONFIG_FLAG = "--kvshare-config"
+CONFIG_DEST = "config file"  # not a field name, so it cannot clash with one
 
 # (flag, value or None for a switch) applied on a CPU-only machine unless given.
 CPU_DEFAULTS: tuple[tuple[str, str | None], ...] = (
@@ -47,35 +50,44 @@ CPU_DEFAULTS: tuple[tuple[str, str | None], ...] = (
 )
 
 
-def _parse_bool(text: str) -> bool:
-    lowered = text.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+def _metavar(f: dataclasses.Field) -> str | None:
+    kind = str(f.type)
+    if kind == "bool":
+        return "{true,false}"
+    args = typing.get_args(typing.get_type_hints(KVShareConfig)[f.name])
+    if args and all(isinstance(a, str) for a in args):  # a Literal: its choices
+        return "{" + ",".join(args) + "}"
+    return None
 
 
 def add_kvshare_args(parser: argparse.ArgumentParser) -> None:
-    """Add one ``--kvshare-<field>`` option per ``KVShareConfig`` field, in the config's option groups."""
-    groups = {name: parser.add_argument_group(name, description) for name, description in GROUPS.items()}
+    """Add ``--kvshare-config`` and one ``--kvshare-<field>`` option per flag field, grouped by component.
+
+    Defaults are left out of the namespace (``SUPPRESS``): a flag given on the command line wins over the
+    config file, which wins over the field's default.
+    """
+    groups = {}
+    for name, description in GROUPS.items():
+        if name == GROUP_MAIN or any(f.metadata["group"] == name and f.metadata["flag"]
+                                     for f in dataclasses.fields(KVShareConfig)):
+            title = "kvshare" if name == GROUP_MAIN else f"kvshare {name}"
+            groups[name] = parser.add_argument_group(title, description)
     for f in dataclasses.fields(KVShareConfig):
-        group = groups[f.metadata["group"]]
+        if not f.metadata["flag"]:
+            continue
         flag = KVSHARE_PREFIX + f.name.replace("_", "-")
         help_text = f.metadata.get("help", "").replace("%", "%%")  # argparse formats help with %
-        default = f.default
-        kind = str(f.type)
-        if f.name in CHOICES:
-            group.add_argument(flag, choices=CHOICES[f.name], default=default, help=f"{help_text} (default: {default})")
-        elif kind == "bool":
-            group.add_argument(flag, type=_parse_bool, default=default, metavar="{true,false}",
-                               help=f"{help_text} (default: {str(default).lower()})")
-        elif "int" in kind:
-            group.add_argument(flag, type=int, default=default, help=f"{help_text} (default: {default})")
-        elif "str" in kind:
-            group.add_argument(flag, type=str, default=default, help=f"{help_text} (default: {default})")
-        else:
-            group.add_argument(flag, type=float, default=default, help=f"{help_text} (default: {default})")
+        default = str(f.default).lower() if isinstance(f.default, bool) else f.default
+        groups[f.metadata["group"]].add_argument(
+            flag, dest=f.name, type=functools.partial(from_text, f.name), default=argparse.SUPPRESS,
+            metavar=_metavar(f), help=f"{help_text} (default: {default})")
+    groups[GROUP_MAIN].add_argument(
+        CONFIG_FLAG, dest=CONFIG_DEST, metavar="FILE", default=argparse.SUPPRESS,
+        help="A TOML file of kvshare settings: the ones without a flag, in the sections "
+             + ", ".join(f"[{g}]" for g in GROUPS if g != GROUP_MAIN)
+             + ", and any flag's setting under its key (docs/CONFIGURATION.md lists every key and its section). "
+               "An unknown key or a bad value is a launch error; a flag given on the command line wins over "
+               "the file.")
 
 
 def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -175,7 +187,8 @@ def kvshare_parser() -> argparse.ArgumentParser:
               "[sglang.launch_server options ...]",
         description="An SGLang server with the kvshare cache (--radix-cache-backend kvshare). Every "
                     "sglang.launch_server option works here; the kvshare options come first, the ones most "
-                    "users set at the top. The full table: docs/CONFIGURATION.md.")
+                    "users set at the top; the settings without a flag are set in a --kvshare-config file. "
+                    "Every setting: docs/CONFIGURATION.md.")
     add_kvshare_args(parser)
     return parser
 
@@ -193,16 +206,17 @@ def print_help() -> None:
 
 
 def parse_kvshare(argv: Sequence[str]) -> tuple[KVShareConfig, list[str]]:
+    """The validated config of the ``--kvshare-*`` options (and their config file), and SGLang's argv."""
     ours, theirs = split_argv(argv)
     parser = kvshare_parser()
-    ns = parser.parse_args(ours)
-    values = {f.name: getattr(ns, "kvshare_" + f.name) for f in dataclasses.fields(KVShareConfig)}
+    given = vars(parser.parse_args(ours))
+    path = given.pop(CONFIG_DEST, None)
     try:
-        config = KVShareConfig(**values)
+        config = config_from_file(path, **given) if path is not None else KVShareConfig(**given)
         if config.fidelity_file:  # a file the guard cannot use stops the launch here, before SGLang starts
             GuardFile.open(config.fidelity_file)
         return config, theirs
-    except ValueError as exc:  # GuardFileError included
+    except ValueError as exc:  # ConfigError and GuardFileError included
         parser.error(str(exc))
         raise
 

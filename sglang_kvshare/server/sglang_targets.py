@@ -157,8 +157,8 @@ TRITON_SPARSE_HOOKS: tuple[Hook, ...] = (
          "around", "sglang_kvshare.server.sparse_extend_triton:around_triton_forward_extend", "scheduler"),
 )
 
-# Installed only with --kvshare-learn-on-idle (and --kvshare-learn-async): learning steps on the
-# scheduler's own thread; the second one also with --kvshare-learn-before-decode. The first one also with
+# Installed only with learn_on_idle (and --kvshare-learn-async): learning steps on the
+# scheduler's own thread; the second one also with learn_before_decode. The first one also with
 # --kvshare-pool-save-interval-s: the pools are saved on idle time.
 IDLE_LEARNING_HOOK = Hook(
     Target(f"{_SCHEDULER}.maybe_sleep_on_idle", "called only when nothing runs and nothing waits",

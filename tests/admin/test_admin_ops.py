@@ -169,11 +169,11 @@ def test_configure_sets_head_recompute_and_staging():
 
 def test_config_body_accepts_head_recompute_and_rejects_bad_values():
     import pytest
-    from pydantic import ValidationError
 
-    from sglang_kvshare.admin.routes import ConfigUpdate
+    from sglang_kvshare.config import ConfigError, runtime_update
 
-    assert ConfigUpdate(recompute_head=16).changes() == {"recompute_head": 16}
-    for bad in ({"recompute_head": -1}, {"recompute_head": "8"}, {"staged": "yes"}):
-        with pytest.raises(ValidationError):
-            ConfigUpdate(**bad)
+    assert runtime_update(KVShareConfig(), {"recompute_head": 16, "tau": None}).recompute_head == 16
+    for bad in ({"recompute_head": -1}, {"recompute_head": "8"}, {"staged": "yes"}, {"max_pools": 2}, {},
+                {"tua": 0.1}):
+        with pytest.raises(ConfigError):
+            runtime_update(KVShareConfig(), bad)

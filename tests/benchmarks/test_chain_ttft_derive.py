@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.chain_ttft import AGENTS, arm_launch, derive
+from sglang_kvshare.server.launcher import parse_kvshare
 
 
 def _rep(ttft: float, floor: float, reused: int, first: float = 2.0, assembly: float = 0.01) -> dict:
@@ -34,7 +35,11 @@ def test_derive_ratios_against_floor_and_off():
 def test_an_arm_names_its_mode_head_and_extra_flags():
     assert arm_launch("kvcmas", 0.3) == ("kvcmas", ["--kvshare-tau", "0.3"])
     assert arm_launch("fullshared:8", 0.3) == ("fullshared", ["--kvshare-tau", "0.3", "--kvshare-recompute-head", "8"])
-    mode, extra = arm_launch("kvcmas:8@learn-yield-s=0,learn-cpu-share=1", 0.3)
-    assert mode == "kvcmas" and extra[-4:] == ["--kvshare-learn-yield-s", "0", "--kvshare-learn-cpu-share", "1"]
+    mode, extra = arm_launch("kvcmas:8@learn-yield-s=0,learn-cpu-share=1,edge-anchors=4", 0.3)
+    config, _ = parse_kvshare(["--kvshare-mode", mode, *extra])  # the learner's settings travel in a config file
+    assert (config.learn_yield_s, config.learn_cpu_share, config.edge_anchors, config.recompute_head) == (0, 1, 4, 8)
+    assert "--kvshare-config" in extra and "--kvshare-edge-anchors" in extra
+    with pytest.raises(ValueError, match="not a kvshare setting"):
+        arm_launch("kvcmas@learn-yeld-s=0", 0.3)
     with pytest.raises(ValueError, match="name=value"):
         arm_launch("kvcmas@learn-yield-s", 0.3)

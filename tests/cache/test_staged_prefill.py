@@ -104,7 +104,7 @@ def test_a_short_private_tail_after_a_dense_stretch_is_not_staged():
     sched.run(annotated("A"))
     second = annotated("A", query=list(range(7000, 7060)))  # new content, then A's own short suffix
     sched.run(second)
-    assert second.stages == 0  # a 3-token tail is not worth a stage (--kvshare-min-stage-tokens)
+    assert second.stages == 0  # a 3-token tail is not worth a stage (min_stage_tokens)
     assert second.report()["segments"][2]["resolved_by"] == "dense"
 
 

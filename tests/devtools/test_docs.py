@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from devtools import docs
-from sglang_kvshare.config import GROUPS, KVShareConfig
+from sglang_kvshare.config import FLAG_FIELDS, GROUPS, RUNTIME_FIELDS, KVShareConfig
 
 
 def test_generated_docs_are_current():
@@ -13,11 +13,21 @@ def test_generated_docs_are_current():
     assert stale == [], "run: python -m devtools.docs"
 
 
-def test_every_option_is_documented_in_its_group():
+def test_every_setting_is_documented_in_its_section_with_its_flag():
     text = docs.configuration_markdown()
     for f in dataclasses.fields(KVShareConfig):
         assert f.metadata["group"] in GROUPS, f.name
-        assert f"`--kvshare-{f.name.replace('_', '-')}`" in text
+        section = text[text.index(f"## {f.metadata['group']} ("):]
+        row = next(line for line in section.splitlines() if line.startswith(f"| `{f.name}` |"))
+        assert (f"`--kvshare-{f.name.replace('_', '-')}`" in row) == (f.name in FLAG_FIELDS)
+
+
+def test_the_one_runtime_list_is_generated_and_the_docs_link_to_it():
+    text = docs.configuration_markdown()
+    listed = text[text.index("## Runtime settings"):].split("\n\n")[1]
+    assert all(f"`{name}`" in listed for name in RUNTIME_FIELDS)
+    for path in ("README.md", "docs/OPERATIONS.md", "docs/FIDELITY.md", "docs/ARCHITECTURE.md"):
+        assert f"CONFIGURATION.md#{docs.RUNTIME_ANCHOR}" in (docs.ROOT / path).read_text(), path
 
 
 def test_the_checklist_lists_every_target():

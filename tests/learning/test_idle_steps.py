@@ -1,4 +1,4 @@
-"""Learning on the idle scheduler (``--kvshare-learn-on-idle``): steps run only where the scheduler runs them.
+"""Learning on the idle scheduler (``learn_on_idle``): steps run only where the scheduler runs them.
 
 Each test fails if a step ran beside the scheduler (on another thread, or
 while the scheduler was busy), or if a step's result or error were lost.
@@ -114,7 +114,7 @@ class _Mode:
 
 
 def test_a_step_runs_in_front_of_a_decode_batch_only_when_no_request_waits():
-    """``--kvshare-learn-before-decode``: a step may delay a decode iteration, never a waiting prefill."""
+    """``learn_before_decode``: a step may delay a decode iteration, never a waiting prefill."""
     counters = Counters()
     steps = IdleSteps(counters)
     ran = threading.Event()
@@ -156,7 +156,7 @@ def test_under_steady_load_a_step_not_taken_in_the_budget_runs_beside_the_schedu
 
 
 def test_a_zero_budget_never_waits_for_the_idle_scheduler():
-    """``--kvshare-learn-yield-s 0`` means never wait: steps go beside the scheduler at once."""
+    """``learn_yield_s = 0`` means never wait: steps go beside the scheduler at once."""
     estimator = _SlowEstimator(busy=0.0)
     learner, counters = _learner(estimator, asynchronous=True, yield_s=0.0)
     sched = _IdleScheduler(learner.use_idle_steps())  # never idle

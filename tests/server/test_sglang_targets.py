@@ -100,4 +100,5 @@ def test_a_plain_sglang_launch_gets_no_kvshare_hook():
     # Only the plugin's own small modules load: no chat, admin or cache code in a plain server.
     assert set(eval(lines["modules"])) <= {"sglang_kvshare.config", "sglang_kvshare.server",
                                            "sglang_kvshare.server.plugin", "sglang_kvshare.server.sglang_targets",
-                                           "sglang_kvshare.guard", "sglang_kvshare.guard.target"}
+                                           "sglang_kvshare.guard", "sglang_kvshare.guard.target",
+                                           "sglang_kvshare.protocol"}  # the config's bound on a head
