@@ -23,7 +23,7 @@ from typing import Any, Optional
 from sglang_kvshare.config import MODES, KVShareConfig
 
 PREFIX = "sglang_kvshare_"
-MAX_SLOT_LABELS = 64  # slot names come from requests: bound the label cardinality
+MAX_SLOT_LABELS = 64  # slot labels at once (s0 ..): slot names come from requests, never a label
 OTHER_SLOT = "_other"
 RESOLVED_BY = ("hit", "alignment", "correction", "dense")
 _RESOLVED_FIELD = {"hit": "resolved_hit", "alignment": "resolved_alignment",
@@ -50,17 +50,19 @@ class KVShareMetrics:
         def gauge(name: str, doc: str, labels: tuple[str, ...] = (), mode: str = "livesum") -> Any:
             return Gauge(PREFIX + name, doc, labelnames=labels, multiprocess_mode=mode, registry=registry)
 
-        self.requests = counter("requests", "Annotated requests that carried a shared segment of this slot.", ("slot",))
-        self.shared_tokens = counter("shared_tokens", "Shared-segment tokens seen, per slot.", ("slot",))
+        self.requests = counter("requests", "Annotated requests that carried a shared segment of this slot.",
+                                ("slot", "dp_rank"))
+        self.shared_tokens = counter("shared_tokens", "Shared-segment tokens seen, per slot.", ("slot", "dp_rank"))
         self.resolved_tokens = counter(
             "resolved_tokens", "Shared-segment tokens by how they were served: exact radix hit, "
-            "re-alignment, correction, or dense prefill.", ("slot", "by"))
-        self.fallbacks = counter("fallbacks", "Shared segments prefilled densely, by reason.", ("slot", "reason"))
+            "re-alignment, correction, or dense prefill.", ("slot", "by", "dp_rank"))
+        self.fallbacks = counter("fallbacks", "Shared segments prefilled densely, by reason.",
+                                 ("slot", "reason", "dp_rank"))
         self.events = counter("events", "Cache-wide events (annotated_requests, observations, "
                               "internal_errors, alloc_failed, ...).", ("event",))
         self.seconds = counter("seconds", "Time spent in kvshare work, by phase.", ("phase",))
-        self.anchors = gauge("anchors", "Anchors held in the slot's pool.", ("slot",))
-        self.anchor_bytes = gauge("anchor_bytes", "Bytes held by the slot's anchors.", ("slot",))
+        self.anchors = gauge("anchors", "Anchors held in the slot's pool.", ("slot", "dp_rank"))
+        self.anchor_bytes = gauge("anchor_bytes", "Bytes held by the slot's anchors.", ("slot", "dp_rank"))
         self.pool_bytes = gauge("pool_bytes", "Bytes held by all anchor pools together.")
         self.pending = gauge("pending_observations", "Dense prefills queued for anchor learning.")
         # Ratios do not add up over data-parallel ranks (each runs its own cache): one series per rank.
@@ -85,14 +87,17 @@ class KVShareMetrics:
         slots: dict[str, dict] = stats.get("slots", {})
         anchors: dict[str, float] = {}
         anchor_bytes: dict[str, float] = {}
+        for name in self._slot_labels.keys() - slots.keys():  # first: their labels go to this update's new slots
+            del self._slot_labels[name]
         for name, s in slots.items():
-            label = self._label(name)
-            self._count(self.requests, (label,), ("req", name), s.get("requests", 0))
-            self._count(self.shared_tokens, (label,), ("tok", name), s.get("shared_tokens_seen", 0))
+            label = s["metric_label"] = self._label(name)  # the admin read returns these stats: its map
+            self._count(self.requests, (label, self.dp_rank), ("req", name), s.get("requests", 0))
+            self._count(self.shared_tokens, (label, self.dp_rank), ("tok", name), s.get("shared_tokens_seen", 0))
             for by in RESOLVED_BY:
-                self._count(self.resolved_tokens, (label, by), ("by", name, by), s.get(_RESOLVED_FIELD[by], 0))
+                self._count(self.resolved_tokens, (label, by, self.dp_rank), ("by", name, by),
+                            s.get(_RESOLVED_FIELD[by], 0))
             for reason, n in (s.get("fallbacks") or {}).items():
-                self._count(self.fallbacks, (label, str(reason)), ("fb", name, reason), n)
+                self._count(self.fallbacks, (label, str(reason), self.dp_rank), ("fb", name, reason), n)
             mean = s.get("mean_gate_entropy")
             if mean is not None:
                 self.gate_entropy.labels(label, self.dp_rank).set(mean)
@@ -107,14 +112,12 @@ class KVShareMetrics:
         # comes back, so its last values are dropped: these tables hold only the slots the stats hold now.
         for key in self._last.keys() - self._seen:
             del self._last[key]
-        for name in self._slot_labels.keys() - slots.keys():
-            del self._slot_labels[name]
         for label in self._gauged_slots - set(anchors):  # slots emptied by a reset
-            self.anchors.labels(label).set(0)
-            self.anchor_bytes.labels(label).set(0)
+            self.anchors.labels(label, self.dp_rank).set(0)
+            self.anchor_bytes.labels(label, self.dp_rank).set(0)
         for label, n in anchors.items():
-            self.anchors.labels(label).set(n)
-            self.anchor_bytes.labels(label).set(anchor_bytes[label])
+            self.anchors.labels(label, self.dp_rank).set(n)
+            self.anchor_bytes.labels(label, self.dp_rank).set(anchor_bytes[label])
         self._gauged_slots = set(anchors)
         self.pool_bytes.set(stats.get("anchor_bytes", 0))
         self.pending.set(stats.get("pending_observations", 0))
@@ -127,10 +130,17 @@ class KVShareMetrics:
 
     # ------------------------------------------------------------ helpers
     def _label(self, slot: str) -> str:
-        """The slot's own label while fewer than ``MAX_SLOT_LABELS`` slots have one, else ``OTHER_SLOT``."""
+        """The slot's label: ``s0`` .. ``s{MAX_SLOT_LABELS - 1}``, the lowest one free, else ``OTHER_SLOT``.
+
+        Why not the slot's name: it is a string clients choose, and ``/metrics`` is served without a key. A
+        label freed when its slot leaves the stats goes to the next new slot, so the series stay bounded in
+        prometheus_client's multiprocess mode too (where a series, once written, is never removed);
+        ``/kvshare/stats`` names each slot's label (``metric_label``).
+        """
         label = self._slot_labels.get(slot)
         if label is None:
-            label = slot if len(self._slot_labels) < MAX_SLOT_LABELS else OTHER_SLOT
+            used = set(self._slot_labels.values())
+            label = next((f"s{i}" for i in range(MAX_SLOT_LABELS) if f"s{i}" not in used), OTHER_SLOT)
             if label != OTHER_SLOT:
                 self._slot_labels[slot] = label
         return label
