@@ -141,7 +141,8 @@ def name_flood(r: Run, form: dict) -> dict:
     flood_text = r.doc()
 
     def one(i: int) -> int:
-        ids, cp = r.request(f"fl{i}-{r.tag}", flood_text, slot=f"slot-{i}", system="You are one of many agents.")
+        ids, cp = r.request(f"fl{i}-{r.tag}", flood_text, slot=f"slot-{i}-{r.tag}",
+                            system="You are one of many agents.")
         served = i % form["served_every"] == 0
         body = generate_body(ids, custom_params=cp, max_new_tokens=1 if served else -1,
                              salt=salts[(i // form["served_every"]) % len(salts)])
@@ -150,7 +151,7 @@ def name_flood(r: Run, form: dict) -> dict:
         return r.ep.call("flood", "POST", "/generate", body=body).status
 
     def slots(i: int) -> int:
-        names = [f"sl{i}-{j}" for j in range(62)]
+        names = [f"sl{i}-{j}-{r.tag}" for j in range(62)]
         head = r.tok("<|im_start|>system\nYou hold many slots.<|im_end|>\n", add_special_tokens=False).input_ids
         ids = head + (4 * r.tok(flood_text, add_special_tokens=False).input_ids)[:2 * len(names)]
         raw = json.dumps(many_slots(f"slots{i}-{r.tag}", len(head), len(ids), names))
@@ -209,12 +210,14 @@ def _series_cap() -> int:
 def _guard_series(text: str, tag: str) -> dict:
     """The guard's series on ``/metrics``: sample lines, distinct per-scope label sets (every label but the
     fixed-set ones: bound, event, reason) and the label values naming an agent of this run."""
-    lines = [ln for ln in text.splitlines() if ln.startswith("sglang_kvshare_guard_") and "{" in ln]
+    every = [ln for ln in text.splitlines() if ln.startswith("sglang_kvshare_") and "{" in ln]
+    lines = [ln for ln in every if ln.startswith("sglang_kvshare_guard_")]
     scopes, named = set(), set()
-    for ln in lines:
-        labels = dict(pair.split("=", 1) for pair in re.findall(r'(\w+="[^"]*")', ln.split("{", 1)[1].rsplit("}", 1)[0]))
+    for ln in every:  # no kvshare series (guard or slot) may name an agent or a slot of this run
+        inside = ln.split("{", 1)[1].rsplit("}", 1)[0]
+        labels = dict(pair.split("=", 1) for pair in re.findall(r'(\w+="[^"]*")', inside))
         own = tuple(sorted((k, v) for k, v in labels.items() if k not in FIXED_LABELS))
-        if own:
+        if own and ln in lines:
             scopes.add(own)
         named |= {v.strip('"') for v in labels.values() if tag in v}
     return {"lines": len(lines), "scopes": len(scopes), "agent_names": sorted(named)[:5]}
