@@ -66,9 +66,15 @@ class AdminChannel:
         """
         from sglang.srt.managers.io_struct import GetInternalStateReq
 
-        outputs, timed_out = await self._gather(GetInternalStateReq())
+        call_id = uuid.uuid4().hex
+        outputs, timed_out = await self._gather(GetInternalStateReq(rid=ops.READ_PREFIX + call_id))
         states = [getattr(out, "internal_state", None) for out in outputs]
         snaps = [s[ops.STATE_KEY] for s in states if isinstance(s, dict) and ops.STATE_KEY in s]
+        # NOTE: SGLang's communicator has no call ids: a rank's late answer to an earlier read can fill a later
+        # read's list. Snapshots of another call are dropped and their rank counted as not answering.
+        late = [s for s in snaps if s.get(ops.CALL_KEY) != call_id]
+        snaps = [s for s in snaps if s.get(ops.CALL_KEY) == call_id]
+        timed_out = timed_out or bool(late)
         missing = self._missing({int(s.get("dp_rank", 0)) for s in snaps}) if timed_out else []
         if timed_out and not snaps:
             raise ChannelError(f"no data-parallel rank answered the kvshare read within {self.timeout:g}s "
@@ -77,6 +83,7 @@ class AdminChannel:
             raise ChannelError("the scheduler does not run the kvshare cache "
                                "(start the server with --radix-cache-backend kvshare)")
         for snap in snaps:
+            snap.pop(ops.CALL_KEY, None)
             if "error" in snap:
                 raise ChannelError(f"reading the kvshare state failed: {snap['error']}", status=500)
             if missing:

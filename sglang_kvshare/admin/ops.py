@@ -29,6 +29,8 @@ RPC_METHOD = "kvshare_admin"
 STATE_KEY = "kvshare"
 REPLY_KEY = "kvshare_reply"
 FANOUT_PREFIX = "kvshare-admin:"
+READ_PREFIX = "kvshare-read:"  # a read's rid: its snapshots carry the call id back (``CALL_KEY``)
+CALL_KEY = "call"
 OPS = ("configure", "reset", "pools", "save")
 
 
@@ -93,6 +95,13 @@ def fanout_rid(op: str, params: dict, call_id: str) -> str:
     as on the RPC channel.
     """
     return FANOUT_PREFIX + json.dumps({"op": op, "params": params, "id": call_id}, separators=(",", ":"))
+
+
+def read_call(rid: Any) -> Optional[str]:
+    """The call id of a kvshare read's rid (``READ_PREFIX`` + id); None for any other rid."""
+    if isinstance(rid, str) and rid.startswith(READ_PREFIX) and len(rid) <= len(READ_PREFIX) + 64:
+        return rid[len(READ_PREFIX):]
+    return None
 
 
 def parse_fanout_rid(rid: Any) -> Optional[tuple[str, dict, str]]:

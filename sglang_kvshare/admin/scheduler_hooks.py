@@ -127,6 +127,9 @@ def after_get_internal_state(result, controller, recv_req=None, *args, **kwargs)
     else:
         refresh_metrics(scheduler, force=True, stats=snap["stats"])
     snap["dp_rank"] = dp_rank_of(scheduler)
+    call = ops.read_call(getattr(recv_req, "rid", None))
+    if call is not None:
+        snap[ops.CALL_KEY] = call  # the read this answers: a late answer is told apart from the current one
     snap["tp_ranks"] = tp_ranks(scheduler, view)
     state[ops.STATE_KEY] = snap
     return result

@@ -80,3 +80,33 @@ def test_every_rank_answering_names_none():
         assert merged["dp_size"] == 2 and "timed_out_ranks" not in merged["stats"]
 
     asyncio.run(run())
+
+
+class RanksWithOneLate(RanksWithOneStuck):
+    """Rank ``stuck`` answers each request only when the next one is sent: its late answer lands in the list of
+    the call after (SGLang's communicator has no call ids)."""
+
+    def __init__(self, ranks: int, stuck: int) -> None:
+        super().__init__(ranks, stuck)
+        self.held = None
+
+    def _send(self, req) -> None:
+        loop = asyncio.get_running_loop()
+        if self.held is not None:
+            loop.call_soon(self.get_internal_state_communicator.handle_recv, self.held)
+        self.held = SimpleNamespace(internal_state={})
+        scheduler_hooks.after_get_internal_state(self.held, self.controllers[self.stuck], req)
+        super()._send(req)
+
+
+def test_a_late_answer_to_an_earlier_read_is_never_shown_as_the_current_state():
+    async def run():
+        ranks = RanksWithOneLate(3, stuck=2)
+        channel = AdminChannel(ranks, "ipc:///nonexistent", timeout=DEADLINE_S)
+        first, _ = await _timed(channel.read())  # rank 2 says nothing in time
+        assert aggregate.merge_stats(first)["stats"]["timed_out_ranks"] == [2]
+        second, _ = await _timed(channel.read())  # rank 2's answer to the first read arrives now
+        merged = aggregate.merge_stats(second)
+        assert [r["dp_rank"] for r in merged["ranks"]] == [0, 1] and merged["stats"]["timed_out_ranks"] == [2]
+
+    asyncio.run(run())

@@ -120,24 +120,26 @@ def test_metrics_count_increases_and_survive_a_reset():
 
     metrics.update(stats(2, 80, 3), KVShareConfig(mode="kvcmas", tau=0.3))
     metrics.update(stats(5, 200, 4))
-    assert _value(registry, "sglang_kvshare_requests_total", slot="query") == 5
-    assert _value(registry, "sglang_kvshare_resolved_tokens_total", slot="query", by="alignment") == 200
-    assert _value(registry, "sglang_kvshare_anchors", slot="query") == 4
+    # The slot's series carry a bounded id (the stats name it), never the name a client chose.
+    assert registry.get_sample_value("sglang_kvshare_requests_total", {"slot": "query", "dp_rank": "1"}) is None
+    assert _value(registry, "sglang_kvshare_requests_total", slot="s0", dp_rank="1") == 5
+    assert _value(registry, "sglang_kvshare_resolved_tokens_total", slot="s0", by="alignment", dp_rank="1") == 200
+    assert _value(registry, "sglang_kvshare_anchors", slot="s0", dp_rank="1") == 4
     assert _value(registry, "sglang_kvshare_mode", mode="kvcmas") == 1
     assert _value(registry, "sglang_kvshare_capacity") == 10
     assert _value(registry, "sglang_kvshare_seconds_total", phase="assembly") == 0.5
     # Ratios do not add up over data-parallel ranks: each rank's series carries its number.
     assert _value(registry, "sglang_kvshare_reuse_ratio", dp_rank="1") == 0.5
-    assert _value(registry, "sglang_kvshare_mean_gate_entropy", slot="query", dp_rank="1") == 0.25
+    assert _value(registry, "sglang_kvshare_mean_gate_entropy", slot="s0", dp_rank="1") == 0.25
     # After a reset the cache counts from zero again; the Prometheus counter keeps growing.
     metrics.update(stats(1, 40, 0))
-    assert _value(registry, "sglang_kvshare_requests_total", slot="query") == 6
-    assert _value(registry, "sglang_kvshare_anchors", slot="query") == 0
+    assert _value(registry, "sglang_kvshare_requests_total", slot="s0", dp_rank="1") == 6
+    assert _value(registry, "sglang_kvshare_anchors", slot="s0", dp_rank="1") == 0
     # A full reset drops the slot; counts after it are all new, even past the old total.
     metrics.update({"slots": {}, "counters": {}})
-    assert _value(registry, "sglang_kvshare_anchors", slot="query") == 0
+    assert _value(registry, "sglang_kvshare_anchors", slot="s0", dp_rank="1") == 0
     metrics.update(stats(7, 0, 1))
-    assert _value(registry, "sglang_kvshare_requests_total", slot="query") == 13
+    assert _value(registry, "sglang_kvshare_requests_total", slot="s0", dp_rank="1") == 13
 
 
 def test_metrics_tables_hold_only_the_slots_the_stats_hold():
