@@ -21,11 +21,8 @@ Mode = Literal["off", "fullshared", "kvcmas"]
 MODES: tuple[str, ...] = ("off", "fullshared", "kvcmas")
 # What POST /kvshare/config may change on a running server.
 RUNTIME_FIELDS: tuple[str, ...] = ("tau", "capacity", "rank", "edge_anchors", "mode", "recompute_head",
-                                   "recompute_ratio", "recompute_policy", "sparse_extend", "staged", "verify_rate",
-                                   "fidelity_target", "fidelity_min_samples", "fidelity_band", "verify_burst",
-                                   "fault_perturb_slot")
-RecomputePolicy = Literal["head", "query", "correction"]
-RECOMPUTE_POLICIES: tuple[str, ...] = ("head", "query", "correction")
+                                   "recompute_ratio", "sparse_extend", "staged", "verify_rate",
+                                   "fidelity_target", "fidelity_min_samples", "fidelity_band", "verify_burst")
 ReuseScope = Literal["workflow", "salt", "salt-required"]
 REUSE_SCOPES: tuple[str, ...] = ("workflow", "salt", "salt-required")
 ENV_VAR = "SGLANG_KVSHARE_CONFIG"
@@ -56,7 +53,6 @@ class KVShareConfig:
     auto: bool = _option(False, GROUP_MAIN, "Annotate /v1/chat/completions requests that carry no kvshare field: agent = digest of the system messages, every other message's content and every answer shared under the slot auto:message (docs/USAGE.md). Off by default: with it on, every chat request may receive estimated KV.")
     recompute_head: int = _option(0, GROUP_MAIN, "K: the first K tokens of every reused segment are prefilled densely in the request's own context (EPIC-style boundary recompute); only the rest is re-aligned (and corrected). 0 = reuse whole segments.")
     recompute_ratio: float = _option(0.0, GROUP_MAIN, "r: the first ceil(r x n) rows of every reused segment of n rows are recomputed (as with --kvshare-recompute-head; the larger of the two counts). It scales with the segment, where K does not. 0 = off.")
-    recompute_policy: RecomputePolicy = _option("head", GROUP_MAIN, "Which rows of a reused segment the ratio's budget (--kvshare-recompute-ratio) recomputes. head = the first rows (EPIC). query = half of them the first rows, the other half the rows the request's own last prompt tokens attend to most at an early layer (ProphetKV, A3; a probe through the first 3 layers, docs/STAGED_PREFILL.md); needs the sparse extend and a Llama-family model, otherwise the head. correction = with kvcmas, the rows the anchor pool's correction moves most (a corrected segment's error sits where its context changed the KV most; measured in docs/FIDELITY.md), after the --kvshare-recompute-head first rows; needs the sparse extend, and segments without a correction (aligned, fullshared) keep the head.")
     sparse_extend: bool = _option(True, GROUP_MAIN, "Recompute the heads inside the request's one prefill forward (a sparse extend: the recomputed rows and the request's own tokens in one forward, each at its true position), where the attention backend supports it (torch_native; triton, as a custom mask); elsewhere, or false, each head costs a stage: one more scheduling round and forward (docs/STAGED_PREFILL.md). The KV is the same either way.")
     reuse_scope: ReuseScope = _option("workflow", GROUP_MAIN, "Who may be served KV another request computed: workflow = requests of the same workflow (the annotation's workflow field; on the chat API the kvshare field's workflow, else the request's user) and the same cache_salt and LoRA adapter; requests that name none share the anonymous scope, as they share SGLang's exact prefix cache. salt = every request of the same cache_salt and LoRA adapter, across workflows and users. salt-required = as salt, and a request without a cache_salt is served as stock SGLang serves it (exact prefix only, no report): it is never served KV another request computed, and nothing it computes is offered to another; for servers shared by tenants, whose gateway sets each tenant's cache_salt (the workflow and user are labels any client may choose; docs/OPERATIONS.md, Tenants). Reports never name an agent of another workflow.")
     admin_open: bool = _option(False, GROUP_MAIN, "Allow the kvshare admin writes (POST /kvshare/config, /kvshare/reset, /kvshare/pools/{slot}/reset) on a server started without --admin-api-key and --api-key. Off: those writes answer 403 there; with a key they follow SGLang's key rules.")
@@ -98,7 +94,6 @@ class KVShareConfig:
     pool_file: Optional[str] = _option(None, GROUP_ADVANCED, "kvcmas: a file the anchor pools are loaded from at launch and saved to by POST /kvshare/save, so a restarted server corrects from its first requests instead of learning every edge again (docs/OPERATIONS.md). The file names the model it was learned on (architecture, RoPE, a digest of the weight files), its format version and rank; a file that does not match this server is a launch error, a missing one starts with empty pools. With --tp-size or --dp-size above 1 each scheduler uses PATH.dp<d>.tp<t>. It holds low-rank factors of the prompts' KV: keep it as private as the prompts. None = pools live in memory only.")
     pool_save_interval_s: float = _option(0.0, GROUP_ADVANCED, "With --kvshare-pool-file: also save the pools while the scheduler is idle, at most once per this many seconds and only when they changed since the last save, so an unplanned restart loses at most that much learning (a save holds the scheduler while the file is written). Not at --tp-size above 1, where every rank must write at the same point: save with POST /kvshare/save there. 0 = only POST /kvshare/save.")
     fidelity_file: Optional[str] = _option(None, GROUP_ADVANCED, "A file the fidelity guard keeps each scope's setting and pin in: read at launch, rewritten on every change, so a restarted server serves each agent under the setting the guard had reached and keeps the operator's pins (docs/FIDELITY.md). Scopes are stored by agent name and a keyed digest of their namespace, never the cache salt; keep it as private as the prompts. Settings learned under another target or --kvshare-recompute-head are dropped, pins kept. A file that is not a guard file is a launch error; a missing one starts empty. None = in memory only.")
-    fault_perturb_slot: Optional[str] = _option(None, GROUP_ADVANCED, "Test only: add noise to the KV assembled for this slot, so a test can show the guard catching a bad scope. Never set it on a server users reach.")
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -138,8 +133,6 @@ class KVShareConfig:
             raise ValueError(f"recompute_head must be >= 0, got {self.recompute_head}")
         if not 0.0 <= self.recompute_ratio <= 1.0:
             raise ValueError(f"recompute_ratio must lie in [0, 1], got {self.recompute_ratio}")
-        if self.recompute_policy not in RECOMPUTE_POLICIES:
-            raise ValueError(f"recompute_policy must be one of {RECOMPUTE_POLICIES}, got {self.recompute_policy!r}")
         if self.learn_step_layers < 0:
             raise ValueError(f"learn_step_layers must be >= 0 (0 = all layers in one step), got {self.learn_step_layers}")
         if self.min_anchor_len < 0:

@@ -79,7 +79,6 @@ class ConfigUpdate(BaseModel):
                                           description=_HELP["recompute_head"])
     recompute_ratio: Optional[float] = Field(None, ge=0.0, le=1.0, strict=True, allow_inf_nan=False,
                                              description=_HELP["recompute_ratio"])
-    recompute_policy: Optional[Literal["head", "query", "correction"]] = Field(None, description=_HELP["recompute_policy"])
     sparse_extend: Optional[bool] = Field(None, strict=True, description=_HELP["sparse_extend"])
     staged: Optional[bool] = Field(None, strict=True, description=_HELP["staged"])
     verify_rate: Optional[float] = Field(None, ge=0.0, le=1.0, strict=True, allow_inf_nan=False,
@@ -91,8 +90,6 @@ class ConfigUpdate(BaseModel):
     fidelity_band: Optional[float] = Field(None, ge=0.0, lt=1.0, strict=True, allow_inf_nan=False,
                                            description=_HELP["fidelity_band"])
     verify_burst: Optional[bool] = Field(None, strict=True, description=_HELP["verify_burst"])
-    fault_perturb_slot: Optional[str] = Field(None, max_length=128, description=_HELP["fault_perturb_slot"]
-                                              + " An empty string clears it.")
 
     @model_validator(mode="after")
     def _not_empty(self) -> "ConfigUpdate":

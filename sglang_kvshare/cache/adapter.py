@@ -22,7 +22,6 @@ fail a request (logged, counted, prefilled densely).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from typing import Any, Optional
@@ -31,9 +30,8 @@ from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResul
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixCache
 
-from sglang_kvshare.cache import report, tree_paths
+from sglang_kvshare.cache import assemble, report, tree_paths
 from sglang_kvshare.cache.admin_view import AdminView
-from sglang_kvshare.cache.assemble import write_and_insert
 from sglang_kvshare.cache.correction_state import CorrectionState
 from sglang_kvshare.cache.kv_pool_io import ReadWorkspace
 from sglang_kvshare.cache.parts import CacheParts
@@ -44,7 +42,6 @@ from sglang_kvshare.cache.record import Recorder
 from sglang_kvshare.cache.registry import ContentHasher, PlaceholderRegistry, RegistryLimits
 from sglang_kvshare.cache.resolve import (HeadRule, Resolver, candidates, mark_dense_from, mark_matched,
                                           mark_unreached, next_stage, resolve_segments)
-from sglang_kvshare.cache.tail_probe import TAIL_TOKENS, pick_rows
 from sglang_kvshare.config import KVShareConfig
 from sglang_kvshare.correction.rank_reduce import RanksUnreachable, decision_key
 from sglang_kvshare.counters import Counters
@@ -62,16 +59,12 @@ class KVShareRadixCache(RadixCache):
     ``sparse_unsupported``: why this server cannot recompute heads inside the
     prefill forward (``server.sparse_extend.unsupported_reason``), or None when
     it can; heads are then staged.
-    ``tail_probe``: scores rows by the attention of a request's tail, for the
-    ``query`` recompute policy (``cache.tail_probe.TailProbe``); None with
-    ``tail_probe_unsupported`` saying why (the policy then recomputes the head).
     ``pool_store``: this scheduler's ``--kvshare-pool-file`` (``cache.pool_persistence``); its pools are loaded
     here, before the first request, and ``POST /kvshare/save`` writes them.
     """
 
     def __init__(self, params: CacheInitParams, *, config: KVShareConfig, model_config: Optional[Any] = None,
                  reducer: Optional[Any] = None, sparse_unsupported: Optional[str] = "not_checked",
-                 tail_probe: Optional[Any] = None, tail_probe_unsupported: Optional[str] = "not_checked",
                  pool_store: Optional[PoolStore] = None) -> None:
         # NOTE: set before RadixCache.__init__, which calls reset().
         self.state = CorrectionState(config, model_config, page_size=params.page_size, reducer=reducer)
@@ -89,8 +82,6 @@ class KVShareRadixCache(RadixCache):
         self.counters.add("plain_tokens_from_estimates", 0)  # reported even while it stays 0 (the soak checks it)
         self.activity = ServingActivity()
         self.sparse_unsupported = sparse_unsupported
-        self.tail_probe = tail_probe
-        self.tail_probe_unsupported = None if tail_probe is not None else tail_probe_unsupported
         self.pending_recompute = PendingRecompute(self.counters)
         self.learner = Learner(lambda: self.state.estimator, self.state.lock, self.counters,
                                max_jobs=config.learn_queue_max, max_bytes=int(config.learn_queue_mb * 2**20),
@@ -277,8 +268,8 @@ class KVShareRadixCache(RadixCache):
         self.inc_lock_ref(node)
         try:
             pieces = resolve_segments(self.resolver, records, plan, m, limit, locks, generation, head)
-            last = (write_and_insert(self, self.state.spec, self.counters, plan, node, m, pieces,
-                                     config.fault_perturb_slot) if pieces else node)
+            last = assemble.write_and_insert(self, self.state.spec, self.counters, plan, node, m, pieces) \
+                if pieces else node
         finally:
             for held in locks:
                 self.dec_lock_ref(held)
@@ -287,7 +278,6 @@ class KVShareRadixCache(RadixCache):
             for p in pieces:
                 o = plan.outcomes[p.index]
                 o.resolved_by, o.reason, o.resolved_tokens, o.head_recomputed = "dense", "alloc_failed", 0, None
-                o.recompute_policy = None
             self.counters.add("alloc_failed")
             last, end = node, m
         elif pieces:
@@ -295,7 +285,6 @@ class KVShareRadixCache(RadixCache):
                 plan.est_start = m
             self.recorder.assembled(plan, pieces)
             if head.sparse:
-                pieces = self._pick_by_tail(plan, pieces, last, end, head)
                 self._owe_heads(plan, pieces, last)
         plan.assembled_end = max(plan.assembled_end, end)
         plan.next_stage = None
@@ -310,8 +299,7 @@ class KVShareRadixCache(RadixCache):
         it is sparse."""
         config = self.state.config
         return HeadRule(max(config.recompute_head, annotation.recompute_head or 0), config.recompute_ratio,
-                        sparse=config.sparse_extend and self.sparse_unsupported is None,
-                        policy=config.recompute_policy)
+                        sparse=config.sparse_extend and self.sparse_unsupported is None)
 
     def _head_rule(self, plan: RequestPlan) -> HeadRule:
         """The request's head rule (``_rule_of``), noted in its plan for the report."""
@@ -321,46 +309,6 @@ class KVShareRadixCache(RadixCache):
             plan.recompute_via = "sparse" if rule.sparse else "staged"
             plan.sparse_fallback = self.sparse_unsupported if config.sparse_extend and not rule.sparse else None
         return rule
-
-    def _pick_by_tail(self, plan: RequestPlan, pieces: list, last: Any, end: int, head: HeadRule) -> list:
-        """The ``query`` policy: the rows of ``pieces`` past their fixed head, chosen by the attention of the
-        request's last prompt tokens on the rows just assembled (``cache.tail_probe``).
-
-        The number of rows per piece stays what ``resolve_segments`` counted;
-        only which ones changes. Without a probe, or when it fails, the rows
-        stay the head's (``query_fallback`` in the report).
-        """
-        picks = [i for i, p in enumerate(pieces) if head.by_query(plan.annotation.segments[p.index])]
-        if not picks:
-            return pieces
-        scores, why = None, self.tail_probe_unsupported
-        if self.tail_probe is not None:
-            tail_start = max(end, len(plan.tokens) - TAIL_TOKENS)
-            try:
-                with self.counters.timed("probe"):
-                    scores = self.tail_probe.row_scores(self.path_device_indices(last)[:end],
-                                                        plan.tokens[tail_start:], tail_start)
-                self.counters.add("probe_calls")
-            except Exception as exc:  # noqa: BLE001 - the head is a valid choice of rows; never fail a request
-                logger.exception("sglang-kvshare: the tail probe failed; the rows recomputed are the head's")
-                self.counters.add("internal_errors")
-                why = f"probe_failed: {type(exc).__name__}"
-        if scores is None:
-            for i in picks:
-                plan.outcomes[pieces[i].index].recompute_policy = None
-            plan.query_fallback = why
-            self.counters.add("probe_fallbacks", len(picks))
-            return pieces
-        out = list(pieces)
-        for i in picks:
-            p = pieces[i]
-            seg = plan.annotation.segments[p.index]
-            fixed_n = head.fixed_rows(seg)
-            fixed = range(p.lo, min(p.hi, fixed_n))
-            count = len(p.recompute) - len(fixed)
-            rows = pick_rows(scores[seg.start:seg.start + p.hi], fixed, range(max(p.lo, fixed_n), p.hi), count)
-            out[i] = dataclasses.replace(p, recompute=rows)
-        return out
 
     def _owe_heads(self, plan: RequestPlan, pieces: list, last: Any) -> None:
         """Register the assembled rows of ``pieces`` chosen for recompute (``Piece.recompute``) for the request's

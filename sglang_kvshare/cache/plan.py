@@ -61,7 +61,6 @@ class RequestPlan:
     prefill_forwards: int = 0  # prefill forwards the request took (chunks, stages)
     recompute_via: Optional[str] = None  # sparse | staged: how its heads were recomputed (None: no head)
     sparse_fallback: Optional[str] = None  # why the heads were staged although the sparse extend is on
-    query_fallback: Optional[str] = None  # why the query policy's rows were the head's
 
     @property
     def agent(self) -> str:

@@ -39,7 +39,6 @@ def build(plan: RequestPlan) -> dict:
         "assembly_seconds": round(plan.assembly_seconds, 6),
         **({"recompute": plan.recompute_via} if plan.recompute_via else {}),
         **({"sparse_fallback": plan.sparse_fallback} if plan.sparse_fallback else {}),
-        **({"query_fallback": plan.query_fallback} if plan.query_fallback else {}),
         "segments": [o.as_dict() for o in plan.outcomes],
         "fallbacks": [{"segment": o.index, "slot": o.slot, "reason": o.reason}
                       for o in plan.outcomes if o.reason is not None],

@@ -33,7 +33,7 @@ from sglang_kvshare.cache.outcome import SegmentOutcome
 from sglang_kvshare.cache.parts import CacheParts
 from sglang_kvshare.cache.plan import RequestPlan
 from sglang_kvshare.cache.registry import Materialization, NamespaceRecords
-from sglang_kvshare.correction import MIN_GATE_ANCHORS, correction_row_sizes
+from sglang_kvshare.correction import MIN_GATE_ANCHORS
 
 COLD_REASONS = ("too_few_anchors", "no_edge")  # the gate cannot weigh anchors yet (not: it weighed and refused)
 
@@ -96,19 +96,12 @@ class HeadRule:
     (``--kvshare-recompute-ratio``), the larger. ``sparse``: the head rows are
     assembled with the rest of the segment and recomputed inside the request's
     prefill forward (``server.sparse_extend``); otherwise each head is a dense
-    stage before the segment's reuse resumes. ``policy`` ``correction``: with
-    the sparse extend, a corrected segment's rows past the first ``head`` are
-    the ones its correction moves most (``chosen``), not the next ones.
-    ``query``: with the sparse extend, the first half of the rows (at least
-    ``head``) are the head and the others are picked after assembly by the
-    request's tail (``cache.tail_probe``); ``chosen`` holds their place with
-    the next rows, so the counts are known before the probe runs.
+    stage before the segment's reuse resumes.
     """
 
     head: int = 0
     ratio: float = 0.0
     sparse: bool = False
-    policy: str = "head"
 
     @property
     def key(self) -> str:
@@ -121,7 +114,7 @@ class HeadRule:
         rows a shorter head left assembled. ``sparse`` is not part of it: a head
         recomputed in the forward or as a stage is the same KV.
         """
-        return f"h{self.head}r{self.ratio:g}{self.policy}"
+        return f"h{self.head}r{self.ratio:g}head"
 
     def rows(self, seg: Any) -> int:
         """Rows of ``seg`` recomputed (its head)."""
@@ -129,42 +122,12 @@ class HeadRule:
         by_ratio = math.ceil(round(self.ratio * seg.length, 6)) if self.ratio > 0 else 0
         return min(max(self.head, by_ratio), seg.length)
 
-    def by_correction(self, seg: Any, res: Resolution) -> bool:
-        """Whether the rows of ``seg`` served by ``res`` are chosen by the size of its correction."""
-        return (self.sparse and self.policy == "correction" and res.correction is not None
-                and self.rows(seg) > self.head)
-
-    def fixed_rows(self, seg: Any) -> int:
-        """Rows of ``seg`` recomputed as its head whatever the policy: with ``query`` half the budget."""
-        n = self.rows(seg)
-        return max(min(self.head, n), n // 2) if self.policy == "query" else n
-
-    def by_query(self, seg: Any) -> bool:
-        """Whether some rows of ``seg`` are to be chosen by the request's tail (after assembly)."""
-        return self.sparse and self.policy == "query" and self.rows(seg) > self.fixed_rows(seg)
-
-    def policy_of(self, seg: Any, res: Resolution) -> Optional[str]:
-        """The report's ``recompute_policy`` of the rows of ``seg`` served by ``res`` (None: the head)."""
-        if self.by_correction(seg, res):
-            return "correction"
-        return "query" if self.by_query(seg) else None
-
     def chosen(self, seg: Any, res: Resolution, lo: int, hi: int) -> tuple[int, ...]:
-        """The segment-relative rows of ``[lo, hi)`` that a sparse extend recomputes (none when staged).
-
-        As many rows as ``rows(seg)``: the first ``head``, then by the policy,
-        the next ones or those the correction moves most. Rows outside
-        ``[lo, hi)`` are exact (below) or prefilled (above) anyway.
-        """
+        """The segment-relative rows of ``[lo, hi)`` that a sparse extend recomputes (none when staged): the
+        first ``rows(seg)``. Rows outside ``[lo, hi)`` are exact (below) or prefilled (above) anyway."""
         if not self.sparse:
             return ()
-        n = self.rows(seg)
-        if not self.by_correction(seg, res):
-            return tuple(range(lo, min(hi, n)))
-        sizes = correction_row_sizes(res.correction, seg.length)
-        sizes[:self.head] = float("inf")  # the fixed head first, whatever the correction says
-        top = torch.topk(sizes, n).indices.tolist()
-        return tuple(sorted(r for r in top if lo <= r < hi))
+        return tuple(range(lo, min(hi, self.rows(seg))))
 
     def stage_rows(self, seg: Any) -> int:
         """Rows of ``seg`` prefilled as a stage before its reuse resumes (none with the sparse extend)."""
@@ -328,7 +291,6 @@ def resolve_segments(resolver: Resolver, records: NamespaceRecords, plan: Reques
         pieces.append(Piece(o.index, lo, hi, res, owed))
         o.resolved_by, o.reason, o.resolved_tokens = res.how, None, hi - lo - len(owed)
         o.head_recomputed = head.rows(seg) or None
-        o.recompute_policy = head.policy_of(seg, res)
         pos = row_end
         if row_end < seg.end:
             o.reason = "partial" if row_end < limit else None
@@ -411,5 +373,5 @@ def mark_dense_from(plan: RequestPlan, m: int, reason: str, *, exact_before: boo
             continue
         if o.resolved_by != "dense" or (o.kind == "shared" and o.reason is None):
             o.reason = (o.reason if o.resolved_by == "dense" else None) or (reason if o.kind == "shared" else None)
-            o.resolved_by, o.resolved_tokens, o.head_recomputed, o.recompute_policy = "dense", 0, None, None
+            o.resolved_by, o.resolved_tokens, o.head_recomputed = "dense", 0, None
             o.source_agent, o.entropy, o.pool_anchors, o.gate_fallback = None, None, None, None

@@ -23,12 +23,11 @@ import os  # noqa: E402
 import sys  # noqa: E402
 from typing import Sequence  # noqa: E402
 
-from sglang_kvshare.config import BACKEND_NAME, GROUPS, MODES, RECOMPUTE_POLICIES, REUSE_SCOPES, KVShareConfig  # noqa: E402
+from sglang_kvshare.config import BACKEND_NAME, GROUPS, MODES, REUSE_SCOPES, KVShareConfig  # noqa: E402
 from sglang_kvshare.guard.saved import GuardFile  # noqa: E402
 
 KVSHARE_PREFIX = "--kvshare-"
-CHOICES: dict[str, tuple[str, ...]] = {"mode": MODES, "reuse_scope": REUSE_SCOPES,
-                                       "recompute_policy": RECOMPUTE_POLICIES}
+CHOICES: dict[str, tuple[str, ...]] = {"mode": MODES, "reuse_scope": REUSE_SCOPES}
 
 # (flag, value or None for a switch) applied on a CPU-only machine unless given.
 CPU_DEFAULTS: tuple[tuple[str, str | None], ...] = (

@@ -177,3 +177,19 @@ def test_config_body_accepts_head_recompute_and_rejects_bad_values():
     for bad in ({"recompute_head": -1}, {"recompute_head": "8"}, {"staged": "yes"}):
         with pytest.raises(ValidationError):
             ConfigUpdate(**bad)
+
+
+@pytest.mark.parametrize("field, value", [("fault_perturb_slot", "query"), ("recompute_policy", "query")])
+def test_no_fault_injection_and_no_row_policy_are_settings(field, value):
+    """Fault injection is a test-only hook (``devtools.fault_injection``) and the head is the one row policy
+    served: neither is a launch option nor a runtime setting."""
+    from pydantic import ValidationError
+
+    from sglang_kvshare.admin.routes import ConfigUpdate
+    from sglang_kvshare.server.launcher import parse_kvshare
+
+    with pytest.raises(ValidationError, match=field):
+        ConfigUpdate(**{field: value})
+    assert ops.execute(FakeView(), "configure", **{field: value}).status == 422
+    with pytest.raises(SystemExit):
+        parse_kvshare([f"--kvshare-{field.replace('_', '-')}", value])

@@ -161,20 +161,21 @@ def test_tensor_parallelism_learns_in_step_on_every_rank():
     check_mode("kvcmas", page_size=1)  # no TP refusal left: the gate reduces over the ranks
 
 
-def test_the_fault_switch_perturbs_only_its_slot_and_a_request_may_ask_for_a_longer_head():
+def test_the_test_fault_hook_perturbs_only_its_slot_and_a_request_may_ask_for_a_longer_head(monkeypatch):
+    from devtools import fault_injection
     from tests.cache.fakes import LAYERS
 
     sched = _a_read_and_b_warm()
     cache = sched.cache
     clean = annotated("B")
     sched.run(clean)
-    cache.kvshare_admin.configure(fault_perturb_slot="query")  # a new epoch: assembled afresh below
+    assert cache.counters.get("fault_perturbed_tokens") == 0
+    fault_injection.install(monkeypatch, which=lambda slot: slot == "query")
     warm(sched, "C")
     bad = annotated("C")
     sched.run(bad)
     assert cache.counters.get("fault_perturbed_tokens") == len(QUERY)
-    cache.kvshare_admin.configure(fault_perturb_slot="")  # cleared
-    assert cache.kvshare_config.fault_perturb_slot is None
+    monkeypatch.undo()
     req = annotated("B")
     ann = json.loads(req.custom_params["kvshare"])
     ann["recompute_head"] = 6  # the guard asks for more fidelity for this request only

@@ -163,7 +163,7 @@ def _assembly_raises(rank: int, reducer) -> dict:
     def broken(*_args, **_kw):
         raise RuntimeError("out of memory")
 
-    with mock.patch("sglang_kvshare.cache.adapter.write_and_insert", side_effect=broken) if rank == 0 \
+    with mock.patch("sglang_kvshare.cache.assemble.write_and_insert", side_effect=broken) if rank == 0 \
             else contextlib.nullcontext():
         out["B"] = sched.run(b)
     out["B_shared"] = {k: b.report()["segments"][1].get(k) for k in ("resolved_by", "reason")}
