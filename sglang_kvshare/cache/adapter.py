@@ -35,13 +35,13 @@ from sglang_kvshare.cache.admin_view import AdminView
 from sglang_kvshare.cache.correction_state import CorrectionState
 from sglang_kvshare.cache.kv_pool_io import ReadWorkspace
 from sglang_kvshare.cache.parts import CacheParts
-from sglang_kvshare.cache.pending_recompute import PendingRecompute
 from sglang_kvshare.cache.plan import RequestPlan, drop_plan, plan_of, plan_request
 from sglang_kvshare.cache.pool_persistence import PoolSaver, PoolStore
 from sglang_kvshare.cache.record import Recorder
 from sglang_kvshare.cache.registry import ContentHasher, PlaceholderRegistry, RegistryLimits
-from sglang_kvshare.cache.resolve import (HeadRule, Resolver, candidates, mark_dense_from, mark_matched,
-                                          mark_unreached, next_stage, resolve_segments)
+from sglang_kvshare.cache.recompute import HEAD, PendingRecompute, RecomputeRule, RowPolicy, owe, rule_of
+from sglang_kvshare.cache.resolve import (Resolver, candidates, mark_dense_from, mark_matched, mark_unreached,
+                                          next_stage, resolve_segments)
 from sglang_kvshare.config import KVShareConfig
 from sglang_kvshare.correction.rank_reduce import RanksUnreachable, decision_key
 from sglang_kvshare.counters import Counters
@@ -59,13 +59,14 @@ class KVShareRadixCache(RadixCache):
     ``sparse_unsupported``: why this server cannot recompute heads inside the
     prefill forward (``server.sparse_extend.unsupported_reason``), or None when
     it can; heads are then staged.
+    ``row_policy``: which rows of a reused segment are recomputed (``cache.recompute``; the head).
     ``pool_store``: this scheduler's ``--kvshare-pool-file`` (``cache.pool_persistence``); its pools are loaded
     here, before the first request, and ``POST /kvshare/save`` writes them.
     """
 
     def __init__(self, params: CacheInitParams, *, config: KVShareConfig, model_config: Optional[Any] = None,
                  reducer: Optional[Any] = None, sparse_unsupported: Optional[str] = "not_checked",
-                 pool_store: Optional[PoolStore] = None) -> None:
+                 pool_store: Optional[PoolStore] = None, row_policy: RowPolicy = HEAD) -> None:
         # NOTE: set before RadixCache.__init__, which calls reset().
         self.state = CorrectionState(config, model_config, page_size=params.page_size, reducer=reducer)
         self.hasher = ContentHasher()
@@ -82,6 +83,7 @@ class KVShareRadixCache(RadixCache):
         self.counters.add("plain_tokens_from_estimates", 0)  # reported even while it stays 0 (the soak checks it)
         self.activity = ServingActivity()
         self.sparse_unsupported = sparse_unsupported
+        self.row_policy = row_policy
         self.pending_recompute = PendingRecompute(self.counters)
         self.learner = Learner(lambda: self.state.estimator, self.state.lock, self.counters,
                                max_jobs=config.learn_queue_max, max_bytes=int(config.learn_queue_mb * 2**20),
@@ -285,7 +287,8 @@ class KVShareRadixCache(RadixCache):
                 plan.est_start = m
             self.recorder.assembled(plan, pieces)
             if head.sparse:
-                self._owe_heads(plan, pieces, last)
+                rows = [plan.annotation.segments[p.index].start + j for p in pieces for j in p.recompute]
+                owe(plan, rows, self.path_device_indices(last), self.pending_recompute)
         plan.assembled_end = max(plan.assembled_end, end)
         plan.next_stage = None
         if config.staged:
@@ -294,31 +297,17 @@ class KVShareRadixCache(RadixCache):
                                          config.min_stage_tokens)
         return end, last
 
-    def _rule_of(self, annotation: Any) -> HeadRule:
-        """The head of a request of ``annotation`` (server setting or its annotation's, the larger) and whether
-        it is sparse."""
-        config = self.state.config
-        return HeadRule(max(config.recompute_head, annotation.recompute_head or 0), config.recompute_ratio,
-                        sparse=config.sparse_extend and self.sparse_unsupported is None)
+    def _rule_of(self, annotation: Any) -> RecomputeRule:
+        return rule_of(self.state.config, annotation, self.sparse_unsupported, self.row_policy)
 
-    def _head_rule(self, plan: RequestPlan) -> HeadRule:
-        """The request's head rule (``_rule_of``), noted in its plan for the report."""
+    def _head_rule(self, plan: RequestPlan) -> RecomputeRule:
+        """The request's recompute rule, noted in its plan for the report."""
         config = self.state.config
         rule = self._rule_of(plan.annotation)
         if rule.head or rule.ratio:
             plan.recompute_via = "sparse" if rule.sparse else "staged"
             plan.sparse_fallback = self.sparse_unsupported if config.sparse_extend and not rule.sparse else None
         return rule
-
-    def _owe_heads(self, plan: RequestPlan, pieces: list, last: Any) -> None:
-        """Register the assembled rows of ``pieces`` chosen for recompute (``Piece.recompute``) for the request's
-        next forward to recompute."""
-        rows = [plan.annotation.segments[p.index].start + j for p in pieces for j in p.recompute]
-        if not rows:
-            return
-        slots = self.path_device_indices(last)
-        self.pending_recompute.owe(slots[rows].tolist())
-        plan.sparse_rows = sorted(set(plan.sparse_rows).union(rows))
 
     # ------------------------------------------------------------ staged prefill
     def kvshare_stage_end(self, req, prefix_len: int) -> Optional[int]:

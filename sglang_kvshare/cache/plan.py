@@ -56,7 +56,7 @@ class RequestPlan:
     # recomputes, the registry they are owed in, and what the forwards did.
     sparse_rows: list[int] = field(default_factory=list)
     adopted: int = 0  # of those, rows of the estimate match another request still owed (not an estimate hit)
-    owed: Optional[Any] = None  # pending_recompute.PendingRecompute of the cache
+    owed: Optional[Any] = None  # recompute.PendingRecompute of the cache
     sparse_recomputed: int = 0  # rows recomputed inside prefill forwards
     prefill_forwards: int = 0  # prefill forwards the request took (chunks, stages)
     recompute_via: Optional[str] = None  # sparse | staged: how its heads were recomputed (None: no head)
@@ -113,7 +113,7 @@ def plan_request(req: Any, hasher: ContentHasher, max_segments: int, counters: C
     an unannotated request (exact prefix only) and nothing it computes is
     recorded for another request. ``epoch`` names the estimates valid under the
     settings in force (``CorrectionState.epoch``); ``setting(annotation)`` the
-    request's recompute rule (``resolve.HeadRule.key``): both are part of the
+    request's recompute rule (``recompute.RecomputeRule.key``): both are part of the
     estimate namespace's key. A malformed annotation reaching the scheduler (the
     HTTP process answers it with a 400; the Engine API does not check) is
     logged, counted and served as no annotation at all.

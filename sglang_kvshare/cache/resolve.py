@@ -19,7 +19,6 @@ resume reuse after a dense stretch.
 
 from __future__ import annotations
 
-import math
 import zlib
 from array import array
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from sglang_kvshare.cache.kv_pool_io import read_segment, sync_device
 from sglang_kvshare.cache.outcome import SegmentOutcome
 from sglang_kvshare.cache.parts import CacheParts
 from sglang_kvshare.cache.plan import RequestPlan
+from sglang_kvshare.cache.recompute import RecomputeRule
 from sglang_kvshare.cache.registry import Materialization, NamespaceRecords
 from sglang_kvshare.correction import MIN_GATE_ANCHORS
 
@@ -86,52 +86,6 @@ def is_private_suffix(plan: RequestPlan, o: SegmentOutcome) -> bool:
     in between (short connectors before a shared segment) are still aligned.
     """
     return o.index == len(plan.outcomes) - 1 and plan.annotation.segments[o.index].kind == "private"
-
-
-@dataclass(frozen=True)
-class HeadRule:
-    """How many first rows of a reused segment are recomputed in the request's own context, and how.
-
-    ``head`` rows (``--kvshare-recompute-head``) or ``ratio`` of the segment
-    (``--kvshare-recompute-ratio``), the larger. ``sparse``: the head rows are
-    assembled with the rest of the segment and recomputed inside the request's
-    prefill forward (``server.sparse_extend``); otherwise each head is a dense
-    stage before the segment's reuse resumes.
-    """
-
-    head: int = 0
-    ratio: float = 0.0
-    sparse: bool = False
-
-    @property
-    def key(self) -> str:
-        """The rule as a part of the estimate namespace's tree key (``tree_paths.est_extra_key``).
-
-        Why: an estimate hit serves the rows an earlier identical request left,
-        recomputed or assembled as *its* rule said. Keyed by the rule, a request
-        only ever matches estimates made under its own, so a scope the guard
-        moved to a longer head (or a request that asks for one) is never served
-        rows a shorter head left assembled. ``sparse`` is not part of it: a head
-        recomputed in the forward or as a stage is the same KV.
-        """
-        return f"h{self.head}r{self.ratio:g}head"
-
-    def rows(self, seg: Any) -> int:
-        """Rows of ``seg`` recomputed (its head)."""
-        # NOTE: rounded first, so 0.15 x 100 is 15 rows, not the 16 its float product would give.
-        by_ratio = math.ceil(round(self.ratio * seg.length, 6)) if self.ratio > 0 else 0
-        return min(max(self.head, by_ratio), seg.length)
-
-    def chosen(self, seg: Any, res: Resolution, lo: int, hi: int) -> tuple[int, ...]:
-        """The segment-relative rows of ``[lo, hi)`` that a sparse extend recomputes (none when staged): the
-        first ``rows(seg)``. Rows outside ``[lo, hi)`` are exact (below) or prefilled (above) anyway."""
-        if not self.sparse:
-            return ()
-        return tuple(range(lo, min(hi, self.rows(seg))))
-
-    def stage_rows(self, seg: Any) -> int:
-        """Rows of ``seg`` prefilled as a stage before its reuse resumes (none with the sparse extend)."""
-        return 0 if self.sparse else self.rows(seg)
 
 
 def prefilled_by_request(plan: RequestPlan, o: SegmentOutcome) -> bool:
@@ -252,7 +206,7 @@ def teaches(tokens: Any) -> bool:
 
 
 def resolve_segments(resolver: Resolver, records: NamespaceRecords, plan: RequestPlan, m: int, limit: int,
-                     locks: list, generation: int, head: HeadRule = HeadRule()) -> list[Piece]:
+                     locks: list, generation: int, head: RecomputeRule = RecomputeRule()) -> list[Piece]:
     """Resolve segments from position ``m`` on, contiguously; the pieces to write, in order.
 
     Stops at the first segment it cannot resolve (its reason goes into the
@@ -287,7 +241,7 @@ def resolve_segments(resolver: Resolver, records: NamespaceRecords, plan: Reques
             break
         lo, hi = pos - seg.start, row_end - seg.start
         with resolver.counters.timed("select"):
-            owed = head.chosen(seg, res, lo, hi)
+            owed = head.chosen(seg, res.correction, lo, hi)
         pieces.append(Piece(o.index, lo, hi, res, owed))
         o.resolved_by, o.reason, o.resolved_tokens = res.how, None, hi - lo - len(owed)
         o.head_recomputed = head.rows(seg) or None
@@ -298,7 +252,7 @@ def resolve_segments(resolver: Resolver, records: NamespaceRecords, plan: Reques
     return pieces
 
 
-def next_stage(plan: RequestPlan, a: int, limit: int, head: HeadRule,
+def next_stage(plan: RequestPlan, a: int, limit: int, head: RecomputeRule,
                has_source: Callable[[SegmentOutcome], bool], min_rows: int = 1) -> Optional[int]:
     """Where reuse can resume after a dense stretch starting at ``a``, or None.
 

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_kvshare.cache.pending_recompute import PendingRecompute
+from sglang_kvshare.cache.recompute import PendingRecompute
 from sglang_kvshare.cache.plan import PLAN_ATTR
 from sglang_kvshare.server.sparse_extend import (Fold, fold_batch, owed_rows, queries_moved, settle,
                                                  sparse_sdpa_extend)
