@@ -128,7 +128,7 @@ class KVShareRadixCache(RadixCache):
         plan = plan_of(req)
         if plan is not None and not checkpointed and not req.finished():
             # Retracted (or aborted) with its KV freed: if it comes back, it is planned afresh.
-            plan.released = True
+            plan.state.released = True
         super().on_release(req, checkpointed=checkpointed)
 
     def _delete_leaf(self, node) -> None:
@@ -176,17 +176,17 @@ class KVShareRadixCache(RadixCache):
         if up_to >= len(req.origin_input_ids) or req.finished():
             self.activity.closed(req)
         plan = plan_of(req)
-        if plan is not None and plan.est_start is not None and up_to > plan.est_start and not self.disable:
+        if plan is not None and plan.state.est_start is not None and up_to > plan.state.est_start and not self.disable:
             self._checkpoint_with_estimates(req, plan, up_to)
         else:
             super().checkpoint(req, up_to=up_to)
         if plan is None or not self.active:
             return
         try:
-            if not plan.counted and (up_to >= len(plan.tokens) or req.finished()):
+            if not plan.state.counted and (up_to >= len(plan.tokens) or req.finished()):
                 mark_unreached(plan)
                 self.recorder.count(plan)  # once the whole prompt is in: staged segments are decided by then
-                plan.counted = True
+                plan.state.counted = True
                 report.publish(req, plan)
             self.recorder.checkpointed(req, plan, up_to)
             if plan.annotation.output_slot and req.finished():
@@ -215,8 +215,8 @@ class KVShareRadixCache(RadixCache):
     def _plan(self, req) -> Optional[RequestPlan]:
         """The plan step; a retracted request's old plan is taken back out of the stats and made afresh."""
         old = plan_of(req)
-        if old is not None and old.released:
-            if old.counted:
+        if old is not None and old.state.released:
+            if old.state.counted:
                 self.recorder.count(old, sign=-1)
             drop_plan(req)
             self.counters.add("plans_after_retraction")
@@ -228,35 +228,35 @@ class KVShareRadixCache(RadixCache):
         result = super().match_prefix(params)
         limit = len(params.key)  # the scheduler never matches the last prompt token
         m, node = result.device_prefix_len, result.last_device_node
-        plan.est_start = None
-        plan.exact_len, plan.estimate_len = m, 0  # what this match serves: the latest match is the one prefilled
+        plan.state.est_start = None
+        plan.state.exact_len, plan.state.estimate_len = m, 0  # what this match serves: the latest match is the one prefilled
         if m < limit and plan.may_approximate_from(m):  # an earlier identical request may have left estimates
             more, deeper = self._match_prefix_helper(node, tree_paths.est_key(plan.tokens[m:limit], plan.tree_ns))
             got = sum(len(v) for v in more)
             if got:
-                plan.est_start, m, node = m, m + got, deeper
-                plan.estimate_len = got
+                plan.state.est_start, m, node = m, m + got, deeper
+                plan.state.estimate_len = got
         # Estimate rows whose recompute another request (or this one, a round ago) still owes: this request's
         # next forward recomputes them.
-        plan.owed = self.pending_recompute
-        plan.sparse_rows = []
-        if plan.est_start is not None and len(self.pending_recompute):
-            plan.sparse_rows = self.pending_recompute.owed_positions(self.path_device_indices(node)[plan.est_start:m],
-                                                                     plan.est_start)
-        plan.adopted = len(plan.sparse_rows)
+        plan.state.owed = self.pending_recompute
+        plan.state.sparse_rows = []
+        if plan.state.est_start is not None and len(self.pending_recompute):
+            plan.state.sparse_rows = self.pending_recompute.owed_positions(self.path_device_indices(node)[plan.state.est_start:m],
+                                                                     plan.state.est_start)
+        plan.state.adopted = len(plan.state.sparse_rows)
         # A waiting request is matched again every round: a longer match makes its plan stale.
-        advanced = plan.attempted and m > plan.assembled_end
-        if not plan.attempted or advanced:
+        advanced = plan.state.attempted and m > plan.state.assembled_end
+        if not plan.state.attempted or advanced:
             mark_matched(plan, m)
         if not self.active:
-            for o in plan.outcomes:
+            for o in plan.state.outcomes:
                 if o.resolved_by == "dense" and o.reason is None:
                     o.reason = "model_unsupported"
-        elif not plan.attempted or m < plan.assembled_end or advanced:
+        elif not plan.state.attempted or m < plan.state.assembled_end or advanced:
             t0 = time.perf_counter()
             m, node = self._reuse(plan, m, limit, node)
-            plan.assembly_seconds += time.perf_counter() - t0
-        plan.attempted = True
+            plan.state.assembly_seconds += time.perf_counter() - t0
+        plan.state.attempted = True
         report.publish(req, plan)
         return MatchResult(device_prefix_len=m, last_device_node=node, last_host_node=node, best_match_node=node)
 
@@ -278,21 +278,21 @@ class KVShareRadixCache(RadixCache):
         end = m + sum(p.hi - p.lo for p in pieces)
         if last is None:
             for p in pieces:
-                o = plan.outcomes[p.index]
+                o = plan.state.outcomes[p.index]
                 o.resolved_by, o.reason, o.resolved_tokens, o.head_recomputed = "dense", "alloc_failed", 0, None
             self.counters.add("alloc_failed")
             last, end = node, m
         elif pieces:
-            if plan.est_start is None:
-                plan.est_start = m
+            if plan.state.est_start is None:
+                plan.state.est_start = m
             self.recorder.assembled(plan, pieces)
             if head.sparse:
                 rows = [plan.annotation.segments[p.index].start + j for p in pieces for j in p.recompute]
                 owe(plan, rows, self.path_device_indices(last), self.pending_recompute)
-        plan.assembled_end = max(plan.assembled_end, end)
-        plan.next_stage = None
+        plan.state.assembled_end = max(plan.state.assembled_end, end)
+        plan.state.next_stage = None
         if config.staged:
-            plan.next_stage = next_stage(plan, end, limit, head,
+            plan.state.next_stage = next_stage(plan, end, limit, head,
                                          lambda o: bool(candidates(records, plan, o, generation)),
                                          config.min_stage_tokens)
         return end, last
@@ -305,8 +305,8 @@ class KVShareRadixCache(RadixCache):
         config = self.state.config
         rule = self._rule_of(plan.annotation)
         if rule.head or rule.ratio:
-            plan.recompute_via = "sparse" if rule.sparse else "staged"
-            plan.sparse_fallback = self.sparse_unsupported if config.sparse_extend and not rule.sparse else None
+            plan.state.recompute_via = "sparse" if rule.sparse else "staged"
+            plan.state.sparse_fallback = self.sparse_unsupported if config.sparse_extend and not rule.sparse else None
         return rule
 
     # ------------------------------------------------------------ staged prefill
@@ -317,9 +317,9 @@ class KVShareRadixCache(RadixCache):
         decides how much of a request to prefill in this round.
         """
         plan = plan_of(req)
-        if plan is None or not self.active or plan.next_stage is None:
+        if plan is None or not self.active or plan.state.next_stage is None:
             return None
-        end = plan.next_stage
+        end = plan.state.next_stage
         return end if prefix_len < end < len(req.full_untruncated_fill_ids) else None
 
     def kvshare_resume(self, req) -> int:
@@ -332,22 +332,22 @@ class KVShareRadixCache(RadixCache):
         error leaves the request to dense prefill).
         """
         plan = plan_of(req)
-        if plan is None or not self.active or plan.next_stage is None:
+        if plan is None or not self.active or plan.state.next_stage is None:
             return 0
         p = req.prefix_len
-        if p < plan.next_stage:
+        if p < plan.state.next_stage:
             return 0  # SGLang's own chunking stopped short of the stage end
         try:
             limit = req._compute_max_prefix_len(len(req.full_untruncated_fill_ids))
             t0 = time.perf_counter()
             end, last = self._reuse(plan, p, limit, req.last_node)
-            plan.assembly_seconds += time.perf_counter() - t0
+            plan.state.assembly_seconds += time.perf_counter() - t0
         except Exception:  # noqa: BLE001 - never fail a request because of kvshare
             logger.exception("sglang-kvshare: resuming reuse failed; prefilling densely")
             self.counters.add("internal_errors")
             end = -1
         if not self._ranks_agree(("resume", req.rid, p), end):
-            plan.next_stage = None
+            plan.state.next_stage = None
             mark_dense_from(plan, p, "internal_error" if end < 0 else "ranks_disagree", exact_before=False)
             report.publish(req, plan)
             return 0
@@ -373,7 +373,7 @@ class KVShareRadixCache(RadixCache):
         ``est_start`` on go to the estimate namespace (never to the request's own)."""
         token_ids = req.full_untruncated_fill_ids[:up_to]
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : len(token_ids)]
-        present, last = tree_paths.insert_exact_then_estimate(self, req, token_ids, plan.est_start, row, plan.tree_ns)
+        present, last = tree_paths.insert_exact_then_estimate(self, req, token_ids, plan.state.est_start, row, plan.tree_ns)
         req.kv.cache_inserted_len = max(req.kv.cache_inserted_len, len(token_ids))
         protected = req.kv.cache_protected_len
         if present > protected:  # the tree already had these rows: ours are duplicates

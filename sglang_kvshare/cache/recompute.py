@@ -166,14 +166,14 @@ def owe(plan: RequestPlan, rows: Sequence[int], path_slots: torch.Tensor, pendin
     if not rows:
         return
     pending.owe(path_slots[list(rows)].tolist())
-    plan.sparse_rows = sorted(set(plan.sparse_rows).union(rows))
+    plan.state.sparse_rows = sorted(set(plan.state.sparse_rows).union(rows))
 
 
 def settle(plan: RequestPlan, rows: Sequence[int], slots: Sequence[int]) -> None:
     """A forward recomputed the request's owed positions ``rows`` (pool ``slots``): nothing owed, counted in its
     report (``tokens_sparse_recomputed``)."""
     done = set(rows)
-    plan.sparse_rows = [p for p in plan.sparse_rows if p not in done]
-    plan.sparse_recomputed += len(rows)
-    if plan.owed is not None:
-        plan.owed.settle(slots)
+    plan.state.sparse_rows = [p for p in plan.state.sparse_rows if p not in done]
+    plan.state.sparse_recomputed += len(rows)
+    if plan.state.owed is not None:
+        plan.state.owed.settle(slots)

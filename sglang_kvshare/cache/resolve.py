@@ -85,7 +85,7 @@ def is_private_suffix(plan: RequestPlan, o: SegmentOutcome) -> bool:
     after another document, an approximation nobody asked for. Private segments
     in between (short connectors before a shared segment) are still aligned.
     """
-    return o.index == len(plan.outcomes) - 1 and plan.annotation.segments[o.index].kind == "private"
+    return o.index == len(plan.state.outcomes) - 1 and plan.annotation.segments[o.index].kind == "private"
 
 
 def prefilled_by_request(plan: RequestPlan, o: SegmentOutcome) -> bool:
@@ -219,7 +219,7 @@ def resolve_segments(resolver: Resolver, records: NamespaceRecords, plan: Reques
     """
     pieces: list[Piece] = []
     pos = m
-    for o, seg in zip(plan.outcomes, plan.annotation.segments):
+    for o, seg in zip(plan.state.outcomes, plan.annotation.segments):
         if seg.end <= pos:
             continue
         if pos >= limit:
@@ -263,7 +263,7 @@ def next_stage(plan: RequestPlan, a: int, limit: int, head: RecomputeRule,
     at ``a`` and failed, so it is prefilled whole. Mutates: segments passed
     over for want of a copy get the reason ``no_source``.
     """
-    for o, seg in zip(plan.outcomes, plan.annotation.segments):
+    for o, seg in zip(plan.state.outcomes, plan.annotation.segments):
         if seg.end <= a:
             continue
         resume = seg.start + head.stage_rows(seg)
@@ -286,11 +286,11 @@ def mark_matched(plan: RequestPlan, m: int) -> None:
     stage would resume reuse and the shared segments behind it would be
     prefilled densely, without a reason.
     """
-    for o, seg in zip(plan.outcomes, plan.annotation.segments):
-        if seg.end <= m and (not plan.attempted or o.resolved_by == "dense"):
+    for o, seg in zip(plan.state.outcomes, plan.annotation.segments):
+        if seg.end <= m and (not plan.state.attempted or o.resolved_by == "dense"):
             # A segment inside estimates an earlier identical request left is served
             # approximate KV: reported apart from exact hits, and counted as reuse.
-            on_estimate = plan.est_start is not None and seg.end > plan.est_start
+            on_estimate = plan.state.est_start is not None and seg.end > plan.state.est_start
             o.resolved_by, o.resolved_tokens = ("estimate_hit" if on_estimate else "hit"), o.tokens
             o.reason = None
 
@@ -304,7 +304,7 @@ def mark_unreached(plan: RequestPlan) -> None:
     per-reason metric would not show why reuse was lower than the annotation
     allowed.
     """
-    for o in plan.outcomes:
+    for o in plan.state.outcomes:
         if o.kind == "shared" and o.resolved_by == "dense" and o.reason is None and not prefilled_by_request(plan, o):
             o.reason = "not_reached"
 
@@ -317,10 +317,10 @@ def mark_dense_from(plan: RequestPlan, m: int, reason: str, *, exact_before: boo
     are hits; otherwise (a fallback between two stages) they keep how they were served. Why: the report and the
     stats count what was served, not what was assembled and then not used.
     """
-    plan.est_start, plan.sparse_rows, plan.next_stage = None, [], None
+    plan.state.est_start, plan.state.sparse_rows, plan.state.next_stage = None, [], None
     if exact_before:
-        plan.exact_len, plan.estimate_len = m, 0
-    for o, seg in zip(plan.outcomes, plan.annotation.segments):
+        plan.state.exact_len, plan.state.estimate_len = m, 0
+    for o, seg in zip(plan.state.outcomes, plan.annotation.segments):
         if seg.end <= m:
             if exact_before:
                 o.resolved_by, o.resolved_tokens, o.reason = "hit", o.tokens, None

@@ -127,8 +127,8 @@ def owed_rows(batch: Any) -> Optional[Fold]:
         if plan is None:
             rows.append([])
             continue
-        plan.prefill_forwards += 1
-        rows.append([p for p in plan.sparse_rows if p < prefix_len])
+        plan.state.prefill_forwards += 1
+        rows.append([p for p in plan.state.sparse_rows if p < prefix_len])
     fold = Fold(rows)
     return fold if fold.total else None
 
@@ -186,8 +186,8 @@ def settle(batch: Any, fold: Fold, req_to_token: torch.Tensor) -> Optional[Any]:
             continue
         where = torch.tensor(rows, dtype=torch.int64, device=req_to_token.device)
         recompute.settle(plan, rows, req_to_token[pool_rows[i], where].tolist())
-        if plan.owed is not None:
-            registry = plan.owed
+        if plan.state.owed is not None:
+            registry = plan.state.owed
     return registry
 
 

@@ -135,7 +135,7 @@ def test_a_segment_marked_reuse_false_never_starts_on_an_earlier_requests_estima
     rep = dense.report()
     assert m == len(SYS["B"]) and rep["tokens_exact_hit"] == len(SYS["B"])
     assert rep["tokens_estimate_hit"] == 0 and rep["shared_tokens_reused"] == 0
-    assert plan_of(dense) is None or plan_of(dense).est_start is None
+    assert plan_of(dense) is None or plan_of(dense).state.est_start is None
     assert_pool_accounted(sched.cache)
 
 
@@ -324,7 +324,7 @@ def _owed_b(sched: MiniScheduler, query: list[int]) -> tuple[dict, list[int]]:
     b = annotated("B", query=query)
     sched.match(b)
     start = len(SYS["B"])
-    return b.report()["segments"][1], [p - start for p in plan_of(b).sparse_rows]
+    return b.report()["segments"][1], [p - start for p in plan_of(b).state.sparse_rows]
 
 
 def test_the_head_rows_are_owed_by_the_next_forward_and_staged_heads_owe_none():

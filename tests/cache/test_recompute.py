@@ -42,7 +42,7 @@ def _owed(policy, **config):
     b = annotated("B")
     sched.match(b)
     start = len(SYS["B"])
-    return sched, b, [p - start for p in plan_of(b).sparse_rows]
+    return sched, b, [p - start for p in plan_of(b).state.sparse_rows]
 
 
 def test_a_plugged_in_policy_chooses_the_rows_the_next_forward_recomputes():
@@ -72,5 +72,5 @@ def test_staged_heads_are_the_first_rows_whatever_the_policy():
     sched.run(b)
     n = math.ceil(0.25 * len(QUERY))
     seg = b.report()["segments"][1]
-    assert plan_of(b).sparse_rows == [] and b.stages == 1 and b.report()["recompute"] == "staged"
+    assert plan_of(b).state.sparse_rows == [] and b.stages == 1 and b.report()["recompute"] == "staged"
     assert seg["head_recomputed"] == n and seg["resolved_tokens"] == len(QUERY) - n

@@ -97,10 +97,10 @@ def test_a_retracted_request_is_planned_afresh_and_counted_once():
     b = annotated("B")
     sched.match(b)  # admitted: planned, assembled, its prompt prefilled and counted ...
     plan = b.kvshare_plan
-    plan.counted = True
+    plan.state.counted = True
     cache.recorder.count(plan)
     cache.on_release(b, checkpointed=False)  # ... then retracted in decode: its KV freed, not finished
-    assert plan.released
+    assert plan.state.released
     before = cache.kvshare_admin.stats()["slots"]["query"]["requests"]
     sched.run(b)  # matched again from scratch, as SGLang re-queues a retracted request
     assert b.kvshare_plan is not plan and b.report()["shared_tokens_reused"] == len(QUERY)
