@@ -1,16 +1,15 @@
 """The kvshare tree cache: SGLang's Python ``RadixCache`` plus placeholder reuse.
 
-This class is the SGLang adapter: it overrides the tree hooks
-(``match_prefix``, ``checkpoint``, ``on_release``, ``reset``, ``_delete_leaf``)
-and runs one request's path as a pipeline, each step a module of its own
-that never calls back into this class::
-
-    plan (plan.py) -> resolve (resolve.py) -> assemble (assemble.py: write + insert)
-                   -> record (record.py) -> report (report.py)
-
-It owns the parts the steps share, and hands each what it needs: the config
-and estimator in force (``CorrectionState``), the copy registry, the learner
-(``learning/``), the counters, and the admin view (``kvshare_admin``).
+This class is the SGLang adapter and holds SGLang's overrides only: the tree
+hooks (``match_prefix``, ``checkpoint``, ``on_release``, ``reset``,
+``_delete_leaf``) and the staged-prefill hooks (``kvshare_stage_end``,
+``kvshare_resume``). Each hands an annotated request to one pipeline
+(``cache/pipeline.py``: plan -> resolve -> choose rows -> assemble -> record
+-> report) and does SGLang's bookkeeping around it (locks, the request's row,
+its protected length). It owns the parts the steps share (``CacheParts``: the
+config and estimator in force, the copy registry, the learner, the counters,
+SGLang's tree as ``SGLangTree``) and the admin view (``kvshare_admin``); no
+step is handed this class.
 
 Guarantees (docs/ARCHITECTURE.md): a request without an annotation, and
 every request in mode ``off``, takes exactly ``RadixCache``'s code path and
@@ -23,27 +22,23 @@ fail a request (logged, counted, prefilled densely).
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any, Optional
 
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResult
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixCache
 
-from sglang_kvshare.cache import assemble, report, tree_paths
+from sglang_kvshare.cache import tree_paths
 from sglang_kvshare.cache.admin_view import AdminView
 from sglang_kvshare.cache.correction_state import CorrectionState
 from sglang_kvshare.cache.kv_pool_io import ReadWorkspace
-from sglang_kvshare.cache.parts import CacheParts
-from sglang_kvshare.cache.plan import RequestPlan, drop_plan, plan_of, plan_request
+from sglang_kvshare.cache.parts import CacheParts, SGLangTree
+from sglang_kvshare.cache.pipeline import RequestPipeline
+from sglang_kvshare.cache.plan import RequestPlan, plan_of
 from sglang_kvshare.cache.pool_persistence import PoolSaver, PoolStore
-from sglang_kvshare.cache.record import Recorder
+from sglang_kvshare.cache.recompute import HEAD, PendingRecompute, RowPolicy
 from sglang_kvshare.cache.registry import ContentHasher, PlaceholderRegistry, RegistryLimits
-from sglang_kvshare.cache.recompute import HEAD, PendingRecompute, RecomputeRule, RowPolicy, owe, rule_of
-from sglang_kvshare.cache.resolve import (Resolver, candidates, mark_dense_from, mark_matched, mark_unreached,
-                                          next_stage, resolve_segments)
 from sglang_kvshare.config import KVShareConfig
-from sglang_kvshare.correction.rank_reduce import RanksUnreachable, decision_key
 from sglang_kvshare.counters import Counters
 from sglang_kvshare.learning.learner import Learner
 from sglang_kvshare.learning.serving_activity import ServingActivity
@@ -83,18 +78,18 @@ class KVShareRadixCache(RadixCache):
         self.counters.add("plain_tokens_from_estimates", 0)  # reported even while it stays 0 (the soak checks it)
         self.activity = ServingActivity()
         self.sparse_unsupported = sparse_unsupported
-        self.row_policy = row_policy
         self.pending_recompute = PendingRecompute(self.counters)
         self.learner = Learner(lambda: self.state.estimator, self.state.lock, self.counters,
                                max_jobs=config.learn_queue_max, max_bytes=int(config.learn_queue_mb * 2**20),
                                asynchronous=config.learn_async, cpu_share=config.learn_cpu_share,
                                slot_interval_s=config.learn_slot_interval_s, activity=self.activity,
                                yield_s=config.learn_yield_s, single_thread=config.learn_single_thread)
-        parts = CacheParts(self, self.state, self.registry, self.learner, self.counters, self.hasher, ReadWorkspace())
-        self.resolver = Resolver(parts)
-        self.recorder = Recorder(parts)
-        self.kvshare_admin = AdminView(parts)
         super().__init__(params)
+        parts = CacheParts(SGLangTree(self), self.state, self.registry, self.learner, self.counters, self.hasher,
+                           ReadWorkspace(), self.pool_saver)
+        self.pipeline = RequestPipeline(parts, self.pending_recompute, sparse_unsupported, row_policy)
+        self.recorder = self.pipeline.recorder
+        self.kvshare_admin = AdminView(parts)
         if self.pool_saver is not None:  # raises PoolFileError for a file of another model: the launch fails
             self.pool_saver.load(self.state, self.hasher, self.counters)
 
@@ -146,7 +141,7 @@ class KVShareRadixCache(RadixCache):
             self.activity.opened(req)  # its prefill is coming: the learner waits for it
         plan = None
         if mode_on and not self.disable and not self.is_eagle:
-            plan = self._plan(req)
+            plan = self.pipeline.plan(req)
         if plan is None:
             result = super().match_prefix(params)
             if req is not None and not self.disable:
@@ -154,22 +149,24 @@ class KVShareRadixCache(RadixCache):
                 if leaked:  # NOTE: impossible by construction; counted so the soak can prove it
                     self.counters.add("plain_tokens_from_estimates", leaked)
             return result
-        result: Optional[MatchResult] = None
+        served, node = -1, None
         try:
             with self.counters.timed("match"):
-                result = self._match_annotated(req, plan, params)
+                exact = super().match_prefix(params)
+                served, node = self.pipeline.match(req, plan, params.key, exact.device_prefix_len,
+                                                   exact.last_device_node, self.active)
         except Exception:  # noqa: BLE001 - never fail a request because of kvshare
             logger.exception("sglang-kvshare: assembly failed; prefilling densely")
             self.counters.add("internal_errors")
-        served = -1 if result is None else result.device_prefix_len
-        if result is not None and self._ranks_agree(("match", req.rid, len(plan.tokens)), served):
-            return result
+            served = -1
+        if served >= 0 and self.pipeline.ranks_agree(("match", req.rid, len(plan.tokens)), served):
+            return MatchResult(device_prefix_len=served, last_device_node=node, last_host_node=node,
+                               best_match_node=node)
         # Every rank prefills from its exact prefix: one that raised, or ranks whose matches differ (a forward
         # of different lengths on two tensor-parallel ranks would pair mismatched collectives).
         result = super().match_prefix(params)
-        mark_dense_from(plan, result.device_prefix_len, "internal_error" if served < 0 else "ranks_disagree",
-                        exact_before=True)
-        report.publish(req, plan)
+        self.pipeline.fell_back(req, plan, result.device_prefix_len,
+                                "internal_error" if served < 0 else "ranks_disagree", exact_before=True)
         return result
 
     def checkpoint(self, req, *, up_to: int):
@@ -183,131 +180,10 @@ class KVShareRadixCache(RadixCache):
         if plan is None or not self.active:
             return
         try:
-            if not plan.state.counted and (up_to >= len(plan.tokens) or req.finished()):
-                mark_unreached(plan)
-                self.recorder.count(plan)  # once the whole prompt is in: staged segments are decided by then
-                plan.state.counted = True
-                report.publish(req, plan)
-            self.recorder.checkpointed(req, plan, up_to)
-            if plan.annotation.output_slot and req.finished():
-                self.recorder.output(req, plan, up_to)
+            self.pipeline.checkpointed(req, plan, up_to)
         except Exception:  # noqa: BLE001
             logger.exception("sglang-kvshare: learning from a dense prefill failed")
             self.counters.add("internal_errors")
-
-    def _ranks_agree(self, key: tuple, served: int) -> bool:
-        """Whether every tensor-parallel rank serves this request the same prefix (``served``; -1 where a rank
-        raised), so every rank runs a forward of one length. One small reduce per annotated match at TP > 1,
-        bounded by the reducer's deadline; ranks that can no longer reduce go dense together."""
-        reducer = self.state.reducer
-        if reducer is None or reducer.size < 2:
-            return served >= 0
-        try:
-            lo, hi = reducer.agree(decision_key(*key), [served])
-        except RanksUnreachable:
-            self.counters.add("ranks_unreachable")
-            return False
-        if lo[0] != hi[0]:
-            self.counters.add("ranks_disagree")
-        return lo[0] == hi[0] and lo[0] >= 0
-
-    # ------------------------------------------------------------ the request's path
-    def _plan(self, req) -> Optional[RequestPlan]:
-        """The plan step; a retracted request's old plan is taken back out of the stats and made afresh."""
-        old = plan_of(req)
-        if old is not None and old.state.released:
-            if old.state.counted:
-                self.recorder.count(old, sign=-1)
-            drop_plan(req)
-            self.counters.add("plans_after_retraction")
-        config = self.state.config
-        return plan_request(req, self.hasher, config.max_segments, self.counters, reuse_scope=config.reuse_scope,
-                            epoch=self.state.epoch, setting=lambda ann: self._rule_of(ann).key)
-
-    def _match_annotated(self, req, plan: RequestPlan, params: MatchPrefixParams) -> MatchResult:
-        result = super().match_prefix(params)
-        limit = len(params.key)  # the scheduler never matches the last prompt token
-        m, node = result.device_prefix_len, result.last_device_node
-        plan.state.est_start = None
-        plan.state.exact_len, plan.state.estimate_len = m, 0  # what this match serves: the latest match is the one prefilled
-        if m < limit and plan.may_approximate_from(m):  # an earlier identical request may have left estimates
-            more, deeper = self._match_prefix_helper(node, tree_paths.est_key(plan.tokens[m:limit], plan.tree_ns))
-            got = sum(len(v) for v in more)
-            if got:
-                plan.state.est_start, m, node = m, m + got, deeper
-                plan.state.estimate_len = got
-        # Estimate rows whose recompute another request (or this one, a round ago) still owes: this request's
-        # next forward recomputes them.
-        plan.state.owed = self.pending_recompute
-        plan.state.sparse_rows = []
-        if plan.state.est_start is not None and len(self.pending_recompute):
-            plan.state.sparse_rows = self.pending_recompute.owed_positions(self.path_device_indices(node)[plan.state.est_start:m],
-                                                                     plan.state.est_start)
-        plan.state.adopted = len(plan.state.sparse_rows)
-        # A waiting request is matched again every round: a longer match makes its plan stale.
-        advanced = plan.state.attempted and m > plan.state.assembled_end
-        if not plan.state.attempted or advanced:
-            mark_matched(plan, m)
-        if not self.active:
-            for o in plan.state.outcomes:
-                if o.resolved_by == "dense" and o.reason is None:
-                    o.reason = "model_unsupported"
-        elif not plan.state.attempted or m < plan.state.assembled_end or advanced:
-            t0 = time.perf_counter()
-            m, node = self._reuse(plan, m, limit, node)
-            plan.state.assembly_seconds += time.perf_counter() - t0
-        plan.state.attempted = True
-        report.publish(req, plan)
-        return MatchResult(device_prefix_len=m, last_device_node=node, last_host_node=node, best_match_node=node)
-
-    def _reuse(self, plan: RequestPlan, m: int, limit: int, node) -> tuple[int, Any]:
-        """Resolve, assemble and record the segments from ``m`` on; the new prefix length and last node."""
-        config = self.state.config
-        records = self.registry.namespace(plan.namespace)
-        generation = self.registry.generation
-        head = self._head_rule(plan)
-        locks = [node]
-        self.inc_lock_ref(node)
-        try:
-            pieces = resolve_segments(self.resolver, records, plan, m, limit, locks, generation, head)
-            last = assemble.write_and_insert(self, self.state.spec, self.counters, plan, node, m, pieces) \
-                if pieces else node
-        finally:
-            for held in locks:
-                self.dec_lock_ref(held)
-        end = m + sum(p.hi - p.lo for p in pieces)
-        if last is None:
-            for p in pieces:
-                o = plan.state.outcomes[p.index]
-                o.resolved_by, o.reason, o.resolved_tokens, o.head_recomputed = "dense", "alloc_failed", 0, None
-            self.counters.add("alloc_failed")
-            last, end = node, m
-        elif pieces:
-            if plan.state.est_start is None:
-                plan.state.est_start = m
-            self.recorder.assembled(plan, pieces)
-            if head.sparse:
-                rows = [plan.annotation.segments[p.index].start + j for p in pieces for j in p.recompute]
-                owe(plan, rows, self.path_device_indices(last), self.pending_recompute)
-        plan.state.assembled_end = max(plan.state.assembled_end, end)
-        plan.state.next_stage = None
-        if config.staged:
-            plan.state.next_stage = next_stage(plan, end, limit, head,
-                                         lambda o: bool(candidates(records, plan, o, generation)),
-                                         config.min_stage_tokens)
-        return end, last
-
-    def _rule_of(self, annotation: Any) -> RecomputeRule:
-        return rule_of(self.state.config, annotation, self.sparse_unsupported, self.row_policy)
-
-    def _head_rule(self, plan: RequestPlan) -> RecomputeRule:
-        """The request's recompute rule, noted in its plan for the report."""
-        config = self.state.config
-        rule = self._rule_of(plan.annotation)
-        if rule.head or rule.ratio:
-            plan.state.recompute_via = "sparse" if rule.sparse else "staged"
-            plan.state.sparse_fallback = self.sparse_unsupported if config.sparse_extend and not rule.sparse else None
-        return rule
 
     # ------------------------------------------------------------ staged prefill
     def kvshare_stage_end(self, req, prefix_len: int) -> Optional[int]:
@@ -339,17 +215,14 @@ class KVShareRadixCache(RadixCache):
             return 0  # SGLang's own chunking stopped short of the stage end
         try:
             limit = req._compute_max_prefix_len(len(req.full_untruncated_fill_ids))
-            t0 = time.perf_counter()
-            end, last = self._reuse(plan, p, limit, req.last_node)
-            plan.state.assembly_seconds += time.perf_counter() - t0
+            end, last = self.pipeline.resume(req, plan, p, limit, req.last_node)
         except Exception:  # noqa: BLE001 - never fail a request because of kvshare
             logger.exception("sglang-kvshare: resuming reuse failed; prefilling densely")
             self.counters.add("internal_errors")
             end = -1
-        if not self._ranks_agree(("resume", req.rid, p), end):
-            plan.state.next_stage = None
-            mark_dense_from(plan, p, "internal_error" if end < 0 else "ranks_disagree", exact_before=False)
-            report.publish(req, plan)
+        if not self.pipeline.ranks_agree(("resume", req.rid, p), end):
+            self.pipeline.fell_back(req, plan, p, "internal_error" if end < 0 else "ranks_disagree",
+                                    exact_before=False)
             return 0
         if end > p:
             rows = self.path_device_indices(last)[p:end]
@@ -364,7 +237,7 @@ class KVShareRadixCache(RadixCache):
             req.last_node = last
             req.prefix_len = end
             self.counters.add("stages_resumed")
-        report.publish(req, plan)
+        self.pipeline.publish(req, plan)
         return end - p
 
     # ------------------------------------------------------------ checkpoints

@@ -121,7 +121,7 @@ class AdminView:
         ``OSError`` when the file cannot be written."""
         from sglang_kvshare.cache.pool_persistence import NoPools
 
-        saver = getattr(self.parts.tree, "pool_saver", None)
+        saver = self.parts.pool_saver
         if saver is None:
             raise NoPools("this server has no pool file: start it with --kvshare-pool-file PATH "
                           "(and --kvshare-mode kvcmas)")

@@ -91,6 +91,39 @@ def _a_read_and_b_warm() -> MiniScheduler:
     return sched
 
 
+def test_the_plan_is_frozen_and_its_state_holds_what_changes():
+    """What planning decided cannot be changed by a later step; what a match changes lives in the state."""
+    import dataclasses
+
+    from sglang_kvshare.cache.plan import RequestState
+
+    sched = _a_read_and_b_warm()
+    b = annotated("B")
+    sched.match(b)
+    plan = b.kvshare_plan
+    for field, value in (("tokens", ()), ("annotation", None), ("state", RequestState([])), ("est_start", 0)):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(plan, field, value)
+    assert plan.state.est_start == len(SYS["B"]) and plan.state.outcomes[1].resolved_by == "alignment"
+    assert isinstance(plan.hashes, tuple)
+
+
+def test_the_steps_are_handed_sglangs_tree_never_the_adapter():
+    """The pipeline, its steps and the admin view reach SGLang's tree through ``SGLangTree`` (RadixCache's own
+    methods): the adapter's overrides and attributes are out of their reach."""
+    from sglang_kvshare.cache.adapter import KVShareRadixCache
+
+    cache = make_cache("fullshared")
+    holders = (cache.pipeline, cache.pipeline.parts, cache.pipeline.resolver, cache.pipeline.recorder.parts,
+               cache.kvshare_admin.parts)
+    for holder in holders:
+        for value in vars(holder).values():
+            assert not isinstance(value, KVShareRadixCache), (holder, value)
+    tree = cache.pipeline.tree
+    assert not hasattr(tree, "kvshare_resume") and not hasattr(tree, "pipeline")
+    assert tree.root_node is cache.root_node and tree.token_to_kv_pool_allocator is cache.token_to_kv_pool_allocator
+
+
 def test_a_retracted_request_is_planned_afresh_and_counted_once():
     sched = _a_read_and_b_warm()
     cache = sched.cache
