@@ -22,11 +22,11 @@ fail a request (logged, counted, prefilled densely).
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResult
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-from sglang.srt.mem_cache.radix_cache import RadixCache
+from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
 
 from sglang_kvshare.cache import tree_paths
 from sglang_kvshare.cache.admin_view import AdminView
@@ -39,9 +39,14 @@ from sglang_kvshare.cache.pool_persistence import PoolSaver, PoolStore
 from sglang_kvshare.cache.recompute import HEAD, PendingRecompute, RowPolicy
 from sglang_kvshare.cache.registry import ContentHasher, PlaceholderRegistry, RegistryLimits
 from sglang_kvshare.config import KVShareConfig
+from sglang_kvshare.correction.rank_reduce import Reducer
 from sglang_kvshare.counters import Counters
 from sglang_kvshare.learning.learner import Learner
 from sglang_kvshare.learning.serving_activity import ServingActivity
+
+if TYPE_CHECKING:
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.managers.schedule_batch import Req
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +64,9 @@ class KVShareRadixCache(RadixCache):
     here, before the first request, and ``POST /kvshare/save`` writes them.
     """
 
-    def __init__(self, params: CacheInitParams, *, config: KVShareConfig, model_config: Optional[Any] = None,
-                 reducer: Optional[Any] = None, sparse_unsupported: Optional[str] = "not_checked",
+    def __init__(self, params: CacheInitParams, *, config: KVShareConfig,
+                 model_config: Optional["ModelConfig"] = None, reducer: Optional[Reducer] = None,
+                 sparse_unsupported: Optional[str] = "not_checked",
                  pool_store: Optional[PoolStore] = None, row_policy: RowPolicy = HEAD) -> None:
         # NOTE: set before RadixCache.__init__, which calls reset().
         self.state = CorrectionState(config, model_config, page_size=params.page_size, reducer=reducer)
@@ -118,7 +124,7 @@ class KVShareRadixCache(RadixCache):
         self.registry.reset()
         self.state.new_epoch()
 
-    def on_release(self, req, *, checkpointed: bool) -> None:
+    def on_release(self, req: "Req", *, checkpointed: bool) -> None:
         self.activity.closed(req)  # also for a request the tree never checkpointed
         plan = plan_of(req)
         if plan is not None and not checkpointed and not req.finished():
@@ -126,7 +132,7 @@ class KVShareRadixCache(RadixCache):
             plan.state.released = True
         super().on_release(req, checkpointed=checkpointed)
 
-    def _delete_leaf(self, node) -> None:
+    def _delete_leaf(self, node: TreeNode) -> None:
         super()._delete_leaf(node)
         setattr(node, tree_paths.DEAD_ATTR, True)  # copies ending here are gone
         if len(self.pending_recompute) and node.value is not None:
@@ -169,7 +175,7 @@ class KVShareRadixCache(RadixCache):
                                 "internal_error" if served < 0 else "ranks_disagree", exact_before=True)
         return result
 
-    def checkpoint(self, req, *, up_to: int):
+    def checkpoint(self, req: "Req", *, up_to: int) -> None:
         if up_to >= len(req.origin_input_ids) or req.finished():
             self.activity.closed(req)
         plan = plan_of(req)
@@ -186,7 +192,7 @@ class KVShareRadixCache(RadixCache):
             self.counters.add("internal_errors")
 
     # ------------------------------------------------------------ staged prefill
-    def kvshare_stage_end(self, req, prefix_len: int) -> Optional[int]:
+    def kvshare_stage_end(self, req: "Req", prefix_len: int) -> Optional[int]:
         """Where the request's current dense stretch should end (a chunk boundary), or None.
 
         Read by the scheduler hooks (``sglang_kvshare.server.staged_prefill``) when SGLang
@@ -198,7 +204,7 @@ class KVShareRadixCache(RadixCache):
         end = plan.state.next_stage
         return end if prefix_len < end < len(req.full_untruncated_fill_ids) else None
 
-    def kvshare_resume(self, req) -> int:
+    def kvshare_resume(self, req: "Req") -> int:
         """Between two stages of one request: reuse what can be reused from ``req.prefix_len`` on.
 
         Called by the scheduler hook before the next chunk is sized, after the
@@ -241,12 +247,13 @@ class KVShareRadixCache(RadixCache):
         return end - p
 
     # ------------------------------------------------------------ checkpoints
-    def _checkpoint_with_estimates(self, req, plan: RequestPlan, up_to: int) -> None:
+    def _checkpoint_with_estimates(self, req: "Req", plan: RequestPlan, up_to: int) -> None:
         """``RadixCache.checkpoint`` for a request that holds estimates: rows from
         ``est_start`` on go to the estimate namespace (never to the request's own)."""
         token_ids = req.full_untruncated_fill_ids[:up_to]
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : len(token_ids)]
-        present, last = tree_paths.insert_exact_then_estimate(self, req, token_ids, plan.state.est_start, row, plan.tree_ns)
+        present, last = tree_paths.insert_exact_then_estimate(self, req, token_ids, plan.state.est_start, row,
+                                                              plan.tree_ns)
         req.kv.cache_inserted_len = max(req.kv.cache_inserted_len, len(token_ids))
         protected = req.kv.cache_protected_len
         if present > protected:  # the tree already had these rows: ours are duplicates

@@ -29,8 +29,8 @@ from sglang_kvshare.cache.parts import CacheParts
 from sglang_kvshare.cache.plan import RequestPlan, drop_plan, plan_of, plan_request
 from sglang_kvshare.cache.recompute import PendingRecompute, RecomputeRule, RowPolicy, owe, rule_of
 from sglang_kvshare.cache.record import Recorder
-from sglang_kvshare.cache.resolve import (Resolver, candidates, mark_dense_from, mark_matched, mark_unreached,
-                                          next_stage, resolve_segments)
+from sglang_kvshare.cache.resolve import (Resolver, candidates, mark_alloc_failed, mark_dense_from, mark_matched,
+                                          mark_unreached, mark_unsupported, next_stage, resolve_segments)
 from sglang_kvshare.correction.rank_reduce import RanksUnreachable, decision_key
 
 if TYPE_CHECKING:
@@ -104,9 +104,7 @@ class RequestPipeline:
         if not st.attempted or advanced:
             mark_matched(plan, m)
         if not active:
-            for o in st.outcomes:
-                if o.resolved_by == "dense" and o.reason is None:
-                    o.reason = "model_unsupported"
+            mark_unsupported(plan)
         elif not st.attempted or m < st.assembled_end or advanced:
             m, node = self._reuse(plan, m, limit, node)
         st.attempted = True
@@ -162,9 +160,7 @@ class RequestPipeline:
                 self.tree.dec_lock_ref(held)
         end = m + sum(p.hi - p.lo for p in pieces)
         if last is None:
-            for p in pieces:
-                o = st.outcomes[p.index]
-                o.resolved_by, o.reason, o.resolved_tokens, o.head_recomputed = "dense", "alloc_failed", 0, None
+            mark_alloc_failed(plan, pieces)
             self.counters.add("alloc_failed")
             last, end = node, m
         elif pieces:

@@ -309,6 +309,20 @@ def mark_unreached(plan: RequestPlan) -> None:
             o.reason = "not_reached"
 
 
+def mark_unsupported(plan: RequestPlan) -> None:
+    """Every segment prefilled densely without a reason gets ``model_unsupported`` (kvshare cannot serve it)."""
+    for o in plan.state.outcomes:
+        if o.resolved_by == "dense" and o.reason is None:
+            o.reason = "model_unsupported"
+
+
+def mark_alloc_failed(plan: RequestPlan, pieces: list[Piece]) -> None:
+    """The pieces resolved could not be given pool slots: their segments are prefilled densely."""
+    for p in pieces:
+        o = plan.state.outcomes[p.index]
+        o.resolved_by, o.reason, o.resolved_tokens, o.head_recomputed = "dense", "alloc_failed", 0, None
+
+
 def mark_dense_from(plan: RequestPlan, m: int, reason: str, *, exact_before: bool) -> None:
     """The plan as served when the cache falls back to dense prefill from row ``m`` on.
 

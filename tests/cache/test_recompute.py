@@ -58,7 +58,8 @@ def test_a_plugged_in_policy_chooses_the_rows_the_next_forward_recomputes():
     assert len(sched.cache.pending_recompute) == n
     assert sched.cache.pending_recompute.owed_positions(sched.cache.path_device_indices(b.last_node),
                                                         0) == [len(SYS["B"]) + r for r in rows]
-    assert plan_of(b).tree_ns.est_extra_key != plan_of(head_b).tree_ns.est_extra_key  # estimates of one policy never serve another
+    # Estimates made under one policy never serve another.
+    assert plan_of(b).tree_ns.est_extra_key != plan_of(head_b).tree_ns.est_extra_key
     assert slots
 
 
