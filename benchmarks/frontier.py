@@ -7,10 +7,7 @@
 
 For each task the arms are ``off``; ``fullshared`` and ``kvcmas`` with
 ``--kvshare-recompute-head K`` for K in ``--heads``, and with
-``--kvshare-recompute-ratio r`` for r in ``--ratios`` (``kvcmas_corr_r<r>``: the rows
-its correction moves most, ``--kvshare-recompute-policy correction``; ``fullshared_query_r<r>``:
-half of them the head, half the rows the request's own tail attends to most,
-``--kvshare-recompute-policy query``); and the *random-mix
+``--kvshare-recompute-ratio r`` for r in ``--ratios``; and the *random-mix
 baseline*: fullshared with a share ``p`` of the consumers' shared segments
 prefilled densely (for this baseline only, client-side: such a segment gets a
 slot name no producer used, so the server finds no source and staged prefill
@@ -80,22 +77,17 @@ class Arm:
     recompute_head: int = 0
     mix_p: Optional[float] = None  # random-mix share of consumer shared segments prefilled densely
     recompute_ratio: float = 0.0  # --kvshare-recompute-ratio: the share of each reused segment recomputed
-    recompute_policy: str = "head"  # --kvshare-recompute-policy: which rows that share is
 
     @property
     def policy(self) -> str:
-        """Which rows of a reused segment the server recomputes: its first ones (EPIC's head), those its
-        correction moves most, or none."""
-        if not (self.recompute_head or self.recompute_ratio):
-            return "none"
-        return self.recompute_policy if self.recompute_ratio else "head"
+        """Which rows of a reused segment the server recomputes: its first ones (EPIC's head), or none."""
+        return "head" if self.recompute_head or self.recompute_ratio else "none"
 
     def server_args(self) -> list[str]:
         if self.mode == "off":
             return ["--kvshare-mode", "off"]
         return ["--kvshare-mode", self.mode, "--kvshare-recompute-head", str(self.recompute_head),
-                "--kvshare-recompute-ratio", str(self.recompute_ratio),
-                "--kvshare-recompute-policy", self.recompute_policy]
+                "--kvshare-recompute-ratio", str(self.recompute_ratio)]
 
 
 def default_arms(heads: Sequence[int], mix: Sequence[float], noise_floor: bool = False,
@@ -109,8 +101,6 @@ def default_arms(heads: Sequence[int], mix: Sequence[float], noise_floor: bool =
     arms += [Arm(f"kvcmas_k{k}", "kvcmas", k) for k in heads]
     arms += [Arm(f"fullshared_k{k}", "fullshared", k) for k in heads if k != 0]
     arms += [Arm(f"{mode}_r{r:g}", mode, 0, None, r) for mode in ("fullshared", "kvcmas") for r in ratios]
-    arms += [Arm(f"kvcmas_corr_r{r:g}", "kvcmas", 0, None, r, "correction") for r in ratios]
-    arms += [Arm(f"fullshared_query_r{r:g}", "fullshared", 0, None, r, "query") for r in ratios]
     if noise_floor:
         # A second off server, same samples and the same request history: bit-identical on this
         # CPU server. It does not show the float32 floor of another history (a kvshare server
@@ -791,8 +781,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--mix", type=float, nargs="*", default=[0.25, 0.5, 0.75])
     ap.add_argument("--ratios", type=float, nargs="*", default=[],
                     help="arms recomputing a share r of each reused segment: fullshared_r<r> and kvcmas_r<r> its "
-                         "first rows, kvcmas_corr_r<r> the rows kvcmas's correction moves most, fullshared_query_r<r> "
-                         "half the head and half the rows the request's tail attends to most")
+                         "first rows")
     ap.add_argument("--arms", default=None, help="comma-separated subset of arm names (off is always run)")
     ap.add_argument("--noise-floor", action="store_true", help="add off_repeat: a second off server")
     ap.add_argument("--concurrency", type=int, default=4)

@@ -25,7 +25,8 @@ teacher-forced scoring against ``off``, ``summarize_arm``):
   frontier's metric) over the scored samples, TTFT of agents 2-4.
 * **fixed K** (``best_global_k``): fullshared with one ``--kvshare-recompute-head K`` for every agent, guard off;
   the best is the highest reuse among those whose teacher-forced top-1 meets the target's bound (None if none).
-* **detection** (``detection_samples``): ``--kvshare-fault-perturb-slot`` on the task's shared input slot, the
+* **detection** (``detection_samples``): the task's shared input slot served noise (renamed into
+  ``devtools.fault_injection``'s ``fault:`` slots, which this benchmark's server perturbs), the
   guard at ``--detect-rate`` with the target. Each sample runs with a *control twin* (another sample's workflow,
   agents and slots renamed: intact). Verified samples of each victim scope (the consumers of the perturbed slot)
   until it went dense; whether the control scopes stayed off dense and were still served reuse afterwards.
@@ -47,7 +48,7 @@ guard's queue (``GET /kvshare/stats`` -> ``fidelity``): peak ``approx_bytes`` an
 run's ``guard.json`` (``guard_merge.replace_overhead``: only on the serving code the tasks ran on).
 
 Servers: one kvshare server serves every arm of every task, reconfigured at runtime (``POST /kvshare/config``:
-mode, head, verify rate, target, min samples, perturbed slot are all runtime settings) and emptied before each
+mode, head, verify rate, target and min samples are all runtime settings) and emptied before each
 arm (``/kvshare/reset`` and ``/flush_cache``, the guard's queue drained, its estimates started afresh): a server
 start costs about 40 s here. The overhead adds a second server.
 """
@@ -75,10 +76,11 @@ from benchmarks.guard_merge import (MergeError, check_overhead_source, git_servi
                                     replace_overhead)
 from benchmarks.guard_metrics import (CONTROL, actions_since, approximated, best_global_k, choose_min_samples,
                                       counter_diff, detection_counts, pairs, reuse_ratio, score_calibration,
-                                      settings, twin_program)
+                                      fault_program, settings, twin_program)
 from benchmarks.harness import RESULTS, command_line, machine, run_meta, stream_generate, write_json
 from benchmarks.stock_vs_off import verdict
 from benchmarks.texts import context_tokens
+from devtools.fault_injection import FAULT_PREFIX
 from sglang_kvshare.frontend.builder import build_request, private_part, shared_part
 from sglang_kvshare.guard.controller import ladder, rule
 from sglang_kvshare.guard.measure import compare
@@ -97,13 +99,11 @@ class GuardedArm(fr.Arm):
     verify_rate: float = 0.0
     target: Optional[str] = None
     min_samples: int = 20
-    perturb_slot: Optional[str] = None
 
     def config(self) -> dict:
         return {"mode": self.mode, "recompute_head": self.recompute_head, "recompute_ratio": self.recompute_ratio,
                 "verify_rate": self.verify_rate,
-                "fidelity_target": self.target or "", "fidelity_min_samples": self.min_samples,
-                "fault_perturb_slot": self.perturb_slot or ""}
+                "fidelity_target": self.target or "", "fidelity_min_samples": self.min_samples}
 
 
 def guarded(arm: fr.Arm) -> GuardedArm:
@@ -122,7 +122,8 @@ class GuardServer:
         self.headers = {"Authorization": f"Bearer {self.key}"}
         self.process = ServerProcess(model_path=model_path,
                                      kvshare_args=["--kvshare-mode", "fullshared", "--kvshare-verify-rate", "0"],
-                                     extra_args=["--admin-api-key", self.key, "--sleep-on-idle"])
+                                     extra_args=["--admin-api-key", self.key, "--sleep-on-idle"],
+                                     fault_injection=True)  # only the detection arm names fault: slots
         self.peak = {"approx_bytes": 0, "jobs": 0}
 
     @property
@@ -330,9 +331,9 @@ def run_detection(bench: Bench, spec: fr.TaskSpec, samples: Sequence, controls_f
     tokens, so it never meets the victims' rows in the cache (an exact or estimate hit of the same tokens would
     hide its own reuse, or bring it the perturbed rows). The last pair of samples is kept for ``served_after``."""
     args = bench.args
-    slot = VICTIM_SLOTS[spec.name]
+    slot = FAULT_PREFIX + VICTIM_SLOTS[spec.name]
     arm = GuardedArm("detection", "fullshared", 0, verify_rate=args.detect_rate, target=args.target,
-                     min_samples=min_samples, perturb_slot=slot)
+                     min_samples=min_samples)
     bench.server.apply(arm)
     t0, before = time.time(), bench.server.fidelity()["counters"]
     runner = fr.Runner(bench.server.url, arm, args.seed, bench.tok.eos_token_id)
@@ -341,7 +342,8 @@ def run_detection(bench: Bench, spec: fr.TaskSpec, samples: Sequence, controls_f
     polls, rows, control_reports = [], [], []
     for smp, other in tqdm(list(zip(samples[:-1], controls_from[:-1])), desc=f"{spec.name}/detection",
                            disable=args.no_progress):
-        rows = runner.sample(spec.program(smp, bench.enc, max_tokens), smp.id)
+        rows = runner.sample(fault_program(spec.program(smp, bench.enc, max_tokens), VICTIM_SLOTS[spec.name]),
+                             smp.id)
         rows += runner.sample(twin_program(spec.program(other, bench.enc, max_tokens)), other.id + CONTROL)
         for row in rows:
             if row["position"] > 1 and row["report"].get("guard"):
@@ -369,7 +371,7 @@ def served_after(bench: Bench, runner: fr.Runner, spec: fr.TaskSpec, smp: Any, o
 
     Unverified because a verified request of a dense scope is a probe, served under the next looser setting."""
     bench.server.post("/kvshare/config", {"verify_rate": 0.0})  # keeps the guard's estimates and settings
-    rows = runner.sample(spec.program(smp, bench.enc, max_tokens), smp.id)
+    rows = runner.sample(fault_program(spec.program(smp, bench.enc, max_tokens), VICTIM_SLOTS[spec.name]), smp.id)
     rows += runner.sample(twin_program(spec.program(other, bench.enc, max_tokens)), other.id + CONTROL)
     cons = [r for r in rows if r["position"] > 1]
     victim = [r["report"] for r in cons if not r["agent"].endswith(CONTROL)]

@@ -140,6 +140,24 @@ def twin_program(program: fr.Program, suffix: str = CONTROL) -> fr.Program:
         return
 
 
+def fault_program(program: fr.Program, slot: str) -> fr.Program:
+    """The program with ``slot`` renamed into a ``fault:`` slot (``devtools.fault_injection``): every reuse of
+    it is served noise; agents, other slots and outputs unchanged."""
+    from devtools.fault_injection import FAULT_PREFIX
+
+    def rename(s: Optional[str]) -> Optional[str]:
+        return FAULT_PREFIX + s if s == slot else s
+
+    try:
+        call = next(program)
+        while True:
+            pieces = tuple(Piece(p.kind, rename(p.slot), p.ids) for p in call.pieces)
+            out = yield replace(call, pieces=pieces, output_slot=rename(call.output_slot))
+            call = program.send(out)
+    except StopIteration:
+        return
+
+
 def actions_since(actions: Sequence[Mapping], t0: float, t1: float = math.inf) -> list[dict]:
     """The guard's recent actions stamped in ``[t0, t1)`` (the server shares this machine's clock)."""
     return [dict(a) for a in actions if t0 <= a.get("at", 0.0) < t1]

@@ -20,7 +20,7 @@ reference):
   the segment.
 * ``head_query``: half of the budget the head, the rest as ``query_aware``: the
   tail's attention alone misses the first rows, where alignment's error is
-  largest (the server's ``--kvshare-recompute-policy query``).
+  largest (measured, never served: no better than the head).
 * ``head_kv_deviation``: half of the budget the head, the rest the rows whose
   layer-1 K and V deviate most from the reused ones (CacheBlend's criterion), read
   by a probe that runs every row of the segment through layer 0 only, over the
@@ -125,7 +125,7 @@ def select_query_aware(model, prefix: KV, reused: KV, tail: Sequence[int], ratio
 def select_head_then_query(model, prefix: KV, reused: KV, tail: Sequence[int], ratio: float,
                            probe_layers: Sequence[int] = PROBE_LAYERS, head_share: float = 0.5) -> torch.Tensor:
     """``head_share`` of the budget on the first rows (where alignment's error concentrates), the rest by the
-    tail's attention: the server's ``query`` policy (``sglang_kvshare.cache.tail_probe``)."""
+    tail's attention."""
     return head_then_top(tail_attention(model, prefix, reused, tail, probe_layers), ratio, head_share)
 
 

@@ -111,6 +111,7 @@ class ServerProcess:
     log_path: Optional[Path] = None
     wrapper: Sequence[str] = ()  # a command prefix, e.g. a profiler: ``py-spy record ... --``
     cores: Optional[str] = None  # CPU only: the cores its one rank binds to ("1", "0-3"), for servers side by side
+    fault_injection: bool = False  # tests only: assembled KV of ``fault:`` slots is noise (devtools.fault_injection)
     proc: Optional[subprocess.Popen] = None
     ready: bool = field(default=False, init=False)  # seen answering since the last launch
 
@@ -127,7 +128,8 @@ class ServerProcess:
             # SGLang's own launcher and default cache, with the same CPU defaults as ours.
             argv = with_defaults(base, cpu=not gpu_visible(), select_backend=False)
             return [*self.wrapper, sys.executable, "-m", "sglang.launch_server", *argv]
-        return [*self.wrapper, sys.executable, "-m", "sglang_kvshare.launch_server", *base, *self.kvshare_args]
+        entry = "devtools.fault_injection" if self.fault_injection else "sglang_kvshare.launch_server"
+        return [*self.wrapper, sys.executable, "-m", entry, *base, *self.kvshare_args]
 
     def start(self) -> "ServerProcess":
         """Launch and wait until the server answers ``/health_generate``."""

@@ -48,8 +48,9 @@ def server_pool(model_path) -> Iterator[Callable[..., ServerProcess]]:
     """
     running: OrderedDict[tuple, ServerProcess] = OrderedDict()
 
-    def launch(name: str, *, kvshare_args=(), extra_args=(), stock: bool = False) -> tuple:
-        key = (tuple(kvshare_args), tuple(extra_args), stock)
+    def launch(name: str, *, kvshare_args=(), extra_args=(), stock: bool = False,
+               fault_injection: bool = False) -> tuple:
+        key = (tuple(kvshare_args), tuple(extra_args), stock, fault_injection)
         server = running.get(key)
         if server is not None and server.proc.poll() is None:
             return key
@@ -57,11 +58,13 @@ def server_pool(model_path) -> Iterator[Callable[..., ServerProcess]]:
         while len(running) >= MAX_ALIVE_SERVERS:
             running.popitem(last=False)[1].stop()
         running[key] = ServerProcess(model_path=model_path, kvshare_args=key[0], extra_args=key[1],
-                                     stock=stock).launch()
+                                     stock=stock, fault_injection=fault_injection).launch()
         return key
 
-    def get(name: str, *, kvshare_args=(), extra_args=(), stock: bool = False) -> ServerProcess:
-        key = launch(name, kvshare_args=kvshare_args, extra_args=extra_args, stock=stock)
+    def get(name: str, *, kvshare_args=(), extra_args=(), stock: bool = False,
+            fault_injection: bool = False) -> ServerProcess:
+        key = launch(name, kvshare_args=kvshare_args, extra_args=extra_args, stock=stock,
+                     fault_injection=fault_injection)
         server = running[key]
         running.move_to_end(key)
         server.wait_ready()  # at once when it has answered before
@@ -94,10 +97,10 @@ def _launch_common_servers_together(request) -> None:
                if "server_pool" in getattr(item, "fixturenames", ()) and getattr(item, "module", None)}
     if len(modules) < 3:
         return
-    from tests.servers import OFF, SHARED, SHARED_EXTRA, soak_pool
+    from tests.servers import OFF, SHARED_LAUNCH, soak_pool
 
     server_pool = request.getfixturevalue("server_pool")
-    server_pool.launch("shared", kvshare_args=SHARED, extra_args=SHARED_EXTRA)
+    server_pool.launch("shared", **SHARED_LAUNCH)
     server_pool.launch("off", kvshare_args=OFF)
     server_pool.launch("stock", stock=True)
     server_pool.launch("soak", **soak_pool())

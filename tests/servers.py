@@ -30,6 +30,9 @@ SHARED = ("--kvshare-mode", "fullshared", "--kvshare-auto", "true", "--kvshare-l
 ADMIN_KEY = "kvshare-test-admin-key"
 SHARED_EXTRA = ("--enable-metrics", "--admin-api-key", ADMIN_KEY)
 ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN_KEY}"}
+# Its assembled KV of ``fault:`` slots is noise (``devtools.fault_injection``): the guard's test serves one
+# scope bad KV; no other test names such a slot.
+SHARED_LAUNCH = {"kvshare_args": SHARED, "extra_args": SHARED_EXTRA, "fault_injection": True}
 # The short soak's server (``benchmarks.soak``'s defaults: kvcmas, tau 1, a 3072-token pool). Its
 # small KV pool also serves the eviction tests (``small_pool_server``): one server start fewer.
 SOAK_KEY = "kvshare-soak-admin-key"
@@ -45,7 +48,7 @@ def soak_pool() -> dict:
 
 def shared_server(server_pool):
     """The one fullshared server most server tests share (see the module docstring)."""
-    return server_pool("shared", kvshare_args=SHARED, extra_args=SHARED_EXTRA)
+    return server_pool("shared", **SHARED_LAUNCH)
 
 
 _DEFAULTS = KVShareConfig()
@@ -54,11 +57,10 @@ _DEFAULTS = KVShareConfig()
 _RESTORE = {"mode": "fullshared", "tau": _DEFAULTS.tau, "rank": _DEFAULTS.rank,
             "capacity": _DEFAULTS.replace(mode="kvcmas").effective_capacity, "edge_anchors": _DEFAULTS.edge_anchors,
             "recompute_head": _DEFAULTS.recompute_head, "recompute_ratio": _DEFAULTS.recompute_ratio,
-            "recompute_policy": _DEFAULTS.recompute_policy,
             "sparse_extend": _DEFAULTS.sparse_extend, "staged": _DEFAULTS.staged, "verify_rate": 0.0,
             "fidelity_target": "", "fidelity_min_samples": _DEFAULTS.fidelity_min_samples,
             "fidelity_band": _DEFAULTS.fidelity_band,
-            "verify_burst": _DEFAULTS.verify_burst, "fault_perturb_slot": ""}
+            "verify_burst": _DEFAULTS.verify_burst}
 
 
 def _post(server, path: str, body: dict | None = None, headers: dict = ADMIN_HEADERS) -> dict:

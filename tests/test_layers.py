@@ -167,9 +167,39 @@ def test_no_import_cycles():
     assert cycles == []
 
 
-@pytest.mark.parametrize("checker", ["cycle", "upward"])
+ADAPTER = "sglang_kvshare.cache.adapter"
+
+
+def test_no_step_of_the_cache_imports_the_adapter():
+    """The adapter holds SGLang's overrides and calls the pipeline (``cache/pipeline.py``); no other module of the
+    cache imports it, directly or through another, so no step can call back into it."""
+    graph = _edges()
+    offenders = []
+    for mod in sorted(MODULES):
+        if not mod.startswith("sglang_kvshare.cache.") or mod == ADAPTER:
+            continue
+        seen, todo = set(), [mod]
+        while todo:
+            for nxt in graph.get(todo.pop(), ()):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        if ADAPTER in seen:
+            offenders.append(mod)
+    assert "sglang_kvshare.cache.pipeline" in MODULES and offenders == []
+
+
+@pytest.mark.parametrize("checker", ["cycle", "upward", "adapter"])
 def test_the_checks_catch_a_planted_violation(checker, monkeypatch):
-    """The rules above can fail: a planted cycle and a planted upward import are both reported."""
+    """The rules above can fail: a planted cycle, a planted upward import and a step that imports the adapter
+    are all reported."""
+    if checker == "adapter":
+        planted = {**MODULES, "sglang_kvshare.cache.tree_paths": MODULES["sglang_kvshare.cache.tree_paths"]
+                   | {("sglang_kvshare.cache", "adapter")}}
+        monkeypatch.setattr(__import__(__name__, fromlist=["MODULES"]), "MODULES", planted)
+        with pytest.raises(AssertionError):
+            test_no_step_of_the_cache_imports_the_adapter()
+        return
     if checker == "cycle":
         planted = {**MODULES, "sglang_kvshare.cache.registry": MODULES["sglang_kvshare.cache.registry"]
                    | {("sglang_kvshare.cache.adapter", "")}}

@@ -1,16 +1,15 @@
 """The kvshare tree cache: SGLang's Python ``RadixCache`` plus placeholder reuse.
 
-This class is the SGLang adapter: it overrides the tree hooks
-(``match_prefix``, ``checkpoint``, ``on_release``, ``reset``, ``_delete_leaf``)
-and runs one request's path as a pipeline, each step a module of its own
-that never calls back into this class::
-
-    plan (plan.py) -> resolve (resolve.py) -> assemble (assemble.py: write + insert)
-                   -> record (record.py) -> report (report.py)
-
-It owns the parts the steps share, and hands each what it needs: the config
-and estimator in force (``CorrectionState``), the copy registry, the learner
-(``learning/``), the counters, and the admin view (``kvshare_admin``).
+This class is the SGLang adapter and holds SGLang's overrides only: the tree
+hooks (``match_prefix``, ``checkpoint``, ``on_release``, ``reset``,
+``_delete_leaf``) and the staged-prefill hooks (``kvshare_stage_end``,
+``kvshare_resume``). Each hands an annotated request to one pipeline
+(``cache/pipeline.py``: plan -> resolve -> choose rows -> assemble -> record
+-> report) and does SGLang's bookkeeping around it (locks, the request's row,
+its protected length). It owns the parts the steps share (``CacheParts``: the
+config and estimator in force, the copy registry, the learner, the counters,
+SGLang's tree as ``SGLangTree``) and the admin view (``kvshare_admin``); no
+step is handed this class.
 
 Guarantees (docs/ARCHITECTURE.md): a request without an annotation, and
 every request in mode ``off``, takes exactly ``RadixCache``'s code path and
@@ -22,34 +21,32 @@ fail a request (logged, counted, prefilled densely).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import time
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams, MatchResult
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-from sglang.srt.mem_cache.radix_cache import RadixCache
+from sglang.srt.mem_cache.radix_cache import RadixCache, TreeNode
 
-from sglang_kvshare.cache import report, tree_paths
+from sglang_kvshare.cache import tree_paths
 from sglang_kvshare.cache.admin_view import AdminView
-from sglang_kvshare.cache.assemble import write_and_insert
 from sglang_kvshare.cache.correction_state import CorrectionState
 from sglang_kvshare.cache.kv_pool_io import ReadWorkspace
-from sglang_kvshare.cache.parts import CacheParts
-from sglang_kvshare.cache.pending_recompute import PendingRecompute
-from sglang_kvshare.cache.plan import RequestPlan, drop_plan, plan_of, plan_request
+from sglang_kvshare.cache.parts import CacheParts, SGLangTree
+from sglang_kvshare.cache.pipeline import RequestPipeline
+from sglang_kvshare.cache.plan import RequestPlan, plan_of
 from sglang_kvshare.cache.pool_persistence import PoolSaver, PoolStore
-from sglang_kvshare.cache.record import Recorder
+from sglang_kvshare.cache.recompute import HEAD, PendingRecompute, RowPolicy
 from sglang_kvshare.cache.registry import ContentHasher, PlaceholderRegistry, RegistryLimits
-from sglang_kvshare.cache.resolve import (HeadRule, Resolver, candidates, mark_dense_from, mark_matched,
-                                          mark_unreached, next_stage, resolve_segments)
-from sglang_kvshare.cache.tail_probe import TAIL_TOKENS, pick_rows
 from sglang_kvshare.config import KVShareConfig
-from sglang_kvshare.correction.rank_reduce import RanksUnreachable, decision_key
+from sglang_kvshare.correction.rank_reduce import Reducer
 from sglang_kvshare.counters import Counters
 from sglang_kvshare.learning.learner import Learner
 from sglang_kvshare.learning.serving_activity import ServingActivity
+
+if TYPE_CHECKING:
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.managers.schedule_batch import Req
 
 logger = logging.getLogger(__name__)
 
@@ -62,17 +59,15 @@ class KVShareRadixCache(RadixCache):
     ``sparse_unsupported``: why this server cannot recompute heads inside the
     prefill forward (``server.sparse_extend.unsupported_reason``), or None when
     it can; heads are then staged.
-    ``tail_probe``: scores rows by the attention of a request's tail, for the
-    ``query`` recompute policy (``cache.tail_probe.TailProbe``); None with
-    ``tail_probe_unsupported`` saying why (the policy then recomputes the head).
+    ``row_policy``: which rows of a reused segment are recomputed (``cache.recompute``; the head).
     ``pool_store``: this scheduler's ``--kvshare-pool-file`` (``cache.pool_persistence``); its pools are loaded
     here, before the first request, and ``POST /kvshare/save`` writes them.
     """
 
-    def __init__(self, params: CacheInitParams, *, config: KVShareConfig, model_config: Optional[Any] = None,
-                 reducer: Optional[Any] = None, sparse_unsupported: Optional[str] = "not_checked",
-                 tail_probe: Optional[Any] = None, tail_probe_unsupported: Optional[str] = "not_checked",
-                 pool_store: Optional[PoolStore] = None) -> None:
+    def __init__(self, params: CacheInitParams, *, config: KVShareConfig,
+                 model_config: Optional["ModelConfig"] = None, reducer: Optional[Reducer] = None,
+                 sparse_unsupported: Optional[str] = "not_checked",
+                 pool_store: Optional[PoolStore] = None, row_policy: RowPolicy = HEAD) -> None:
         # NOTE: set before RadixCache.__init__, which calls reset().
         self.state = CorrectionState(config, model_config, page_size=params.page_size, reducer=reducer)
         self.hasher = ContentHasher()
@@ -89,19 +84,18 @@ class KVShareRadixCache(RadixCache):
         self.counters.add("plain_tokens_from_estimates", 0)  # reported even while it stays 0 (the soak checks it)
         self.activity = ServingActivity()
         self.sparse_unsupported = sparse_unsupported
-        self.tail_probe = tail_probe
-        self.tail_probe_unsupported = None if tail_probe is not None else tail_probe_unsupported
         self.pending_recompute = PendingRecompute(self.counters)
         self.learner = Learner(lambda: self.state.estimator, self.state.lock, self.counters,
                                max_jobs=config.learn_queue_max, max_bytes=int(config.learn_queue_mb * 2**20),
                                asynchronous=config.learn_async, cpu_share=config.learn_cpu_share,
                                slot_interval_s=config.learn_slot_interval_s, activity=self.activity,
                                yield_s=config.learn_yield_s, single_thread=config.learn_single_thread)
-        parts = CacheParts(self, self.state, self.registry, self.learner, self.counters, self.hasher, ReadWorkspace())
-        self.resolver = Resolver(parts)
-        self.recorder = Recorder(parts)
-        self.kvshare_admin = AdminView(parts)
         super().__init__(params)
+        parts = CacheParts(SGLangTree(self), self.state, self.registry, self.learner, self.counters, self.hasher,
+                           ReadWorkspace(), self.pool_saver)
+        self.pipeline = RequestPipeline(parts, self.pending_recompute, sparse_unsupported, row_policy)
+        self.recorder = self.pipeline.recorder
+        self.kvshare_admin = AdminView(parts)
         if self.pool_saver is not None:  # raises PoolFileError for a file of another model: the launch fails
             self.pool_saver.load(self.state, self.hasher, self.counters)
 
@@ -130,15 +124,15 @@ class KVShareRadixCache(RadixCache):
         self.registry.reset()
         self.state.new_epoch()
 
-    def on_release(self, req, *, checkpointed: bool) -> None:
+    def on_release(self, req: "Req", *, checkpointed: bool) -> None:
         self.activity.closed(req)  # also for a request the tree never checkpointed
         plan = plan_of(req)
         if plan is not None and not checkpointed and not req.finished():
             # Retracted (or aborted) with its KV freed: if it comes back, it is planned afresh.
-            plan.released = True
+            plan.state.released = True
         super().on_release(req, checkpointed=checkpointed)
 
-    def _delete_leaf(self, node) -> None:
+    def _delete_leaf(self, node: TreeNode) -> None:
         super()._delete_leaf(node)
         setattr(node, tree_paths.DEAD_ATTR, True)  # copies ending here are gone
         if len(self.pending_recompute) and node.value is not None:
@@ -153,7 +147,7 @@ class KVShareRadixCache(RadixCache):
             self.activity.opened(req)  # its prefill is coming: the learner waits for it
         plan = None
         if mode_on and not self.disable and not self.is_eagle:
-            plan = self._plan(req)
+            plan = self.pipeline.plan(req)
         if plan is None:
             result = super().match_prefix(params)
             if req is not None and not self.disable:
@@ -161,243 +155,58 @@ class KVShareRadixCache(RadixCache):
                 if leaked:  # NOTE: impossible by construction; counted so the soak can prove it
                     self.counters.add("plain_tokens_from_estimates", leaked)
             return result
-        result: Optional[MatchResult] = None
+        served, node = -1, None
         try:
             with self.counters.timed("match"):
-                result = self._match_annotated(req, plan, params)
+                exact = super().match_prefix(params)
+                served, node = self.pipeline.match(req, plan, params.key, exact.device_prefix_len,
+                                                   exact.last_device_node, self.active)
         except Exception:  # noqa: BLE001 - never fail a request because of kvshare
             logger.exception("sglang-kvshare: assembly failed; prefilling densely")
             self.counters.add("internal_errors")
-        served = [-1] if result is None else [result.device_prefix_len, len(plan.sparse_rows),
-                                              -1 if plan.est_start is None else plan.est_start]
-        why = self._ranks_differ(("match", req.rid, len(plan.tokens)), served)
+            served = -1
+        st = plan.state
+        why = self.pipeline.ranks_differ(("match", req.rid, len(plan.tokens)), [-1] if served < 0 else [
+            served, len(st.sparse_rows), -1 if st.est_start is None else st.est_start])
         if why is None:
-            return result
+            return MatchResult(device_prefix_len=served, last_device_node=node, last_host_node=node,
+                               best_match_node=node)
         # Every rank prefills from its exact prefix: one that raised, or ranks whose matches differ (a forward
         # of different lengths on two tensor-parallel ranks would pair mismatched collectives).
         result = super().match_prefix(params)
-        mark_dense_from(plan, result.device_prefix_len, why, exact_before=True)
-        report.publish(req, plan)
+        self.pipeline.fell_back(req, plan, result.device_prefix_len, why, exact_before=True)
         return result
 
-    def checkpoint(self, req, *, up_to: int):
+    def checkpoint(self, req: "Req", *, up_to: int) -> None:
         if up_to >= len(req.origin_input_ids) or req.finished():
             self.activity.closed(req)
         plan = plan_of(req)
-        if plan is not None and plan.est_start is not None and up_to > plan.est_start and not self.disable:
+        if plan is not None and plan.state.est_start is not None and up_to > plan.state.est_start and not self.disable:
             self._checkpoint_with_estimates(req, plan, up_to)
         else:
             super().checkpoint(req, up_to=up_to)
         if plan is None or not self.active:
             return
         try:
-            if not plan.counted and (up_to >= len(plan.tokens) or req.finished()):
-                mark_unreached(plan)
-                self.recorder.count(plan)  # once the whole prompt is in: staged segments are decided by then
-                plan.counted = True
-                report.publish(req, plan)
-            self.recorder.checkpointed(req, plan, up_to)
-            if plan.annotation.output_slot and req.finished():
-                self.recorder.output(req, plan, up_to)
+            self.pipeline.checkpointed(req, plan, up_to)
         except Exception:  # noqa: BLE001
             logger.exception("sglang-kvshare: learning from a dense prefill failed")
             self.counters.add("internal_errors")
 
-    def _ranks_differ(self, key: tuple, served: list[int]) -> Optional[str]:
-        """Why this request must be prefilled densely from its exact prefix, or None to serve it as matched.
-
-        ``served``: what this rank would serve (the prefix, the rows its forward recomputes, where estimates
-        start), ``[-1]`` where this rank raised. At TP > 1 the ranks compare it in one small reduce per annotated
-        match, bounded by the reducer's deadline, so no two ranks run forwards of different lengths: ranks that
-        differ (``ranks_disagree``) or can no longer reduce (``ranks_out_of_step``, until a restart) go dense
-        together.
-        """
-        failed = served[0] < 0
-        reducer = self.state.reducer
-        if reducer is None or reducer.size < 2:
-            return "internal_error" if failed else None
-        try:
-            lo, hi = reducer.agree(decision_key(*key), served + [0] * (3 - len(served)))
-        except RanksUnreachable:
-            self.counters.add("ranks_unreachable")
-            return "ranks_out_of_step"
-        if failed:
-            return "internal_error"
-        if lo[0] < 0:
-            return "ranks_disagree"  # another rank raised
-        if lo != hi:
-            self.counters.add("ranks_disagree")
-            return "ranks_disagree"
-        return None
-
-    # ------------------------------------------------------------ the request's path
-    def _plan(self, req) -> Optional[RequestPlan]:
-        """The plan step; a retracted request's old plan is taken back out of the stats and made afresh."""
-        old = plan_of(req)
-        if old is not None and old.released:
-            if old.counted:
-                self.recorder.count(old, sign=-1)
-            drop_plan(req)
-            self.counters.add("plans_after_retraction")
-        config = self.state.config
-        return plan_request(req, self.hasher, config.max_segments, self.counters, reuse_scope=config.reuse_scope,
-                            epoch=self.state.epoch, setting=lambda ann: self._rule_of(ann).key)
-
-    def _match_annotated(self, req, plan: RequestPlan, params: MatchPrefixParams) -> MatchResult:
-        result = super().match_prefix(params)
-        limit = len(params.key)  # the scheduler never matches the last prompt token
-        m, node = result.device_prefix_len, result.last_device_node
-        plan.est_start = None
-        plan.exact_len, plan.estimate_len = m, 0  # what this match serves: the latest match is the one prefilled
-        if m < limit and plan.may_approximate_from(m):  # an earlier identical request may have left estimates
-            more, deeper = self._match_prefix_helper(node, tree_paths.est_key(plan.tokens[m:limit], plan.tree_ns))
-            got = sum(len(v) for v in more)
-            if got:
-                plan.est_start, m, node = m, m + got, deeper
-                plan.estimate_len = got
-        # Estimate rows whose recompute another request (or this one, a round ago) still owes: this request's
-        # next forward recomputes them.
-        plan.owed = self.pending_recompute
-        plan.sparse_rows = []
-        if plan.est_start is not None and len(self.pending_recompute):
-            plan.sparse_rows = self.pending_recompute.owed_positions(self.path_device_indices(node)[plan.est_start:m],
-                                                                     plan.est_start)
-        plan.adopted = len(plan.sparse_rows)
-        # A waiting request is matched again every round: a longer match makes its plan stale.
-        advanced = plan.attempted and m > plan.assembled_end
-        if not plan.attempted or advanced:
-            mark_matched(plan, m)
-        if not self.active:
-            for o in plan.outcomes:
-                if o.resolved_by == "dense" and o.reason is None:
-                    o.reason = "model_unsupported"
-        elif not plan.attempted or m < plan.assembled_end or advanced:
-            t0 = time.perf_counter()
-            m, node = self._reuse(plan, m, limit, node)
-            plan.assembly_seconds += time.perf_counter() - t0
-        plan.attempted = True
-        report.publish(req, plan)
-        return MatchResult(device_prefix_len=m, last_device_node=node, last_host_node=node, best_match_node=node)
-
-    def _reuse(self, plan: RequestPlan, m: int, limit: int, node) -> tuple[int, Any]:
-        """Resolve, assemble and record the segments from ``m`` on; the new prefix length and last node."""
-        config = self.state.config
-        records = self.registry.namespace(plan.namespace)
-        generation = self.registry.generation
-        head = self._head_rule(plan)
-        locks = [node]
-        self.inc_lock_ref(node)
-        try:
-            pieces = resolve_segments(self.resolver, records, plan, m, limit, locks, generation, head)
-            last = (write_and_insert(self, self.state.spec, self.counters, plan, node, m, pieces,
-                                     config.fault_perturb_slot) if pieces else node)
-        finally:
-            for held in locks:
-                self.dec_lock_ref(held)
-        end = m + sum(p.hi - p.lo for p in pieces)
-        if last is None:
-            for p in pieces:
-                o = plan.outcomes[p.index]
-                o.resolved_by, o.reason, o.resolved_tokens, o.head_recomputed = "dense", "alloc_failed", 0, None
-                o.recompute_policy = None
-            self.counters.add("alloc_failed")
-            last, end = node, m
-        elif pieces:
-            if plan.est_start is None:
-                plan.est_start = m
-            self.recorder.assembled(plan, pieces)
-            if head.sparse:
-                pieces = self._pick_by_tail(plan, pieces, last, end, head)
-                self._owe_heads(plan, pieces, last)
-        plan.assembled_end = max(plan.assembled_end, end)
-        plan.next_stage = None
-        if config.staged:
-            plan.next_stage = next_stage(plan, end, limit, head,
-                                         lambda o: bool(candidates(records, plan, o, generation)),
-                                         config.min_stage_tokens)
-        return end, last
-
-    def _rule_of(self, annotation: Any) -> HeadRule:
-        """The head of a request of ``annotation`` (server setting or its annotation's, the larger) and whether
-        it is sparse."""
-        config = self.state.config
-        return HeadRule(max(config.recompute_head, annotation.recompute_head or 0), config.recompute_ratio,
-                        sparse=config.sparse_extend and self.sparse_unsupported is None,
-                        policy=config.recompute_policy)
-
-    def _head_rule(self, plan: RequestPlan) -> HeadRule:
-        """The request's head rule (``_rule_of``), noted in its plan for the report."""
-        config = self.state.config
-        rule = self._rule_of(plan.annotation)
-        if rule.head or rule.ratio:
-            plan.recompute_via = "sparse" if rule.sparse else "staged"
-            plan.sparse_fallback = self.sparse_unsupported if config.sparse_extend and not rule.sparse else None
-        return rule
-
-    def _pick_by_tail(self, plan: RequestPlan, pieces: list, last: Any, end: int, head: HeadRule) -> list:
-        """The ``query`` policy: the rows of ``pieces`` past their fixed head, chosen by the attention of the
-        request's last prompt tokens on the rows just assembled (``cache.tail_probe``).
-
-        The number of rows per piece stays what ``resolve_segments`` counted;
-        only which ones changes. Without a probe, or when it fails, the rows
-        stay the head's (``query_fallback`` in the report).
-        """
-        picks = [i for i, p in enumerate(pieces) if head.by_query(plan.annotation.segments[p.index])]
-        if not picks:
-            return pieces
-        scores, why = None, self.tail_probe_unsupported
-        if self.tail_probe is not None:
-            tail_start = max(end, len(plan.tokens) - TAIL_TOKENS)
-            try:
-                with self.counters.timed("probe"):
-                    scores = self.tail_probe.row_scores(self.path_device_indices(last)[:end],
-                                                        plan.tokens[tail_start:], tail_start)
-                self.counters.add("probe_calls")
-            except Exception as exc:  # noqa: BLE001 - the head is a valid choice of rows; never fail a request
-                logger.exception("sglang-kvshare: the tail probe failed; the rows recomputed are the head's")
-                self.counters.add("internal_errors")
-                why = f"probe_failed: {type(exc).__name__}"
-        if scores is None:
-            for i in picks:
-                plan.outcomes[pieces[i].index].recompute_policy = None
-            plan.query_fallback = why
-            self.counters.add("probe_fallbacks", len(picks))
-            return pieces
-        out = list(pieces)
-        for i in picks:
-            p = pieces[i]
-            seg = plan.annotation.segments[p.index]
-            fixed_n = head.fixed_rows(seg)
-            fixed = range(p.lo, min(p.hi, fixed_n))
-            count = len(p.recompute) - len(fixed)
-            rows = pick_rows(scores[seg.start:seg.start + p.hi], fixed, range(max(p.lo, fixed_n), p.hi), count)
-            out[i] = dataclasses.replace(p, recompute=rows)
-        return out
-
-    def _owe_heads(self, plan: RequestPlan, pieces: list, last: Any) -> None:
-        """Register the assembled rows of ``pieces`` chosen for recompute (``Piece.recompute``) for the request's
-        next forward to recompute."""
-        rows = [plan.annotation.segments[p.index].start + j for p in pieces for j in p.recompute]
-        if not rows:
-            return
-        slots = self.path_device_indices(last)
-        self.pending_recompute.owe(slots[rows].tolist())
-        plan.sparse_rows = sorted(set(plan.sparse_rows).union(rows))
-
     # ------------------------------------------------------------ staged prefill
-    def kvshare_stage_end(self, req, prefix_len: int) -> Optional[int]:
+    def kvshare_stage_end(self, req: "Req", prefix_len: int) -> Optional[int]:
         """Where the request's current dense stretch should end (a chunk boundary), or None.
 
         Read by the scheduler hooks (``sglang_kvshare.server.staged_prefill``) when SGLang
         decides how much of a request to prefill in this round.
         """
         plan = plan_of(req)
-        if plan is None or not self.active or plan.next_stage is None:
+        if plan is None or not self.active or plan.state.next_stage is None:
             return None
-        end = plan.next_stage
+        end = plan.state.next_stage
         return end if prefix_len < end < len(req.full_untruncated_fill_ids) else None
 
-    def kvshare_resume(self, req) -> int:
+    def kvshare_resume(self, req: "Req") -> int:
         """Between two stages of one request: reuse what can be reused from ``req.prefix_len`` on.
 
         Called by the scheduler hook before the next chunk is sized, after the
@@ -407,24 +216,21 @@ class KVShareRadixCache(RadixCache):
         error leaves the request to dense prefill).
         """
         plan = plan_of(req)
-        if plan is None or not self.active or plan.next_stage is None:
+        if plan is None or not self.active or plan.state.next_stage is None:
             return 0
         p = req.prefix_len
-        if p < plan.next_stage:
+        if p < plan.state.next_stage:
             return 0  # SGLang's own chunking stopped short of the stage end
         try:
             limit = req._compute_max_prefix_len(len(req.full_untruncated_fill_ids))
-            t0 = time.perf_counter()
-            end, last = self._reuse(plan, p, limit, req.last_node)
-            plan.assembly_seconds += time.perf_counter() - t0
+            end, last = self.pipeline.resume(req, plan, p, limit, req.last_node)
         except Exception:  # noqa: BLE001 - never fail a request because of kvshare
             logger.exception("sglang-kvshare: resuming reuse failed; prefilling densely")
             self.counters.add("internal_errors")
             end = -1
-        why = self._ranks_differ(("resume", req.rid, p), [end, len(plan.sparse_rows)])
+        why = self.pipeline.ranks_differ(("resume", req.rid, p), [end, len(plan.state.sparse_rows)])
         if why is not None:
-            mark_dense_from(plan, p, why, exact_before=False)
-            report.publish(req, plan)
+            self.pipeline.fell_back(req, plan, p, why, exact_before=False)
             return 0
         if end > p:
             rows = self.path_device_indices(last)[p:end]
@@ -439,16 +245,17 @@ class KVShareRadixCache(RadixCache):
             req.last_node = last
             req.prefix_len = end
             self.counters.add("stages_resumed")
-        report.publish(req, plan)
+        self.pipeline.publish(req, plan)
         return end - p
 
     # ------------------------------------------------------------ checkpoints
-    def _checkpoint_with_estimates(self, req, plan: RequestPlan, up_to: int) -> None:
+    def _checkpoint_with_estimates(self, req: "Req", plan: RequestPlan, up_to: int) -> None:
         """``RadixCache.checkpoint`` for a request that holds estimates: rows from
         ``est_start`` on go to the estimate namespace (never to the request's own)."""
         token_ids = req.full_untruncated_fill_ids[:up_to]
         row = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, : len(token_ids)]
-        present, last = tree_paths.insert_exact_then_estimate(self, req, token_ids, plan.est_start, row, plan.tree_ns)
+        present, last = tree_paths.insert_exact_then_estimate(self, req, token_ids, plan.state.est_start, row,
+                                                              plan.tree_ns)
         req.kv.cache_inserted_len = max(req.kv.cache_inserted_len, len(token_ids))
         protected = req.kv.cache_protected_len
         if present > protected:  # the tree already had these rows: ours are duplicates

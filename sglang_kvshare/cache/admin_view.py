@@ -121,7 +121,7 @@ class AdminView:
         ``OSError`` when the file cannot be written."""
         from sglang_kvshare.cache.pool_persistence import NoPools
 
-        saver = getattr(self.parts.tree, "pool_saver", None)
+        saver = self.parts.pool_saver
         if saver is None:
             raise NoPools("this server has no pool file: start it with --kvshare-pool-file PATH "
                           "(and --kvshare-mode kvcmas)")
@@ -131,7 +131,7 @@ class AdminView:
         """Apply a validated change atomically (all or nothing); returns the new config.
 
         The names are ``RUNTIME_FIELDS``; None keeps a value, and an empty string
-        clears an optional text setting (``fidelity_target``, ``fault_perturb_slot``).
+        clears an optional text setting (``fidelity_target``).
         ``recompute_head`` and ``staged`` apply to requests admitted from now on.
         ``mode`` may switch among ``off``, ``fullshared`` and ``kvcmas`` at runtime,
         under the same checks as the launch (page size 1; kvcmas needs TP 1);

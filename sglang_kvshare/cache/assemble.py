@@ -15,7 +15,7 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 
 from sglang_kvshare.cache import tree_paths
-from sglang_kvshare.cache.kv_pool_io import pool_layers, sync_device
+from sglang_kvshare.cache.kv_pool_io import sync_device
 from sglang_kvshare.cache.kv_writer import write_resolved
 from sglang_kvshare.cache.plan import RequestPlan
 from sglang_kvshare.cache.resolve import Piece
@@ -33,14 +33,12 @@ def alloc(tree: Any, n: int) -> Optional[torch.Tensor]:
 
 
 def write_and_insert(tree: Any, spec: Any, counters: Counters, plan: RequestPlan, node: Any, m: int,
-                     pieces: list[Piece], perturb_slot: Optional[str] = None) -> Optional[Any]:
+                     pieces: list[Piece]) -> Optional[Any]:
     """Write every piece into fresh slots and insert them below ``node``; returns the new last node.
 
     ``tree`` is SGLang's ``RadixCache``; ``spec`` the model's ``RopeSpec``. None
     when the allocator could not provide the slots (nothing changed). On any
     error the fresh slots are freed before the error propagates.
-    ``perturb_slot`` (tests only, ``--kvshare-fault-perturb-slot``): the pieces
-    of that slot get noise added, a bad estimate the fidelity guard must catch.
     """
     end = m + sum(p.hi - p.lo for p in pieces)
     new_idx = alloc(tree, end - m)
@@ -57,9 +55,6 @@ def write_and_insert(tree: Any, spec: Any, counters: Counters, plan: RequestPlan
                 dst_idx = new_idx[offset:offset + p.hi - p.lo]
                 write_resolved(kvcache, spec, src_idx=p.res.src_idx, dst_idx=dst_idx, src_start=p.res.source.start,
                                dst_start=seg.start, lo=p.lo, hi=p.hi, correction=p.res.correction)
-                if perturb_slot is not None and seg.slot == perturb_slot:
-                    _perturb(kvcache, dst_idx)
-                    counters.add("fault_perturbed_tokens", p.hi - p.lo)
                 offset += p.hi - p.lo
             sync_device(new_idx)  # the next forward (another stream) must see the rows
         with counters.timed("insert"):
@@ -72,12 +67,3 @@ def write_and_insert(tree: Any, spec: Any, counters: Counters, plan: RequestPlan
         if not owned:
             tree.token_to_kv_pool_allocator.free(new_idx)
 
-
-def _perturb(kvcache: Any, rows: torch.Tensor) -> None:
-    """Replace the V rows ``rows`` of every layer with random values eight times their scale (tests only): a
-    scope served them must miss any target by far, so a test of the guard never hangs on a borderline case."""
-    idx = rows.to(torch.int64)
-    for layer in pool_layers(kvcache):
-        buf = kvcache.get_value_buffer(layer)
-        scale = buf[idx].float().std().clamp(min=1e-3)
-        buf[idx] = (torch.randn(buf[idx].shape, device=buf.device) * 8.0 * scale).to(buf.dtype)

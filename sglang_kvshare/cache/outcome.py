@@ -22,7 +22,6 @@ class SegmentOutcome:
     resolved_by: str = "dense"  # hit | estimate_hit | alignment | correction | dense
     resolved_tokens: int = 0  # rows served without prefill (a partial source or a recomputed head covers fewer)
     head_recomputed: Optional[int] = None  # rows of a reused segment's head prefilled densely
-    recompute_policy: Optional[str] = None  # correction / query: how the rows past the head were chosen
     reason: Optional[str] = None
     source_agent: Optional[str] = None
     entropy: Optional[float] = None

@@ -26,21 +26,16 @@ UNSALTED_ATTR = "kvshare_unsalted"  # counted once as served plain (a waiting re
 
 
 @dataclass
-class RequestPlan:
-    """Everything kvshare knows about one annotated request, from first match to release.
+class RequestState:
+    """What changes while one annotated request runs, from its first match to its release.
 
     ``est_start`` is the first prompt position whose KV is an estimate (assembled),
     or None while the request holds exact KV only. Everything from there on,
     including what the model computes on top of it, is kept in the tree's
-    estimate namespace and never counts as exact.
+    estimate namespace and never counts as exact. ``outcomes``: how each
+    segment is served (the report's segments).
     """
 
-    annotation: Annotation
-    tokens: tuple[int, ...]
-    hashes: list[str]
-    namespace: Namespace  # (extra_key, cache_salt, reuse scope): the copy records and pools it may use
-    tree_ns: TreeNamespace  # where its rows live in the radix tree
-    agent_id: str
     outcomes: list[SegmentOutcome]
     exact_len: int = 0  # prompt tokens the latest match found exactly in the tree (SGLang's cached_tokens)
     estimate_len: int = 0  # prompt tokens it found in the estimate namespace (an earlier request's assembly)
@@ -52,16 +47,36 @@ class RequestPlan:
     attempted: bool = False  # assembly ran once; a repeat only re-runs if its nodes were evicted
     released: bool = False  # its KV was released unfinished (retraction): the next match plans afresh
     assembly_seconds: float = 0.0
-    # The sparse extend (``server.sparse_extend``): positions of assembled head rows the next prefill forward
+    # The sparse extend (``server.sparse_extend``): positions of assembled rows the next prefill forward
     # recomputes, the registry they are owed in, and what the forwards did.
     sparse_rows: list[int] = field(default_factory=list)
     adopted: int = 0  # of those, rows of the estimate match another request still owed (not an estimate hit)
-    owed: Optional[Any] = None  # pending_recompute.PendingRecompute of the cache
+    owed: Optional[Any] = None  # recompute.PendingRecompute of the cache
     sparse_recomputed: int = 0  # rows recomputed inside prefill forwards
     prefill_forwards: int = 0  # prefill forwards the request took (chunks, stages)
     recompute_via: Optional[str] = None  # sparse | staged: how its heads were recomputed (None: no head)
     sparse_fallback: Optional[str] = None  # why the heads were staged although the sparse extend is on
-    query_fallback: Optional[str] = None  # why the query policy's rows were the head's
+
+    def exact_before(self, end: int) -> bool:
+        """True when rows ``[0, end)`` of this request hold exact KV only."""
+        return self.est_start is None or end <= self.est_start
+
+
+@dataclass(frozen=True)
+class RequestPlan:
+    """What planning decided for one annotated request: frozen, read by every step.
+
+    Everything that changes while the request runs is its ``state``
+    (``RequestState``), one object the steps share.
+    """
+
+    annotation: Annotation
+    tokens: tuple[int, ...]
+    hashes: tuple[str, ...]
+    namespace: Namespace  # (extra_key, cache_salt, reuse scope): the copy records and pools it may use
+    tree_ns: TreeNamespace  # where its rows live in the radix tree
+    agent_id: str
+    state: RequestState
 
     @property
     def agent(self) -> str:
@@ -71,10 +86,6 @@ class RequestPlan:
     def workflow(self) -> Optional[str]:
         """Who the request belongs to (its annotation's workflow); reports name only this workflow's agents."""
         return self.annotation.workflow
-
-    def exact_before(self, end: int) -> bool:
-        """True when rows ``[0, end)`` of this request hold exact KV only."""
-        return self.est_start is None or end <= self.est_start
 
     def may_approximate_from(self, row: int) -> bool:
         """True when an estimate may start at prompt row ``row``: inside a shared segment this request lets
@@ -114,7 +125,7 @@ def plan_request(req: Any, hasher: ContentHasher, max_segments: int, counters: C
     an unannotated request (exact prefix only) and nothing it computes is
     recorded for another request. ``epoch`` names the estimates valid under the
     settings in force (``CorrectionState.epoch``); ``setting(annotation)`` the
-    request's recompute rule (``resolve.HeadRule.key``): both are part of the
+    request's recompute rule (``recompute.RecomputeRule.key``): both are part of the
     estimate namespace's key. A malformed annotation reaching the scheduler (the
     HTTP process answers it with a 400; the Engine API does not check) is
     logged, counted and served as no annotation at all.
@@ -149,8 +160,8 @@ def plan_request(req: Any, hasher: ContentHasher, max_segments: int, counters: C
         # NOTE: an agent is its name *and* its private prefix, so a client that
         # borrows a name cannot feed corrections into another agent's edges.
         agent_id=hasher(own_prefix, "agent", namespace, ann.agent),
-        hashes=[hasher(tokens[s.start:s.end]) for s in ann.segments],
-        outcomes=[SegmentOutcome(i, s.kind, s.slot, s.length) for i, s in enumerate(ann.segments)],
+        hashes=tuple(hasher(tokens[s.start:s.end]) for s in ann.segments),
+        state=RequestState([SegmentOutcome(i, s.kind, s.slot, s.length) for i, s in enumerate(ann.segments)]),
     )
     setattr(req, PLAN_ATTR, plan)
     return plan

@@ -33,7 +33,7 @@ class Recorder:
 
     # ------------------------------------------------------------ copies
     def _node_at(self, plan: RequestPlan, tokens: Sequence[int]) -> Optional[Any]:
-        return tree_paths.node_at(self.parts.tree, tokens, plan.est_start, plan.tree_ns)
+        return tree_paths.node_at(self.parts.tree, tokens, plan.state.est_start, plan.tree_ns)
 
     def _record(self, plan: RequestPlan, index: int, *, exact: bool) -> None:
         seg = plan.annotation.segments[index]
@@ -58,13 +58,13 @@ class Recorder:
     def checkpointed(self, req: Any, plan: RequestPlan, up_to: int) -> None:
         """Record the segments ``[0, up_to)`` finished and queue observations (kvcmas); each segment once."""
         records = self.parts.registry.namespace(plan.namespace)
-        for o, seg in zip(plan.outcomes, plan.annotation.segments):
-            if o.index in plan.learned or seg.end > up_to:
+        for o, seg in zip(plan.state.outcomes, plan.annotation.segments):
+            if o.index in plan.state.learned or seg.end > up_to:
                 continue
-            plan.learned.add(o.index)
+            plan.state.learned.add(o.index)
             if o.resolved_by in ("alignment", "correction"):
                 continue  # recorded as an estimate when it was assembled
-            exact = plan.exact_before(seg.end)
+            exact = plan.state.exact_before(seg.end)
             source = None
             if o.resolved_by == "dense" and seg.kind == "shared" and exact:
                 source = next(iter(candidates(records, plan, o, self.parts.registry.generation)), None)
@@ -108,7 +108,7 @@ class Recorder:
         if node is None:
             return
         mat = Materialization(agent=plan.agent_id, agent_name=plan.agent, node=node, start=len(plan.tokens),
-                              end=len(plan.tokens) + in_tree, exact=plan.est_start is None,
+                              end=len(plan.tokens) + in_tree, exact=plan.state.est_start is None,
                               generation=self.parts.registry.generation, workflow=plan.workflow)
         slot = self.parts.registry.namespace(plan.namespace).slot(plan.annotation.output_slot)
         # Consumers may pass the whole output or only what has KV; both find it.
@@ -120,9 +120,9 @@ class Recorder:
         """Add the request's shared-segment outcomes to the per-slot stats, once per request;
         ``sign=-1`` takes them back (a retracted request is planned and counted again)."""
         records = self.parts.registry.namespace(plan.namespace)
-        for o in plan.outcomes:
+        for o in plan.state.outcomes:
             if o.kind != "shared":
                 continue
             records.slot(o.slot).stats.add(o, sign)
         self.parts.counters.add("annotated_requests", sign)
-        self.parts.counters.add("assembly_seconds", sign * plan.assembly_seconds)
+        self.parts.counters.add("assembly_seconds", sign * plan.state.assembly_seconds)

@@ -19,7 +19,6 @@ resume reuse after a dense stretch.
 
 from __future__ import annotations
 
-import math
 import zlib
 from array import array
 from dataclasses import dataclass
@@ -32,8 +31,9 @@ from sglang_kvshare.cache.kv_pool_io import read_segment, sync_device
 from sglang_kvshare.cache.outcome import SegmentOutcome
 from sglang_kvshare.cache.parts import CacheParts
 from sglang_kvshare.cache.plan import RequestPlan
+from sglang_kvshare.cache.recompute import RecomputeRule
 from sglang_kvshare.cache.registry import Materialization, NamespaceRecords
-from sglang_kvshare.correction import MIN_GATE_ANCHORS, correction_row_sizes
+from sglang_kvshare.correction import MIN_GATE_ANCHORS
 
 COLD_REASONS = ("too_few_anchors", "no_edge")  # the gate cannot weigh anchors yet (not: it weighed and refused)
 
@@ -85,90 +85,7 @@ def is_private_suffix(plan: RequestPlan, o: SegmentOutcome) -> bool:
     after another document, an approximation nobody asked for. Private segments
     in between (short connectors before a shared segment) are still aligned.
     """
-    return o.index == len(plan.outcomes) - 1 and plan.annotation.segments[o.index].kind == "private"
-
-
-@dataclass(frozen=True)
-class HeadRule:
-    """How many first rows of a reused segment are recomputed in the request's own context, and how.
-
-    ``head`` rows (``--kvshare-recompute-head``) or ``ratio`` of the segment
-    (``--kvshare-recompute-ratio``), the larger. ``sparse``: the head rows are
-    assembled with the rest of the segment and recomputed inside the request's
-    prefill forward (``server.sparse_extend``); otherwise each head is a dense
-    stage before the segment's reuse resumes. ``policy`` ``correction``: with
-    the sparse extend, a corrected segment's rows past the first ``head`` are
-    the ones its correction moves most (``chosen``), not the next ones.
-    ``query``: with the sparse extend, the first half of the rows (at least
-    ``head``) are the head and the others are picked after assembly by the
-    request's tail (``cache.tail_probe``); ``chosen`` holds their place with
-    the next rows, so the counts are known before the probe runs.
-    """
-
-    head: int = 0
-    ratio: float = 0.0
-    sparse: bool = False
-    policy: str = "head"
-
-    @property
-    def key(self) -> str:
-        """The rule as a part of the estimate namespace's tree key (``tree_paths.est_extra_key``).
-
-        Why: an estimate hit serves the rows an earlier identical request left,
-        recomputed or assembled as *its* rule said. Keyed by the rule, a request
-        only ever matches estimates made under its own, so a scope the guard
-        moved to a longer head (or a request that asks for one) is never served
-        rows a shorter head left assembled. ``sparse`` is not part of it: a head
-        recomputed in the forward or as a stage is the same KV.
-        """
-        return f"h{self.head}r{self.ratio:g}{self.policy}"
-
-    def rows(self, seg: Any) -> int:
-        """Rows of ``seg`` recomputed (its head)."""
-        # NOTE: rounded first, so 0.15 x 100 is 15 rows, not the 16 its float product would give.
-        by_ratio = math.ceil(round(self.ratio * seg.length, 6)) if self.ratio > 0 else 0
-        return min(max(self.head, by_ratio), seg.length)
-
-    def by_correction(self, seg: Any, res: Resolution) -> bool:
-        """Whether the rows of ``seg`` served by ``res`` are chosen by the size of its correction."""
-        return (self.sparse and self.policy == "correction" and res.correction is not None
-                and self.rows(seg) > self.head)
-
-    def fixed_rows(self, seg: Any) -> int:
-        """Rows of ``seg`` recomputed as its head whatever the policy: with ``query`` half the budget."""
-        n = self.rows(seg)
-        return max(min(self.head, n), n // 2) if self.policy == "query" else n
-
-    def by_query(self, seg: Any) -> bool:
-        """Whether some rows of ``seg`` are to be chosen by the request's tail (after assembly)."""
-        return self.sparse and self.policy == "query" and self.rows(seg) > self.fixed_rows(seg)
-
-    def policy_of(self, seg: Any, res: Resolution) -> Optional[str]:
-        """The report's ``recompute_policy`` of the rows of ``seg`` served by ``res`` (None: the head)."""
-        if self.by_correction(seg, res):
-            return "correction"
-        return "query" if self.by_query(seg) else None
-
-    def chosen(self, seg: Any, res: Resolution, lo: int, hi: int) -> tuple[int, ...]:
-        """The segment-relative rows of ``[lo, hi)`` that a sparse extend recomputes (none when staged).
-
-        As many rows as ``rows(seg)``: the first ``head``, then by the policy,
-        the next ones or those the correction moves most. Rows outside
-        ``[lo, hi)`` are exact (below) or prefilled (above) anyway.
-        """
-        if not self.sparse:
-            return ()
-        n = self.rows(seg)
-        if not self.by_correction(seg, res):
-            return tuple(range(lo, min(hi, n)))
-        sizes = correction_row_sizes(res.correction, seg.length)
-        sizes[:self.head] = float("inf")  # the fixed head first, whatever the correction says
-        top = torch.topk(sizes, n).indices.tolist()
-        return tuple(sorted(r for r in top if lo <= r < hi))
-
-    def stage_rows(self, seg: Any) -> int:
-        """Rows of ``seg`` prefilled as a stage before its reuse resumes (none with the sparse extend)."""
-        return 0 if self.sparse else self.rows(seg)
+    return o.index == len(plan.state.outcomes) - 1 and plan.annotation.segments[o.index].kind == "private"
 
 
 def prefilled_by_request(plan: RequestPlan, o: SegmentOutcome) -> bool:
@@ -289,7 +206,7 @@ def teaches(tokens: Any) -> bool:
 
 
 def resolve_segments(resolver: Resolver, records: NamespaceRecords, plan: RequestPlan, m: int, limit: int,
-                     locks: list, generation: int, head: HeadRule = HeadRule()) -> list[Piece]:
+                     locks: list, generation: int, head: RecomputeRule = RecomputeRule()) -> list[Piece]:
     """Resolve segments from position ``m`` on, contiguously; the pieces to write, in order.
 
     Stops at the first segment it cannot resolve (its reason goes into the
@@ -302,7 +219,7 @@ def resolve_segments(resolver: Resolver, records: NamespaceRecords, plan: Reques
     """
     pieces: list[Piece] = []
     pos = m
-    for o, seg in zip(plan.outcomes, plan.annotation.segments):
+    for o, seg in zip(plan.state.outcomes, plan.annotation.segments):
         if seg.end <= pos:
             continue
         if pos >= limit:
@@ -324,11 +241,10 @@ def resolve_segments(resolver: Resolver, records: NamespaceRecords, plan: Reques
             break
         lo, hi = pos - seg.start, row_end - seg.start
         with resolver.counters.timed("select"):
-            owed = head.chosen(seg, res, lo, hi)
+            owed = head.chosen(seg, res.correction, lo, hi)
         pieces.append(Piece(o.index, lo, hi, res, owed))
         o.resolved_by, o.reason, o.resolved_tokens = res.how, None, hi - lo - len(owed)
         o.head_recomputed = head.rows(seg) or None
-        o.recompute_policy = head.policy_of(seg, res)
         pos = row_end
         if row_end < seg.end:
             o.reason = "partial" if row_end < limit else None
@@ -336,7 +252,7 @@ def resolve_segments(resolver: Resolver, records: NamespaceRecords, plan: Reques
     return pieces
 
 
-def next_stage(plan: RequestPlan, a: int, limit: int, head: HeadRule,
+def next_stage(plan: RequestPlan, a: int, limit: int, head: RecomputeRule,
                has_source: Callable[[SegmentOutcome], bool], min_rows: int = 1) -> Optional[int]:
     """Where reuse can resume after a dense stretch starting at ``a``, or None.
 
@@ -347,7 +263,7 @@ def next_stage(plan: RequestPlan, a: int, limit: int, head: HeadRule,
     at ``a`` and failed, so it is prefilled whole. Mutates: segments passed
     over for want of a copy get the reason ``no_source``.
     """
-    for o, seg in zip(plan.outcomes, plan.annotation.segments):
+    for o, seg in zip(plan.state.outcomes, plan.annotation.segments):
         if seg.end <= a:
             continue
         resume = seg.start + head.stage_rows(seg)
@@ -370,11 +286,11 @@ def mark_matched(plan: RequestPlan, m: int) -> None:
     stage would resume reuse and the shared segments behind it would be
     prefilled densely, without a reason.
     """
-    for o, seg in zip(plan.outcomes, plan.annotation.segments):
-        if seg.end <= m and (not plan.attempted or o.resolved_by == "dense"):
+    for o, seg in zip(plan.state.outcomes, plan.annotation.segments):
+        if seg.end <= m and (not plan.state.attempted or o.resolved_by == "dense"):
             # A segment inside estimates an earlier identical request left is served
             # approximate KV: reported apart from exact hits, and counted as reuse.
-            on_estimate = plan.est_start is not None and seg.end > plan.est_start
+            on_estimate = plan.state.est_start is not None and seg.end > plan.state.est_start
             o.resolved_by, o.resolved_tokens = ("estimate_hit" if on_estimate else "hit"), o.tokens
             o.reason = None
 
@@ -388,9 +304,23 @@ def mark_unreached(plan: RequestPlan) -> None:
     per-reason metric would not show why reuse was lower than the annotation
     allowed.
     """
-    for o in plan.outcomes:
+    for o in plan.state.outcomes:
         if o.kind == "shared" and o.resolved_by == "dense" and o.reason is None and not prefilled_by_request(plan, o):
             o.reason = "not_reached"
+
+
+def mark_unsupported(plan: RequestPlan) -> None:
+    """Every segment prefilled densely without a reason gets ``model_unsupported`` (kvshare cannot serve it)."""
+    for o in plan.state.outcomes:
+        if o.resolved_by == "dense" and o.reason is None:
+            o.reason = "model_unsupported"
+
+
+def mark_alloc_failed(plan: RequestPlan, pieces: list[Piece]) -> None:
+    """The pieces resolved could not be given pool slots: their segments are prefilled densely."""
+    for p in pieces:
+        o = plan.state.outcomes[p.index]
+        o.resolved_by, o.reason, o.resolved_tokens, o.head_recomputed = "dense", "alloc_failed", 0, None
 
 
 def mark_dense_from(plan: RequestPlan, m: int, reason: str, *, exact_before: bool) -> None:
@@ -401,15 +331,15 @@ def mark_dense_from(plan: RequestPlan, m: int, reason: str, *, exact_before: boo
     are hits; otherwise (a fallback between two stages) they keep how they were served. Why: the report and the
     stats count what was served, not what was assembled and then not used.
     """
-    plan.est_start, plan.sparse_rows, plan.next_stage = None, [], None
+    plan.state.est_start, plan.state.sparse_rows, plan.state.next_stage = None, [], None
     if exact_before:
-        plan.exact_len, plan.estimate_len = m, 0
-    for o, seg in zip(plan.outcomes, plan.annotation.segments):
+        plan.state.exact_len, plan.state.estimate_len = m, 0
+    for o, seg in zip(plan.state.outcomes, plan.annotation.segments):
         if seg.end <= m:
             if exact_before:
                 o.resolved_by, o.resolved_tokens, o.reason = "hit", o.tokens, None
             continue
         if o.resolved_by != "dense" or (o.kind == "shared" and o.reason is None):
             o.reason = (o.reason if o.resolved_by == "dense" else None) or (reason if o.kind == "shared" else None)
-            o.resolved_by, o.resolved_tokens, o.head_recomputed, o.recompute_policy = "dense", 0, None, None
+            o.resolved_by, o.resolved_tokens, o.head_recomputed = "dense", 0, None
             o.source_agent, o.entropy, o.pool_anchors, o.gate_fallback = None, None, None, None

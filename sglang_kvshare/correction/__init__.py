@@ -11,7 +11,7 @@ or K/V. The offline baselines (KVCOMM, ablations, CacheBlend) live in
 
 from .anchor_pool import (Anchor, AnchorPool, PoolConfig, PreparedObservation, advance, observation_steps,
                           prepare_observation, run_steps)
-from .apply import correction_row_sizes, materialize, plan_kernel_args
+from .apply import materialize, plan_kernel_args
 from .estimators import (DEFAULT_BUDGET_BYTES, DEFAULT_MAX_SLOTS, ESTIMATORS, AnchorEstimator, Estimator,
                          FullShared, SegmentCache, anchor_factory, make_estimator)
 from .gate import top_mass
@@ -23,7 +23,7 @@ from .rope import RopeSpec, UnsupportedAttentionError, from_canonical, rotate_ke
 __all__ = [
     "Anchor", "AnchorPool", "PoolConfig", "PreparedObservation", "advance", "observation_steps",
     "prepare_observation", "run_steps",
-    "correction_row_sizes", "materialize", "plan_kernel_args",
+    "materialize", "plan_kernel_args",
     "DEFAULT_BUDGET_BYTES", "DEFAULT_MAX_SLOTS", "ESTIMATORS", "AnchorEstimator", "Estimator",
     "FullShared", "SegmentCache", "anchor_factory", "make_estimator",
     "top_mass",

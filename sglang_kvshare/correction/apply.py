@@ -20,7 +20,7 @@ from .low_rank import Factors, stack_dense, stack_factors
 from .plan import CorrectionPlan
 from .rope import RopeSpec
 
-__all__ = ["plan_kernel_args", "materialize", "correction_row_sizes"]
+__all__ = ["plan_kernel_args", "materialize"]
 
 
 def _rows(deltas: list[Factors], lo: int, hi: int, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
@@ -78,44 +78,3 @@ def materialize(source_k: torch.Tensor, source_v: torch.Tensor, src_pos: int, ds
         inv_freq=spec.inv_freq, rotary_dim=spec.rotary_dim, layout=spec.layout,
         k_dst=out_k.unbind(0), v_dst=out_v.unbind(0), backend=backend, **plan_kernel_args(plan, 0, length))
     return out_k, out_v
-
-
-def correction_row_sizes(plan: CorrectionPlan, length: int) -> torch.Tensor:
-    """Per row of a ``length``-row segment: how far the plan's correction moves it (fp32 ``[length]``).
-
-    Why: the correction is the pool's estimate of how the target's context
-    changes each row's KV; where it is largest, the aligned source is furthest
-    from the truth and the estimate least sure, so those rows are the ones worth
-    recomputing (``--kvshare-recompute-policy correction``). The score is the
-    squared norm of the correction over layers, heads and dims, K and V each
-    relative to its mean over the segment, as ``benchmarks.selection`` measures
-    it offline on materialized KV. The key's rotation to its position is
-    orthogonal, so the canonical-frame delta has the same norm. Rows past
-    ``covered`` get no correction: 0. Computed one layer at a time (the memory
-    of one layer's correction); on the plan's device.
-    """
-    hi = min(plan.covered, length)
-    device = plan.weights_k.device
-    out = torch.zeros(length, dtype=torch.float32, device=device)
-    if hi <= 0:
-        return out
-    for weights, deltas in ((plan.weights_k, plan.deltas_k), (plan.weights_v, plan.deltas_v)):
-        size = _moved(weights[:hi].to(torch.float32), deltas, hi)
-        out[:hi] += size / size.mean().clamp(min=1e-12)
-    return out
-
-
-def _moved(weights: torch.Tensor, deltas: list[Factors], hi: int) -> torch.Tensor:
-    """``[hi]``: squared norm over layers and dims of ``sum_v weights[t, v] * delta_v[t]``."""
-    size = torch.zeros(hi, dtype=torch.float32, device=weights.device)
-    if all(f.full is None for f in deltas):
-        a, b = stack_factors(deltas, 0, hi, torch.float32)  # [Vn, layers, hi, r], [Vn, layers, r, D]
-        vn, layers, _, r = a.shape
-        for layer in range(layers):
-            wa = (a[:, layer] * weights.t()[:, :, None]).permute(1, 0, 2).reshape(hi, vn * r)
-            size += (wa @ b[:, layer].reshape(vn * r, -1)).pow(2).sum(1)
-        return size
-    dense = stack_dense(deltas, 0, hi)  # [Vn, layers, hi, D]
-    for layer in range(dense.shape[1]):
-        size += torch.einsum("tv,vtd->td", weights, dense[:, layer]).pow(2).sum(1)
-    return size

@@ -105,10 +105,8 @@ def build_cache(ctx: Any) -> Any:
         hooks += sglang_targets.TRITON_SPARSE_HOOKS
     install(hooks)
     reducer = tp_gate_reducer(ctx.tp_size)
-    probe, probe_unsupported = tail_probe(ctx, reducer)
     cache = KVShareRadixCache(ctx.params, config=config, model_config=ctx.model_config, reducer=reducer,
-                              sparse_unsupported=sparse_unsupported, tail_probe=probe,
-                              tail_probe_unsupported=probe_unsupported, pool_store=pool_store(ctx, config))
+                              sparse_unsupported=sparse_unsupported, pool_store=pool_store(ctx, config))
     if config.learn_on_idle and config.learn_async:
         cache.learner.use_idle_steps()  # the scheduler's idle hook runs the learner's steps
     logger.info("sglang-kvshare: KVShareRadixCache live (mode=%s%s)", config.mode,
@@ -127,18 +125,6 @@ def pool_store(ctx: Any, config: KVShareConfig) -> Any:
     return PoolStore.for_rank(config.pool_file, tp_rank=int(getattr(ctx, "tp_rank", 0) or 0), tp_size=ctx.tp_size,
                               dp_rank=dp_rank_of(None), dp_size=int(getattr(ctx.server_args, "dp_size", 1) or 1),
                               device=str(getattr(kvcache, "device", "cpu")))
-
-
-def tail_probe(ctx: Any, reducer: Any) -> tuple[Any, Optional[str]]:
-    """The ``query`` recompute policy's probe over this rank's model and KV pool, or (None, why not)."""
-    from sglang_kvshare.cache.tail_probe import TailProbe
-
-    try:
-        model = ctx.tp_worker.model_runner.model
-        kvcache = ctx.params.token_to_kv_pool_allocator.get_kvcache()
-        return TailProbe(model, kvcache, reducer), None
-    except Exception as exc:  # noqa: BLE001 - the policy falls back to the head, with this reason
-        return None, str(exc) if isinstance(exc, ValueError) else f"query policy: {type(exc).__name__}: {exc}"
 
 
 def tp_gate_reducer(tp_size: int) -> Any:

@@ -3,7 +3,7 @@
 Why: a recomputed head (EPIC) as a stage costs a scheduling round and a
 forward of its own per segment; at a few hundred shared tokens that costs
 more than the reuse saves. Here the head rows are assembled with the rest of
-the segment (``cache.pending_recompute`` keeps them owed) and the request's
+the segment (``cache.recompute.PendingRecompute`` keeps them owed) and the request's
 next prefill forward carries them in front of its own tokens: each at its
 true position, attending to every row before it, reused or recomputed, and
 writing its recomputed KV over the assembled rows' slots. One forward, any
@@ -41,6 +41,7 @@ from typing import Any, Optional
 
 import torch
 
+from sglang_kvshare.cache import recompute
 from sglang_kvshare.cache.plan import plan_of
 
 logger = logging.getLogger(__name__)
@@ -126,8 +127,8 @@ def owed_rows(batch: Any) -> Optional[Fold]:
         if plan is None:
             rows.append([])
             continue
-        plan.prefill_forwards += 1
-        rows.append([p for p in plan.sparse_rows if p < prefix_len])
+        plan.state.prefill_forwards += 1
+        rows.append([p for p in plan.state.sparse_rows if p < prefix_len])
     fold = Fold(rows)
     return fold if fold.total else None
 
@@ -183,13 +184,10 @@ def settle(batch: Any, fold: Fold, req_to_token: torch.Tensor) -> Optional[Any]:
         plan = plan_of(req)
         if not rows or plan is None:
             continue
-        done = set(rows)
-        plan.sparse_rows = [p for p in plan.sparse_rows if p not in done]
-        plan.sparse_recomputed += len(rows)
-        if plan.owed is not None:
-            where = torch.tensor(rows, dtype=torch.int64, device=req_to_token.device)
-            plan.owed.settle(req_to_token[pool_rows[i], where].tolist())
-            registry = plan.owed
+        where = torch.tensor(rows, dtype=torch.int64, device=req_to_token.device)
+        recompute.settle(plan, rows, req_to_token[pool_rows[i], where].tolist())
+        if plan.state.owed is not None:
+            registry = plan.state.owed
     return registry
 
 

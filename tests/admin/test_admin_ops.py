@@ -179,3 +179,17 @@ def test_config_body_accepts_head_recompute_and_rejects_bad_values():
                 {"tua": 0.1}):
         with pytest.raises(ConfigError):
             runtime_update(KVShareConfig(), bad)
+
+
+@pytest.mark.parametrize("field, value", [("fault_perturb_slot", "query"), ("recompute_policy", "query")])
+def test_no_fault_injection_and_no_row_policy_are_settings(field, value):
+    """Fault injection is a test-only hook (``devtools.fault_injection``) and the head is the one row policy
+    served: neither is a launch option nor a runtime setting."""
+    from sglang_kvshare.config import ConfigError, runtime_update
+    from sglang_kvshare.server.launcher import parse_kvshare
+
+    with pytest.raises(ConfigError, match=field):
+        runtime_update(KVShareConfig(), {field: value})
+    assert ops.execute(FakeView(), "configure", **{field: value}).status == 422
+    with pytest.raises(SystemExit):
+        parse_kvshare([f"--kvshare-{field.replace('_', '-')}", value])

@@ -356,14 +356,6 @@ def test_ratio_arms_recompute_a_share_and_stay_off_the_random_mix_line():
     r = arms["fullshared_r0.15"]
     assert r.policy == "head" and "--kvshare-recompute-ratio" in r.server_args() and "kvcmas_r0.15" in arms
     assert arms["fullshared_k0"].policy == "none"
-    corr = arms["kvcmas_corr_r0.15"]
-    assert corr.policy == "correction" and corr.mode == "kvcmas"
-    flags = corr.server_args()
-    assert flags[flags.index("--kvshare-recompute-policy") + 1] == "correction"
-    query = arms["fullshared_query_r0.15"]
-    flags = query.server_args()
-    assert query.policy == "query" and query.mode == "fullshared"
-    assert flags[flags.index("--kvshare-recompute-policy") + 1] == "query"
     summary = {"mode": "fullshared", "recompute_head": 0, "random_mix_p": None, "recompute_ratio": 0.15}
     assert not fr.on_mix_line("fullshared_r0.15", summary)
     assert fr.on_mix_line("fullshared_k0", {**summary, "recompute_ratio": 0.0})

@@ -30,7 +30,7 @@ def test_frontier_retrieval_off_and_fullshared(tmp_path, server_pool):
             yield server.url
             return
         with reconfigured(shared_server(server_pool), mode=arm.mode, recompute_head=arm.recompute_head,
-                          recompute_ratio=arm.recompute_ratio, recompute_policy=arm.recompute_policy) as server:
+                          recompute_ratio=arm.recompute_ratio) as server:
             yield server.url
 
     frontier.main(["--task", "retrieval", "--limit", "2", "--warmup", "0", "--heads", "0", "--mix",

@@ -119,27 +119,3 @@ def test_the_correction_policy_runs_on_kvcmas_and_the_others_on_fullshared():
     ours, head = arms["select_correction_r0.15"], arms["select_head_r0.15"]
     assert ours.mode == "kvcmas" and ours.select == ("correction", 0.15) and ours.tau == 0.3
     assert head.mode == "fullshared" and head.select == ("head", 0.15)
-
-
-@pytest.mark.parametrize("rank", [8, None])
-def test_the_served_correction_sizes_rank_rows_as_the_offline_policy_does(rank):
-    """The server scores rows from the plan alone (no KV written); offline scores them on materialized KV. The
-    two must agree, or the offline study chose a policy the server does not run."""
-    from sglang_kvshare.correction import correction_row_sizes
-    from tests.correction.test_apply import HEADS, HEAD_DIM, LAYERS, pool_with_anchors, spec
-
-    gen = torch.Generator().manual_seed(3)
-    sp, length, src_pos, dst_pos = spec(), 41, 20, 333
-    pool = pool_with_anchors(sp, gen, length, rank)
-    k = torch.randn(LAYERS, length, HEADS, HEAD_DIM, generator=gen)
-    v = torch.randn(LAYERS, length, HEADS, HEAD_DIM, generator=gen)
-    plan = pool.estimate(k, v, src_pos, dst_pos, ("a", "b")).plan
-    assert plan is not None and plan.covered < length  # rows past the anchors: no correction
-    aligned = KV(*materialize(k, v, src_pos, dst_pos, None, sp))
-    corrected = KV(*materialize(k, v, src_pos, dst_pos, plan, sp))
-    offline = sel.correction_size(aligned, corrected)
-    served = correction_row_sizes(plan, length)
-    # Each part is normalized by its mean: offline over the segment, served over the covered rows.
-    torch.testing.assert_close(served * length / plan.covered, offline, rtol=1e-3, atol=1e-5)
-    assert served[plan.covered:].eq(0).all()
-    assert served.argsort(descending=True)[:8].tolist() == offline.argsort(descending=True)[:8].tolist()

@@ -136,7 +136,7 @@ def dense_kv(tokens: Sequence[int], pos: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def make_cache(mode: str = "fullshared", pool_tokens: int = 512, sparse_unsupported: Optional[str] = "not_checked",
-               tail_probe: Optional[Any] = None, pool_store: Optional[Any] = None, reducer: Optional[Any] = None,
+               pool_store: Optional[Any] = None, reducer: Optional[Any] = None, row_policy: Optional[Any] = None,
                **config) -> KVShareRadixCache:
     from transformers import LlamaConfig
 
@@ -149,8 +149,8 @@ def make_cache(mode: str = "fullshared", pool_tokens: int = 512, sparse_unsuppor
     # tests of the learning rule set edge_anchors themselves.
     cfg = KVShareConfig(mode=mode, **{"learn_async": False, "edge_anchors": 2, **config})
     return KVShareRadixCache(params, config=cfg, model_config=SimpleNamespace(hf_config=hf),
-                             sparse_unsupported=sparse_unsupported, tail_probe=tail_probe, reducer=reducer,
-                             tail_probe_unsupported="query policy: no model in this test", pool_store=pool_store)
+                             sparse_unsupported=sparse_unsupported, reducer=reducer, pool_store=pool_store,
+                             **({"row_policy": row_policy} if row_policy is not None else {}))
 
 
 class MiniScheduler:

@@ -135,7 +135,7 @@ def test_a_segment_marked_reuse_false_never_starts_on_an_earlier_requests_estima
     rep = dense.report()
     assert m == len(SYS["B"]) and rep["tokens_exact_hit"] == len(SYS["B"])
     assert rep["tokens_estimate_hit"] == 0 and rep["shared_tokens_reused"] == 0
-    assert plan_of(dense) is None or plan_of(dense).est_start is None
+    assert plan_of(dense) is None or plan_of(dense).state.est_start is None
     assert_pool_accounted(sched.cache)
 
 
@@ -324,118 +324,21 @@ def _owed_b(sched: MiniScheduler, query: list[int]) -> tuple[dict, list[int]]:
     b = annotated("B", query=query)
     sched.match(b)
     start = len(SYS["B"])
-    return b.report()["segments"][1], [p - start for p in plan_of(b).sparse_rows]
+    return b.report()["segments"][1], [p - start for p in plan_of(b).state.sparse_rows]
 
 
-@pytest.mark.parametrize("policy", ["head", "correction"])
-def test_the_correction_policy_owes_the_rows_the_correction_moves_most(policy):
-    """With the sparse extend, the ratio's rows past the fixed head are those of the largest correction; the
-    same budget as the head policy, and the fixed head always among them."""
-    sched = learned_kvcmas(sparse_unsupported=None, recompute_ratio=0.25, recompute_head=4, recompute_policy=policy)
-    captured = []
-    original = resolve.correction_row_sizes
-
-    def spy(plan, length):
-        sizes = original(plan, length)
-        captured.append(sizes.clone())
-        return sizes
-
+def test_the_head_rows_are_owed_by_the_next_forward_and_staged_heads_owe_none():
+    """With the sparse extend, the ratio's rows of a corrected segment are its first ones, owed to the request's
+    next forward; without it the head is a dense stage, and nothing is owed."""
+    sched = learned_kvcmas(sparse_unsupported=None, recompute_ratio=0.25, recompute_head=4)
     query = _queries(4)[-1]
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("sglang_kvshare.cache.resolve.correction_row_sizes", spy)
-        seg, owed = _owed_b(sched, query)
-    n = math.ceil(0.25 * len(query))
-    assert seg["resolved_by"] == "correction" and seg["head_recomputed"] == n
-    assert seg["resolved_tokens"] == len(query) - n and len(owed) == n
-    if policy == "head":
-        assert owed == list(range(n)) and "recompute_policy" not in seg and not captured
-        return
-    assert seg["recompute_policy"] == "correction" and owed[:4] == [0, 1, 2, 3]
-    sizes = captured[0]
-    rest = sorted(set(range(4, len(query))) - set(owed))
-    assert min(sizes[j] for j in owed[4:]) >= max(sizes[j] for j in rest)  # the largest corrections
-    assert owed != list(range(n))
-
-
-def test_without_a_correction_the_correction_policy_keeps_the_head():
-    """fullshared (alignment only) has no correction to rank rows by: the head rows, and the report says so."""
-    sched = MiniScheduler(make_cache("fullshared", sparse_unsupported=None, recompute_ratio=0.25,
-                                     recompute_policy="correction"))
-    for agent in ("A", "B"):
-        warm(sched, agent)
-    query = _queries(1)[0]
     seg, owed = _owed_b(sched, query)
     n = math.ceil(0.25 * len(query))
-    assert seg["resolved_by"] == "alignment" and owed == list(range(n)) and "recompute_policy" not in seg
-
-
-class _ScoresByPosition:
-    """A tail probe whose score of a row is given by its position; records what it was asked."""
-
-    def __init__(self, score_of):
-        self.score_of, self.calls = score_of, []
-
-    def row_scores(self, slots, tail, tail_start):
-        self.calls.append((slots.clone(), list(tail), tail_start))
-        return torch.tensor([float(self.score_of(i)) for i in range(slots.numel())])
-
-
-def _query_policy_b(probe, **config):
-    sched = MiniScheduler(make_cache("fullshared", sparse_unsupported=None, recompute_ratio=0.25,
-                                     recompute_policy="query", tail_probe=probe, **config))
-    for agent in ("A", "B"):
-        warm(sched, agent)
-    query = _queries(1)[0]
-    sched.run(annotated("A", query=query))
-    b = annotated("B", query=query)
-    sched.match(b)
-    return sched, b, query
-
-
-def test_the_query_policy_owes_the_head_half_and_the_rows_the_tail_reads_most():
-    """Half of the ratio's rows are the head; the others the rows the probe scores highest, out of the rows
-    just assembled; the probe reads the request's rows below the assembly and its last prompt tokens."""
-    start = len(SYS["B"])
-    favourite = {start + j for j in (40, 17, 55, 23, 31, 48, 9, 12)}
-    probe = _ScoresByPosition(lambda i: 2.0 if i in favourite else 1.0 / (1 + i))
-    sched, b, query = _query_policy_b(probe)
-    seg = b.report()["segments"][1]
-    owed = [p - start for p in plan_of(b).sparse_rows]
-    n = math.ceil(0.25 * len(query))
-    assert seg["resolved_by"] == "alignment" and seg["recompute_policy"] == "query"
-    assert seg["head_recomputed"] == n and seg["resolved_tokens"] == len(query) - n and len(owed) == n
-    assert owed[:n // 2] == list(range(n // 2))
-    assert set(owed[n // 2:]) == {9, 12, 17, 23, 31, 40, 48, 55}  # n - n // 2 = 8 rows, all favourites
-    (slots, tail, tail_start), = probe.calls
-    end = start + len(query)
-    assert torch.equal(slots, sched.cache.path_device_indices(b.last_node)[:end])
-    assert tail_start == end and tail == list(b.origin_input_ids[end:])
-    owed_slots = sched.cache.path_device_indices(b.last_node)[[start + j for j in owed]].tolist()
-    assert len(sched.cache.pending_recompute) == n and all(s in sched.cache.pending_recompute._slots
-                                                           for s in owed_slots)
-
-
-@pytest.mark.parametrize("probe", [None, "raises"])
-def test_without_a_probe_the_query_policy_recomputes_the_head_and_says_why(probe):
-    class Broken:
-        def row_scores(self, *args):
-            raise RuntimeError("no model here")
-
-    _, b, query = _query_policy_b(Broken() if probe == "raises" else None)
-    report = b.report()
-    seg = report["segments"][1]
-    owed = [p - len(SYS["B"]) for p in plan_of(b).sparse_rows]
-    n = math.ceil(0.25 * len(query))
-    assert owed == list(range(n)) and "recompute_policy" not in seg and seg["resolved_tokens"] == len(query) - n
-    assert report["query_fallback"] == ("probe_failed: RuntimeError" if probe else
-                                        "query policy: no model in this test")
-
-
-def test_staged_heads_ignore_the_correction_policy():
-    """Without the sparse extend a head is a dense stage before the segment: only the first rows can be."""
-    sched = learned_kvcmas(recompute_ratio=0.25, recompute_policy="correction")
-    seg, owed = _owed_b(sched, _queries(4)[-1])
-    assert owed == [] and "recompute_policy" not in seg
+    assert seg["resolved_by"] == "correction" and seg["head_recomputed"] == n
+    assert seg["resolved_tokens"] == len(query) - n and owed == list(range(n))
+    staged = learned_kvcmas(recompute_ratio=0.25)
+    seg, owed = _owed_b(staged, _queries(4)[-1])
+    assert owed == []
 
 
 def test_reset_drops_queued_observations_and_pools():

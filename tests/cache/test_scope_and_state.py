@@ -91,16 +91,49 @@ def _a_read_and_b_warm() -> MiniScheduler:
     return sched
 
 
+def test_the_plan_is_frozen_and_its_state_holds_what_changes():
+    """What planning decided cannot be changed by a later step; what a match changes lives in the state."""
+    import dataclasses
+
+    from sglang_kvshare.cache.plan import RequestState
+
+    sched = _a_read_and_b_warm()
+    b = annotated("B")
+    sched.match(b)
+    plan = b.kvshare_plan
+    for field, value in (("tokens", ()), ("annotation", None), ("state", RequestState([])), ("est_start", 0)):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(plan, field, value)
+    assert plan.state.est_start == len(SYS["B"]) and plan.state.outcomes[1].resolved_by == "alignment"
+    assert isinstance(plan.hashes, tuple)
+
+
+def test_the_steps_are_handed_sglangs_tree_never_the_adapter():
+    """The pipeline, its steps and the admin view reach SGLang's tree through ``SGLangTree`` (RadixCache's own
+    methods): the adapter's overrides and attributes are out of their reach."""
+    from sglang_kvshare.cache.adapter import KVShareRadixCache
+
+    cache = make_cache("fullshared")
+    holders = (cache.pipeline, cache.pipeline.parts, cache.pipeline.resolver, cache.pipeline.recorder.parts,
+               cache.kvshare_admin.parts)
+    for holder in holders:
+        for value in vars(holder).values():
+            assert not isinstance(value, KVShareRadixCache), (holder, value)
+    tree = cache.pipeline.tree
+    assert not hasattr(tree, "kvshare_resume") and not hasattr(tree, "pipeline")
+    assert tree.root_node is cache.root_node and tree.token_to_kv_pool_allocator is cache.token_to_kv_pool_allocator
+
+
 def test_a_retracted_request_is_planned_afresh_and_counted_once():
     sched = _a_read_and_b_warm()
     cache = sched.cache
     b = annotated("B")
     sched.match(b)  # admitted: planned, assembled, its prompt prefilled and counted ...
     plan = b.kvshare_plan
-    plan.counted = True
+    plan.state.counted = True
     cache.recorder.count(plan)
     cache.on_release(b, checkpointed=False)  # ... then retracted in decode: its KV freed, not finished
-    assert plan.released
+    assert plan.state.released
     before = cache.kvshare_admin.stats()["slots"]["query"]["requests"]
     sched.run(b)  # matched again from scratch, as SGLang re-queues a retracted request
     assert b.kvshare_plan is not plan and b.report()["shared_tokens_reused"] == len(QUERY)
@@ -161,20 +194,21 @@ def test_tensor_parallelism_learns_in_step_on_every_rank():
     check_mode("kvcmas", page_size=1)  # no TP refusal left: the gate reduces over the ranks
 
 
-def test_the_fault_switch_perturbs_only_its_slot_and_a_request_may_ask_for_a_longer_head():
+def test_the_test_fault_hook_perturbs_only_its_slot_and_a_request_may_ask_for_a_longer_head(monkeypatch):
+    from devtools import fault_injection
     from tests.cache.fakes import LAYERS
 
     sched = _a_read_and_b_warm()
     cache = sched.cache
     clean = annotated("B")
     sched.run(clean)
-    cache.kvshare_admin.configure(fault_perturb_slot="query")  # a new epoch: assembled afresh below
+    assert cache.counters.get("fault_perturbed_tokens") == 0
+    fault_injection.install(monkeypatch, which=lambda slot: slot == "query")
     warm(sched, "C")
     bad = annotated("C")
     sched.run(bad)
     assert cache.counters.get("fault_perturbed_tokens") == len(QUERY)
-    cache.kvshare_admin.configure(fault_perturb_slot="")  # cleared
-    assert cache.kvshare_config.fault_perturb_slot is None
+    monkeypatch.undo()
     req = annotated("B")
     ann = json.loads(req.custom_params["kvshare"])
     ann["recompute_head"] = 6  # the guard asks for more fidelity for this request only

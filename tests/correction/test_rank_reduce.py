@@ -147,23 +147,26 @@ def _gate_raises(rank: int, reducer) -> dict:
             "digest": est.gate_digest}
 
 
-def _assembly_raises(rank: int, reducer) -> dict:
+def _assembly_raises(rank: int, reducer, match: bool = False) -> dict:
     """Two agents read one text through a fullshared cache on each rank; assembling agent B's copy raises on rank 0
     only, then a third agent's request runs with no fault. Per request: the prefix served and the shared
     segment's report."""
     from unittest import mock
 
     from tests.cache.fakes import MiniScheduler, make_cache
-    from tests.cache.test_adapter import annotated
+    from tests.cache.test_adapter import annotated, warm
 
     sched = MiniScheduler(make_cache("fullshared", reducer=reducer))
     out = {"A": sched.run(annotated("A"))}
+    if match:  # B's own prefix is in the tree: its shared text is assembled in the match, not a later stage
+        warm(sched, "B")
+        warm(sched, "C")
     b = annotated("B")
 
     def broken(*_args, **_kw):
         raise RuntimeError("out of memory")
 
-    with mock.patch("sglang_kvshare.cache.adapter.write_and_insert", side_effect=broken) if rank == 0 \
+    with mock.patch("sglang_kvshare.cache.assemble.write_and_insert", side_effect=broken) if rank == 0 \
             else contextlib.nullcontext():
         out["B"] = sched.run(b)
     out["B_shared"] = {k: b.report()["segments"][1].get(k) for k in ("resolved_by", "reason")}
@@ -232,11 +235,12 @@ def _deadline(rank: int, _reducer) -> dict:
 
 DEADLINE_S = 3.0
 JOBS = (("decide", None), ("decide", 4), ("drifted", None), ("pools_differ", None), ("learn_raises", None),
-        ("gate_raises", None), ("assembly_raises", None), ("mismatched_frames", None), ("skips_gate", None), ("deadline", None))
+        ("gate_raises", None), ("assembly_raises", None), ("assembly_raises", "match"), ("mismatched_frames", None), ("skips_gate", None),
+        ("deadline", None))
 """What each rank runs, in this order, in one process group; the last two break their reducers for good."""
 _RUN = {"drifted": _drifted, "pools_differ": _pools_differ, "learn_raises": _learn_raises, "gate_raises": _gate_raises,
-        "assembly_raises": _assembly_raises,
-        "mismatched_frames": _mismatched_frames, "skips_gate": _skips_gate, "deadline": _deadline}
+        "assembly_raises": _assembly_raises, "mismatched_frames": _mismatched_frames, "skips_gate": _skips_gate,
+        "deadline": _deadline}
 
 
 def _rank_main(rank: int, port: int, results) -> None:
@@ -249,9 +253,9 @@ def _rank_main(rank: int, port: int, results) -> None:
     try:
         reducer = GroupReducer(lambda: dist.group.WORLD, 2, timeout_s=DEADLINE_S)
         out = {}
-        for job, low_rank in JOBS:
-            out[(job, low_rank)] = (_decide(rank, reducer, low_rank) if job == "decide"
-                                    else _RUN[job](rank, reducer))
+        for job, arg in JOBS:
+            out[(job, arg)] = (_decide(rank, reducer, arg) if job == "decide"
+                               else _RUN[job](rank, reducer, arg) if arg else _RUN[job](rank, reducer))
         results.put((rank, out))
     finally:
         dist.destroy_process_group()
@@ -336,10 +340,12 @@ def test_a_rank_that_raises_in_the_gate_does_not_split_the_ranks(two_ranks):
     assert ranks[0]["digest"] == ranks[1]["digest"]
 
 
-def test_a_rank_whose_assembly_raises_sends_every_rank_to_the_same_prefix(two_ranks):
-    """Any mode: the rank that raised and the rank that assembled both prefill B's shared text from the same row,
-    so their forwards have one length; the next request reuses again on both."""
-    ranks = two_ranks[("assembly_raises", None)]
+@pytest.mark.parametrize("where", [None, "match"])
+def test_a_rank_whose_assembly_raises_sends_every_rank_to_the_same_prefix(two_ranks, where):
+    """Any mode, in a later stage or in the match itself: the rank that raised and the rank that assembled both
+    prefill B's shared text from the same row, so their forwards have one length; the next request reuses again
+    on both (the ranks stayed in step)."""
+    ranks = two_ranks[("assembly_raises", where)]
     assert ranks[0]["B"] == ranks[1]["B"] and ranks[0]["C"] == ranks[1]["C"]
     assert ranks[0]["B_shared"] == {"resolved_by": "dense", "reason": "internal_error"}
     assert ranks[1]["B_shared"] == {"resolved_by": "dense", "reason": "ranks_disagree"}

@@ -10,6 +10,7 @@ import pytest
 import requests
 
 from sglang_kvshare.frontend.builder import build_request, private_part, shared_part
+from devtools.fault_injection import FAULT_PREFIX
 from tests.servers import ADMIN_HEADERS, reconfigured, shared_server
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(900)]
@@ -60,11 +61,11 @@ def _doc(kind: str, i: int) -> str:
 
 def test_a_perturbed_scope_goes_dense_within_the_minimum_samples_and_the_others_keep_reuse(server_pool, tokenizer):
     server = shared_server(server_pool)
-    with reconfigured(server, verify_rate=1.0, fidelity_target="top1>=0.8", fidelity_min_samples=MIN_SAMPLES,
-                      fault_perturb_slot="guard-bad"):
+    bad_slot = FAULT_PREFIX + "guard-bad"  # the shared server serves this slot noise
+    with reconfigured(server, verify_rate=1.0, fidelity_target="top1>=0.8", fidelity_min_samples=MIN_SAMPLES):
         for i in range(MIN_SAMPLES + 2):
-            _ask(server, tokenizer, "guard-writer", _doc("bad", i), "guard-bad")  # dense: the first copy
-            victim = _ask(server, tokenizer, "guard-victim", _doc("bad", i), "guard-bad")  # aligned, then perturbed
+            _ask(server, tokenizer, "guard-writer", _doc("bad", i), bad_slot)  # dense: the first copy
+            victim = _ask(server, tokenizer, "guard-victim", _doc("bad", i), bad_slot)  # aligned, then perturbed
             _ask(server, tokenizer, "guard-writer", _doc("good", i), "guard-good")
             reader = _ask(server, tokenizer, "guard-reader", _doc("good", i), "guard-good")  # aligned, intact
             _drain(server)
@@ -76,12 +77,12 @@ def test_a_perturbed_scope_goes_dense_within_the_minimum_samples_and_the_others_
                    for a in snap["recent_actions"])
         assert scopes["guard-reader"]["setting"] == "head0"  # an intact scope keeps its reuse
         # A verified request of a dense scope is a probe of the next looser setting, and its report says so.
-        probe = _ask(server, tokenizer, "guard-victim", _doc("bad", 98), "guard-bad")
+        probe = _ask(server, tokenizer, "guard-victim", _doc("bad", 98), bad_slot)
         assert probe["guard"]["probe"] and probe["guard"]["setting"] == "head64", probe
         # Unverified, the victim is served dense, the reader still reuses; the reports say under which setting.
         assert requests.post(server.url + "/kvshare/config", json={"verify_rate": 0.0}, timeout=60,
                              headers=ADMIN_HEADERS).status_code == 200
-        victim = _ask(server, tokenizer, "guard-victim", _doc("bad", 99), "guard-bad")
+        victim = _ask(server, tokenizer, "guard-victim", _doc("bad", 99), bad_slot)
         _ask(server, tokenizer, "guard-writer", _doc("good", 99), "guard-good")
         reader = _ask(server, tokenizer, "guard-reader", _doc("good", 99), "guard-good")
         assert victim["guard"]["setting"] == "dense" and not victim["guard"]["probe"], victim

@@ -74,13 +74,6 @@ def test_each_cpu_rank_gets_its_own_bind_group(monkeypatch):
     assert cpu_thread_env(3)["SGLANG_CPU_OMP_THREADS_BIND"] == "0|1|0"  # fewer cores than ranks: shared
 
 
-def test_the_recompute_policy_is_a_choice():
-    config, _ = parse_kvshare(["--kvshare-recompute-policy", "correction"])
-    assert config.recompute_policy == "correction"
-    with pytest.raises(SystemExit):
-        parse_kvshare(["--kvshare-recompute-policy", "attention"])
-
-
 def test_config_round_trips_through_the_environment(monkeypatch):
     config = KVShareConfig(mode="fullshared", tau=0.1, capacity=4)
     monkeypatch.setenv(ENV_VAR, config.to_json())

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from sglang_kvshare.cache.pending_recompute import PendingRecompute
-from sglang_kvshare.cache.plan import PLAN_ATTR
+from sglang_kvshare.cache.recompute import PendingRecompute
+from sglang_kvshare.cache.plan import PLAN_ATTR, RequestState
 from sglang_kvshare.server.sparse_extend import (Fold, fold_batch, owed_rows, queries_moved, settle,
                                                  sparse_sdpa_extend)
 from tests.kv_pools import scattered_pool
@@ -70,10 +70,10 @@ def test_only_causal_self_attention_is_served():
 
 
 def _req(tokens: list[int], rows: list[int], owed=None):
-    plan = SimpleNamespace(sparse_rows=list(rows), sparse_recomputed=0, prefill_forwards=0, owed=owed)
+    state = RequestState([], sparse_rows=list(rows), owed=owed)
     req = SimpleNamespace(full_untruncated_fill_ids=tokens)
-    setattr(req, PLAN_ATTR, plan)
-    return req, plan
+    setattr(req, PLAN_ATTR, SimpleNamespace(state=state))
+    return req, state
 
 
 def _batch(reqs, prefix_lens, extend_lens, logprob_starts=None):
