@@ -463,28 +463,32 @@ def verdict_rows(verdicts: dict) -> list[list[str]]:
             for k, v in verdicts.items()]
 
 
+def passed_and_requests(d: dict) -> str:
+    """The verdict and the request totals of a soak-like run (``passed``, ``totals``)."""
+    t = d["totals"]
+    return (f"Passed: **{'yes' if d['passed'] else 'no'}**. Requests {t['requests']}: 2xx {t['ok_2xx']}, 4xx "
+            f"{t['client_4xx']}, 5xx {t['server_5xx']}, lost {t['lost']}")
+
+
 def render_soak(d: dict) -> str:
     s = d["settings"]
-    t = d["totals"]
     rows = verdict_rows(d["verdicts"])
     rep = d["replay"]
     return (f"Mode `{s['mode']}`, tau {s['tau']}, {s['clients']} clients for {s['minutes']} min, KV pool "
             f"{s['max_total_tokens']} tokens, {s['slot_names']} slot names; wall {d['wall_s']} s. "
-            f"Passed: **{'yes' if d['passed'] else 'no'}**. Requests {t['requests']}: 2xx {t['ok_2xx']}, 4xx "
-            f"{t['client_4xx']}, 5xx {t['server_5xx']}, lost {t['lost']}; faults injected "
+            f"{passed_and_requests(d)}; faults injected "
             f"{d['faults_injected_total']}; plain requests replayed against `off`: {rep['same']} of {rep['n']} "
             f"identical.\n\n" + table(["verdict", "result"], rows))
 
 
 def render_adversary(d: dict) -> str:
     rows = verdict_rows(d["verdicts"])
-    t, flood = d["totals"], d["attacks"].get("name_flood") or {}
+    flood = d["attacks"].get("name_flood") or {}
     chats = (d["attacks"].get("long_chats") or {}).get("sizes") or {}
-    sizes = ", ".join(f"{n} messages: {c['auto_status']} in {num(c['auto_s'])} s (stock {c['stock_status']}), short chat "
-                      f"delayed {num(c['short_delay_s'])} s" for n, c in chats.items())
-    return (f"Form `{d['form']}`, {d['server_s']} s against the server. Passed: **{'yes' if d['passed'] else 'no'}**. "
-            f"Requests {t['requests']}: 2xx {t['ok_2xx']}, 4xx {t['client_4xx']}, 5xx {t['server_5xx']}, lost "
-            f"{t['lost']}; {d['secrets']['count']} secrets looked for in {d['secrets']['answers_scanned']} answers, "
+    sizes = ", ".join(f"{n} messages: {c['auto_status']} in {num(c['auto_s'])} s (stock {c['stock_status']}), "
+                      f"short chat delayed {num(c['short_delay_s'])} s" for n, c in chats.items())
+    return (f"Form `{d['form']}`, {d['server_s']} s against the server. {passed_and_requests(d)}; "
+            f"{d['secrets']['count']} secrets looked for in {d['secrets']['answers_scanned']} answers, "
             f"{len(d['secrets']['leaks'])} found; name flood {flood.get('flood_requests', '-')} agents, guard scope "
             f"series {(flood.get('series') or {}).get('scopes', '-')} (cap {flood.get('series_cap', '-')}). "
             f"Long chats: {sizes or '-'}.\n\n" + table(["verdict", "result"], rows))
