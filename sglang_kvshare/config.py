@@ -25,7 +25,13 @@ import errno
 import json
 import os
 import stat
-import tomllib
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser as the tomli package, where installed
+    try:
+        import tomli as tomllib  # type: ignore[no-redef]
+    except ModuleNotFoundError:
+        tomllib = None  # type: ignore[assignment]
 import typing
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Callable, Literal, Mapping, Optional
@@ -273,6 +279,9 @@ def read_config_file(path: str) -> dict[str, Any]:
         os.close(fd)
     if len(raw) > MAX_FILE_BYTES:
         raise ConfigError(f"{where}: larger than {MAX_FILE_BYTES // 1024} KiB; a config file holds settings only")
+    if tomllib is None:
+        raise ConfigError(f"{where}: reading a config file needs Python 3.11+ or the tomli package "
+                          "(pip install tomli)")
     try:
         document = tomllib.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
