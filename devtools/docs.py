@@ -54,8 +54,7 @@ def configuration_markdown() -> str:
              "environment variable `SGLANG_KVSHARE_CONFIG` (the launcher sets it).", "",
              "```toml",
              "# python -m sglang_kvshare.launch_server --model-path M --kvshare-config kvshare.toml",
-             'mode = "kvcmas"', "", "[guard]", 'fidelity_target = "top1>=0.99"', "", "[learner]",
-             "learn_cpu_share = 0.5", "", "[limits]", "pool_budget_mb = 512", "```", "",
+             'mode = "kvcmas"', "", "[guard]", 'fidelity_target = "top1>=0.99"', "```", "",
              "## Runtime settings", "",
              "`POST /kvshare/config` changes these on a running server, validated and applied all or nothing "
              "between two batches (docs/OPERATIONS.md): "
