@@ -69,7 +69,7 @@ def launch_args(admin_key: str, pool_file: Path) -> dict:
 
     scope = ("--kvshare-reuse-scope", "salt-required") if "salt-required" in REUSE_SCOPES else ()
     return {"kvshare_args": ("--kvshare-mode", "fullshared", "--kvshare-auto", "true", "--kvshare-learn-async", "false",
-                             "--kvshare-verify-rate", "0", "--kvshare-pool-file", str(pool_file), *scope),
+                             "--kvshare-verify-rate", "0", "--kvshare-min-reuse-tokens", "0", "--kvshare-pool-file", str(pool_file), *scope),
             "extra_args": ("--enable-metrics", "--admin-api-key", admin_key)}
 
 

@@ -1225,9 +1225,10 @@ def scan_log(text: str) -> dict:
 
 def soak_launch_args(mode: str, tau: float, max_total_tokens: int, admin_key: str) -> dict:
     """``ServerProcess`` keyword arguments of the soak's server (``kvshare_args``, ``extra_args``)."""
-    # NOTE: edge anchors 2 (the gate's minimum), so that corrections start within the soak's minutes.
+    # NOTE: edge anchors 2 (the gate's minimum), so that corrections start within the soak's minutes; segments
+    # of any length reused, so that the soak's short chats exercise reuse (the product's default keeps them dense).
     return {"kvshare_args": ("--kvshare-mode", mode, "--kvshare-tau", str(tau), "--kvshare-auto", "true",
-                             "--kvshare-edge-anchors", "2"),
+                             "--kvshare-edge-anchors", "2", "--kvshare-min-reuse-tokens", "0"),
             "extra_args": ("--max-total-tokens", str(max_total_tokens), "--admin-api-key", admin_key,
                            "--enable-metrics")}
 

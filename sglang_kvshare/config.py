@@ -50,7 +50,9 @@ BACKEND_NAME = "kvshare"  # our tree cache in SGLang's registry: --radix-cache-b
 MAX_CAPACITY = 4096  # upper bounds that keep runtime values inside SGLang's msgpack IPC (int64)
 MAX_RANK = 65536
 MAX_MIN_SAMPLES = 100_000
-MAX_FILE_BYTES = 64 * 1024  # a --kvshare-config file is a few hundred bytes; a larger one is a mistake
+MAX_FILE_BYTES = 64 * 1024
+# Shared segments shorter than this are prefilled (chosen on the development roles: docs/research/DEFAULTS.md).
+MIN_REUSE_TOKENS = 256  # a --kvshare-config file is a few hundred bytes; a larger one is a mistake
 
 # Components, in the order --help and docs/CONFIGURATION.md show them. Each is a section of the
 # --kvshare-config file ([guard], ...; the main component's keys sit at the file's top level), and
@@ -103,10 +105,10 @@ class KVShareConfig:
     """Settings of cross-agent KV reuse (defaults from ALGORITHM.md)."""
 
     # Each field names its component (its config-file section and --help group); this order is the docs'.
-    mode: Mode = _option("kvcmas", GROUP_MAIN, "off = stock radix cache; fullshared = re-align only; kvcmas = re-align and correct with chained low-rank anchors learned online (KVCOMM's full-dimension anchors are an offline baseline: python -m benchmarks.fidelity).", flag=True, runtime=True)
+    mode: Mode = _option("fullshared", GROUP_MAIN, "fullshared = re-align a shared segment's KV to its new position (an exact RoPE rotation) and recompute a share of it in the request's own context (the measured best); kvcmas = re-align and correct with chained low-rank anchors learned online (KVCOMM / KVCMAS; pays where the same edges recur, docs/USAGE.md); off = stock radix cache.", flag=True, runtime=True)
     auto: bool = _option(False, GROUP_MAIN, "Annotate /v1/chat/completions requests that carry no kvshare field: agent = digest of the system messages, every other message's content and every answer shared under the slot auto:message (docs/USAGE.md). Off by default: with it on, every chat request may receive estimated KV.", flag=True)
-    recompute_head: int = _option(0, GROUP_MAIN, "K: the first K tokens of every reused segment are prefilled densely in the request's own context (EPIC-style boundary recompute); only the rest is re-aligned (and corrected). 0 = reuse whole segments.", flag=True, runtime=True, ge=0, le=MAX_RECOMPUTE_HEAD)
-    recompute_ratio: float = _option(0.0, GROUP_MAIN, "r: the first ceil(r x n) rows of every reused segment of n rows are recomputed (as with --kvshare-recompute-head; the larger of the two counts). It scales with the segment, where K does not. 0 = off.", flag=True, runtime=True, ge=0.0, le=1.0)
+    recompute_ratio: float = _option(0.15, GROUP_MAIN, "r: the first ceil(r x n) rows of every reused segment of n rows are recomputed in the request's own context (EPIC-style boundary recompute, inside the request's one prefill forward); only the rest is re-aligned (and corrected). A request's annotation (or the fidelity guard) may ask for a longer head in rows (recompute_head). 0 = reuse whole segments.", flag=True, runtime=True, ge=0.0, le=1.0)
+    min_reuse_tokens: int = _option(MIN_REUSE_TOKENS, GROUP_MAIN, "A shared segment shorter than this many tokens is prefilled densely (fallback reason short_segment): on segments of a few hundred tokens re-alignment with the recomputed share measured no better than prefilling whole segments at random, and buys little time (docs/USAGE.md). 0 = reuse segments of any length.", flag=True, runtime=True, ge=0, le=MAX_RECOMPUTE_HEAD)
     sparse_extend: bool = _option(True, GROUP_PREFILL, "Recompute the heads inside the request's one prefill forward (a sparse extend: the recomputed rows and the request's own tokens in one forward, each at its true position), where the attention backend supports it (torch_native; triton, as a custom mask); elsewhere, or false, each head costs a stage: one more scheduling round and forward (docs/STAGED_PREFILL.md). The KV is the same either way.", runtime=True)
     reuse_scope: ReuseScope = _option("workflow", GROUP_MAIN, "Who may be served KV another request computed: workflow = requests of the same workflow (the annotation's workflow field; on the chat API the kvshare field's workflow, else the request's user) and the same cache_salt and LoRA adapter; requests that name none share the anonymous scope, as they share SGLang's exact prefix cache. salt = every request of the same cache_salt and LoRA adapter, across workflows and users. salt-required = as salt, and a request without a cache_salt is served as stock SGLang serves it (SGLang's exact prefix cache only, no report): it is never served KV kvshare assembled or estimated, and nothing it computes is offered to kvshare's reuse; for servers shared by tenants, whose gateway sets each tenant's cache_salt (the workflow and user are labels any client may choose; docs/OPERATIONS.md, Tenants). Reports never name an agent of another workflow.", flag=True)
     admin_open: bool = _option(False, GROUP_MAIN, "Allow the kvshare admin writes (POST /kvshare/config, /kvshare/reset, /kvshare/pools/{slot}/reset) on a server started without --admin-api-key and --api-key. Off: those writes answer 403 there; with a key they follow SGLang's key rules.", flag=True)
@@ -145,7 +147,7 @@ class KVShareConfig:
     fidelity_band: float = _option(DEFAULT_BAND, GROUP_GUARD, "Share of the allowed error the guard keeps in hand for a scope whose interval still holds the target's bound: it tightens such a scope until its mean clears the target moved this far towards the ideal (top1>=0.99 at 0.6: a mean of 0.996), so that what it serves next meets the target, not only the few answers it judged. 0 = hold the mean to the bound itself (more reuse, the target missed about half the time at the bound); below 1.", runtime=True, ge=0.0, lt=1.0)
     pool_file: Optional[str] = _option(None, GROUP_KVCMAS, "kvcmas: a file the anchor pools are loaded from at launch and saved to by POST /kvshare/save, so a restarted server corrects from its first requests instead of learning every edge again (docs/OPERATIONS.md). The file names the model it was learned on (architecture, RoPE, a digest of the weight files), its format version and rank; a file that does not match this server is a launch error, a missing one starts with empty pools. With --tp-size or --dp-size above 1 each scheduler uses PATH.dp<d>.tp<t>. It holds low-rank factors of the prompts' KV: keep it as private as the prompts. None = pools live in memory only.", flag=True, check=_path)
     pool_save_interval_s: float = _option(0.0, GROUP_KVCMAS, "With --kvshare-pool-file: also save the pools while the scheduler is idle, at most once per this many seconds and only when they changed since the last save, so an unplanned restart loses at most that much learning (a save holds the scheduler while the file is written). Not at --tp-size above 1, where every rank must write at the same point: save with POST /kvshare/save there. 0 = only POST /kvshare/save.", flag=True, ge=0.0)
-    fidelity_file: Optional[str] = _option(None, GROUP_GUARD, "A file the fidelity guard keeps each scope's setting and pin in: read at launch, rewritten on every change, so a restarted server serves each agent under the setting the guard had reached and keeps the operator's pins (docs/FIDELITY.md). Scopes are stored by agent name and a keyed digest of their namespace, never the cache salt; keep it as private as the prompts. Settings learned under another target or --kvshare-recompute-head are dropped, pins kept. A file that is not a guard file is a launch error; a missing one starts empty. None = in memory only.", flag=True, check=_path)
+    fidelity_file: Optional[str] = _option(None, GROUP_GUARD, "A file the fidelity guard keeps each scope's setting and pin in: read at launch, rewritten on every change, so a restarted server serves each agent under the setting the guard had reached and keeps the operator's pins (docs/FIDELITY.md). Scopes are stored by agent name and a keyed digest of their namespace, never the cache salt; keep it as private as the prompts. Settings learned under another target are dropped, pins kept. A file that is not a guard file is a launch error; a missing one starts empty. None = in memory only.", flag=True, check=_path)
 
     def __post_init__(self) -> None:
         """Validate every value against ``SETTINGS`` (the one model); raises ``ConfigError`` naming the key."""
@@ -187,10 +189,11 @@ class KVShareConfig:
 
     @classmethod
     def from_env(cls) -> "KVShareConfig":
-        """The config the launcher exported; ``off`` when none was (plain sglang launch)."""
+        """The config the launcher exported; the defaults when none was (``sglang.launch_server
+        --radix-cache-backend kvshare``: selecting the backend is asking for kvshare)."""
         text = os.environ.get(ENV_VAR)
         if not text:
-            return cls(mode="off")
+            return cls()
         return cls.from_json(text)
 
     def export_env(self) -> None:

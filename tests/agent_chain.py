@@ -35,9 +35,15 @@ def system_part(agent: str) -> str:
 SUFFIX = "\nAnswer briefly.<|im_end|>\n<|im_start|>assistant\n"
 
 
-def agent_request(tokenizer, agent: str, shared_text: str, slot: str = "query"):
-    return build_request(tokenizer, agent, [private_part(system_part(agent)), shared_part(shared_text, slot),
-                                            private_part(SUFFIX)])
+def agent_request(tokenizer, agent: str, shared_text: str, slot: str = "query", head: int = 0):
+    """The agent's request reading ``shared_text``; ``head``: the annotation asks for at least that many first rows
+    of each reused segment recomputed (what the guard writes into a tightened scope's requests)."""
+    ids, cp = build_request(tokenizer, agent, [private_part(system_part(agent)), shared_part(shared_text, slot),
+                                               private_part(SUFFIX)])
+    if head:
+        key, = cp
+        cp = {key: json.dumps({**json.loads(cp[key]), "recompute_head": head})}
+    return ids, cp
 
 
 def warm_request(tokenizer, agent: str):

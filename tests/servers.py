@@ -23,8 +23,10 @@ OFF = ("--kvshare-mode", "off")
 # chat completions without a ``kvshare`` field see it).
 # The fidelity guard is off here (its references would add exact rows to the tree between tests); the guard's
 # tests turn it on at runtime (POST /kvshare/config verify_rate), which ``restore`` undoes.
+# Whole segments of any length are reused (no recompute share, no minimum length), so that a test's short
+# segments are reused and the tests of recompute or of the length rule set them (``reconfigured``).
 SHARED = ("--kvshare-mode", "fullshared", "--kvshare-auto", "true", "--kvshare-learn-async", "false",
-          "--kvshare-verify-rate", "0")
+          "--kvshare-verify-rate", "0", "--kvshare-recompute-ratio", "0", "--kvshare-min-reuse-tokens", "0")
 # The admin tests need metrics and an admin key; the key guards only writes and the pools
 # listing, so the other tests' requests and stats reads are unaffected.
 ADMIN_KEY = "kvshare-test-admin-key"
@@ -56,7 +58,7 @@ _DEFAULTS = KVShareConfig()
 # kvcmas default that ``None`` means; the POST body cannot say ``None``).
 _RESTORE = {"mode": "fullshared", "tau": _DEFAULTS.tau, "rank": _DEFAULTS.rank,
             "capacity": _DEFAULTS.replace(mode="kvcmas").effective_capacity, "edge_anchors": _DEFAULTS.edge_anchors,
-            "recompute_head": _DEFAULTS.recompute_head, "recompute_ratio": _DEFAULTS.recompute_ratio,
+            "recompute_ratio": 0.0, "min_reuse_tokens": 0,
             "sparse_extend": _DEFAULTS.sparse_extend, "staged": _DEFAULTS.staged, "verify_rate": 0.0,
             "fidelity_target": "", "fidelity_min_samples": _DEFAULTS.fidelity_min_samples,
             "fidelity_band": _DEFAULTS.fidelity_band,

@@ -257,12 +257,12 @@ def _eviction_storm(server, tokenizer):
 
 
 def test_head_recompute_reports_and_counts_only_reused_rows(server_pool, tokenizer):
-    with reconfigured(shared_server(server_pool), recompute_head=8) as server:
+    with reconfigured(shared_server(server_pool)) as server:
         text = context(18, 3)
         query_len = len(tokenizer(text, add_special_tokens=False).input_ids)
         ids, cp = agent_request(tokenizer, "solver", text)
         server.generate(input_ids=ids, custom_params=cp, max_new_tokens=1)
-        ids, cp = agent_request(tokenizer, "analyst", text)
+        ids, cp = agent_request(tokenizer, "analyst", text, head=8)
         out = server.generate(input_ids=ids, custom_params=cp, max_new_tokens=4)
         rep = report(out)
         seg = rep["segments"][1]

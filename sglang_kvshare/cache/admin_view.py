@@ -132,7 +132,7 @@ class AdminView:
 
         The names are ``RUNTIME_FIELDS``; None keeps a value, and an empty string
         clears an optional text setting (``fidelity_target``).
-        ``recompute_head`` and ``staged`` apply to requests admitted from now on.
+        ``recompute_ratio``, ``min_reuse_tokens`` and ``staged`` apply to requests admitted from now on.
         ``mode`` may switch among ``off``, ``fullshared`` and ``kvcmas`` at runtime,
         under the same checks as the launch (page size 1; kvcmas needs TP 1);
         switching between fullshared and kvcmas starts with empty pools.

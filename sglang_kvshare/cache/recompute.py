@@ -2,9 +2,10 @@
 
 A reused segment's KV was computed in another context; recomputing some of
 its rows in the request's own context (EPIC's head) buys fidelity for reuse.
-How many rows is the request's ``RecomputeRule`` (``--kvshare-recompute-head``,
-``--kvshare-recompute-ratio``, or the annotation's ``recompute_head``: the
-larger); *which* rows is a ``RowPolicy``. ``HEAD``, the segment's first rows,
+How many rows is the request's ``RecomputeRule``: the server's share
+(``--kvshare-recompute-ratio``), unless the request's annotation asks for a
+longer head in rows (``recompute_head``, what the fidelity guard writes into
+the requests of a scope it tightens); *which* rows is a ``RowPolicy``. ``HEAD``, the segment's first rows,
 is the one policy served: the others measured (the rows a kvcmas correction
 moves most, the rows the prompt's tail reads) did no better on the live
 frontier (docs/STAGED_PREFILL.md; their offline study is
@@ -63,7 +64,8 @@ HEAD = HeadPolicy()
 class RecomputeRule:
     """How many rows of a reused segment are recomputed, which (``policy``), and how.
 
-    ``head`` rows or ``ratio`` of the segment, the larger. ``sparse``: the rows
+    ``ratio`` of the segment (the server's share), or ``head`` rows where the
+    request asked for more (the annotation's floor). ``sparse``: the rows
     are assembled with the rest of the segment and recomputed inside the
     request's prefill forward (``server.sparse_extend``); otherwise each head
     is a dense stage before the segment's reuse resumes.
@@ -73,6 +75,7 @@ class RecomputeRule:
     ratio: float = 0.0
     sparse: bool = False
     policy: RowPolicy = HEAD
+    min_reuse: int = 0  # a shared segment shorter than this is not reused at all (``reusable``)
 
     @property
     def key(self) -> str:
@@ -85,7 +88,17 @@ class RecomputeRule:
         rows a shorter head left assembled. ``sparse`` is not part of it: a head
         recomputed in the forward or as a stage is the same KV.
         """
-        return f"h{self.head}r{self.ratio:g}{self.policy.name}"
+        return f"h{self.head}r{self.ratio:g}{self.policy.name}" + (f"m{self.min_reuse}" if self.min_reuse else "")
+
+    def reusable(self, seg: Segment) -> bool:
+        """Whether ``seg`` may be reused at all: a shared segment needs ``min_reuse`` tokens.
+
+        Why: on segments of a few hundred tokens re-alignment with the recomputed
+        share measured no better than prefilling whole segments at random (the
+        random-mix line), and their prefill is cheap; a private segment is the
+        agent's own text and is not held to it.
+        """
+        return seg.kind != "shared" or seg.length >= self.min_reuse
 
     def rows(self, seg: Segment) -> int:
         """How many rows of ``seg`` are recomputed."""
@@ -110,10 +123,11 @@ class RecomputeRule:
 
 def rule_of(config: KVShareConfig, annotation: Annotation, sparse_unsupported: Optional[str],
             policy: RowPolicy = HEAD) -> RecomputeRule:
-    """The rule of a request of ``annotation``: the server's head or the annotation's, the larger; sparse where
-    the sparse extend is on and this server supports it (``sparse_unsupported`` None)."""
-    return RecomputeRule(max(config.recompute_head, annotation.recompute_head or 0), config.recompute_ratio,
-                         sparse=config.sparse_extend and sparse_unsupported is None, policy=policy)
+    """The rule of a request of ``annotation``: the server's share, the annotation's head where longer; sparse
+    where the sparse extend is on and this server supports it (``sparse_unsupported`` None)."""
+    return RecomputeRule(annotation.recompute_head or 0, config.recompute_ratio,
+                         sparse=config.sparse_extend and sparse_unsupported is None, policy=policy,
+                         min_reuse=config.min_reuse_tokens)
 
 
 class PendingRecompute:

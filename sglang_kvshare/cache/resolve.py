@@ -226,6 +226,9 @@ def resolve_segments(resolver: Resolver, records: NamespaceRecords, plan: Reques
             break
         if prefilled_by_request(plan, o):
             break  # prefilled densely by design (see prefilled_by_request): no fallback
+        if not head.reusable(seg):
+            o.reason, o.resolved_by = "short_segment", "dense"
+            break
         if pos < seg.start + head.stage_rows(seg):
             break  # the head is prefilled densely first (staged prefill resumes after it)
         try:
@@ -261,10 +264,14 @@ def next_stage(plan: RequestPlan, a: int, limit: int, head: RecomputeRule,
     and that has a copy to reuse (``has_source(outcome)``): reuse resumes right
     after its head. A segment whose head ends at or before ``a`` was just tried
     at ``a`` and failed, so it is prefilled whole. Mutates: segments passed
-    over for want of a copy get the reason ``no_source``.
+    over for want of a copy get the reason ``no_source``, segments too short to reuse
+    (``RecomputeRule.reusable``) ``short_segment``.
     """
     for o, seg in zip(plan.state.outcomes, plan.annotation.segments):
         if seg.end <= a:
+            continue
+        if not head.reusable(seg):
+            o.reason = o.reason or "short_segment"  # prefilled in this dense stretch by the length rule
             continue
         resume = seg.start + head.stage_rows(seg)
         if resume <= a or min(seg.end, limit) - resume < min_rows or prefilled_by_request(plan, o):

@@ -4,8 +4,8 @@ A **scope** is a reuse scope plus an agent (``guard.serving``): the measured
 quantity, one request's output distributions, mixes every reused segment of
 that request, so it cannot be split by slot; an agent's role (its prompt, its position in the workflow)
 decides how much reuse moves its outputs. Each scope climbs a ladder of
-settings, from the server's own (its ``--kvshare-recompute-head``) through
-longer heads to ``dense`` (no reuse at all):
+settings, from the server's own (its recompute share, head 0 here) through
+longer heads (floors in rows over the share) to ``dense`` (no reuse at all):
 
 * tighten when the 95 % interval of the scope's estimate lies wholly on the
   wrong side of the target (``FidelityTarget.missed``), by as many steps as

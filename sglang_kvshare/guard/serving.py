@@ -201,12 +201,12 @@ class Guard:
 
     # ------------------------------------------------------------ configuration
     def _refresh(self, config: KVShareConfig) -> Controller:
-        """The controller for the settings in force: a change of head or target starts every scope afresh
+        """The controller for the settings in force: a change of the recompute share or target starts every scope afresh
         (its estimates measured other settings); a change of the minimum samples or the band applies as it is."""
-        key = (config.recompute_head, config.fidelity_target)
+        key = (config.recompute_ratio, config.fidelity_target)
         if self.controller is None or key != self._built_for:
             target = FidelityTarget.parse(config.fidelity_target) if config.fidelity_target else None
-            self.controller = Controller(target, ladder(config.recompute_head), min_samples=config.fidelity_min_samples,
+            self.controller = Controller(target, ladder(0), min_samples=config.fidelity_min_samples,
                                          band=config.fidelity_band, parent=_outside_workflow)
             self._built_for = key
             if self._file is not None and not self._file.under(None if target is None else str(target),

@@ -163,10 +163,10 @@ def test_metrics_tables_hold_only_the_slots_the_stats_hold():
 
 def test_configure_sets_head_recompute_and_staging():
     cache = FakeView()
-    reply = ops.execute(cache, "configure", recompute_head=8, staged=False)
+    reply = ops.execute(cache, "configure", recompute_ratio=0.3, staged=False)
     assert reply.status == 200
-    assert cache.config.recompute_head == 8 and cache.config.staged is False
-    assert ops.execute(cache, "configure", recompute_head=-1).status == 422
+    assert cache.config.recompute_ratio == 0.3 and cache.config.staged is False
+    assert ops.execute(cache, "configure", recompute_ratio=-1).status == 422
 
 
 def test_config_body_accepts_head_recompute_and_rejects_bad_values():
@@ -174,8 +174,8 @@ def test_config_body_accepts_head_recompute_and_rejects_bad_values():
 
     from sglang_kvshare.config import ConfigError, runtime_update
 
-    assert runtime_update(KVShareConfig(), {"recompute_head": 16, "tau": None}).recompute_head == 16
-    for bad in ({"recompute_head": -1}, {"recompute_head": "8"}, {"staged": "yes"}, {"max_pools": 2}, {},
+    assert runtime_update(KVShareConfig(), {"min_reuse_tokens": 16, "tau": None}).min_reuse_tokens == 16
+    for bad in ({"min_reuse_tokens": -1}, {"min_reuse_tokens": "8"}, {"recompute_head": 8}, {"staged": "yes"}, {"max_pools": 2}, {},
                 {"tua": 0.1}):
         with pytest.raises(ConfigError):
             runtime_update(KVShareConfig(), bad)

@@ -146,8 +146,10 @@ def make_cache(mode: str = "fullshared", pool_tokens: int = 512, sparse_unsuppor
     hf = LlamaConfig(hidden_size=HEADS * HEAD_DIM * 2, num_attention_heads=2, num_key_value_heads=HEADS,
                      head_dim=HEAD_DIM, num_hidden_layers=LAYERS, rope_theta=10000.0)
     # NOTE: the gate's own minimum (two anchors per edge), so a test reaches a correction after two contents;
-    # tests of the learning rule set edge_anchors themselves.
-    cfg = KVShareConfig(mode=mode, **{"learn_async": False, "edge_anchors": 2, **config})
+    # tests of the learning rule set edge_anchors themselves. Whole segments of any length are reused (the
+    # tests' segments are short); tests of the recompute share or the length rule set them.
+    cfg = KVShareConfig(mode=mode, **{"learn_async": False, "edge_anchors": 2, "recompute_ratio": 0.0,
+                                      "min_reuse_tokens": 0, **config})
     return KVShareRadixCache(params, config=cfg, model_config=SimpleNamespace(hf_config=hf),
                              sparse_unsupported=sparse_unsupported, reducer=reducer, pool_store=pool_store,
                              **({"row_policy": row_policy} if row_policy is not None else {}))

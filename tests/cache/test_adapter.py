@@ -24,7 +24,7 @@ SUFFIX = [5, 6, 7]
 
 
 def annotated(agent: str, query=QUERY, *, salt=None, extra_key=None, output_slot=None, reuse: bool = True,
-              slot: str = "query") -> FakeReq:
+              slot: str = "query", head: int = 0) -> FakeReq:
     sys_ids = SYS[agent]
     tokens = sys_ids + list(query) + SUFFIX
     shared = {"kind": "shared", "start": len(sys_ids), "end": len(sys_ids) + len(query), "slot": slot}
@@ -35,6 +35,8 @@ def annotated(agent: str, query=QUERY, *, salt=None, extra_key=None, output_slot
     ann = {"agent": agent, "segments": segs}
     if output_slot:
         ann["output_slot"] = output_slot
+    if head:
+        ann["recompute_head"] = head
     return FakeReq(tokens, custom_params={"kvshare": json.dumps(ann)}, cache_salt=salt, extra_key=extra_key)
 
 
@@ -330,7 +332,7 @@ def _owed_b(sched: MiniScheduler, query: list[int]) -> tuple[dict, list[int]]:
 def test_the_head_rows_are_owed_by_the_next_forward_and_staged_heads_owe_none():
     """With the sparse extend, the ratio's rows of a corrected segment are its first ones, owed to the request's
     next forward; without it the head is a dense stage, and nothing is owed."""
-    sched = learned_kvcmas(sparse_unsupported=None, recompute_ratio=0.25, recompute_head=4)
+    sched = learned_kvcmas(sparse_unsupported=None, recompute_ratio=0.25)
     query = _queries(4)[-1]
     seg, owed = _owed_b(sched, query)
     n = math.ceil(0.25 * len(query))

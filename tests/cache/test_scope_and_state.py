@@ -57,12 +57,12 @@ def test_estimates_of_an_identical_request_are_not_reused_after_a_config_change_
     again = annotated("B")
     sched.run(again)
     assert again.report()["tokens_estimate_hit"] >= len(QUERY)  # the estimate of the first B request
-    sched.cache.kvshare_admin.configure(recompute_head=4)
+    sched.cache.kvshare_admin.configure(recompute_ratio=0.1)
     after_change = annotated("B")
     sched.run(after_change)
     rep = after_change.report()
     assert rep["tokens_estimate_hit"] == 0  # assembled again under the new settings
-    assert rep["segments"][1]["head_recomputed"] == 4
+    assert rep["segments"][1]["head_recomputed"] == 6  # 0.1 of the 60-token query
     sched.cache.kvshare_admin.reset()
     after_reset = annotated("B")
     sched.run(after_reset)

@@ -64,11 +64,11 @@ def test_staging_off_stops_at_the_first_miss():
 
 def test_head_recompute_prefills_the_first_k_tokens_in_the_request_context():
     k = 8
-    sched = MiniScheduler(make_cache("fullshared", recompute_head=k))
+    sched = MiniScheduler(make_cache("fullshared"))
     a = annotated("A")
     sched.run(a)
     warm(sched, "B")
-    b = annotated("B")
+    b = annotated("B", head=k)
     sched.run(b)
     rep = b.report()
     seg = rep["segments"][1]
@@ -89,9 +89,9 @@ def test_head_recompute_prefills_the_first_k_tokens_in_the_request_context():
 
 
 def test_plain_request_after_a_staged_assembly_sees_exact_kv_only():
-    sched = MiniScheduler(make_cache("fullshared", recompute_head=4))
+    sched = MiniScheduler(make_cache("fullshared"))
     sched.run(annotated("A"))
-    sched.run(annotated("B"))  # cold B: dense system prompt, dense head, aligned rest
+    sched.run(annotated("B", head=4))  # cold B: dense system prompt, dense head, aligned rest
     plain = FakeReq(annotated("B").origin_input_ids)
     m = sched.run(plain)
     assert m == len(SYS["B"]) + 4  # exact rows only: B's system prompt and the dense head
@@ -129,4 +129,48 @@ def test_a_request_matched_again_after_its_dense_stretch_became_a_hit_still_reus
     assert rep["segments"][0]["resolved_by"] == "hit" and "reason" not in rep["segments"][0]
     assert rep["segments"][1]["resolved_by"] == "alignment" and rep["tokens_aligned"] == len(other)
     assert rep["shared_tokens_reused"] == len(other) and rep["fallbacks"] == []
+    assert_pool_accounted(sched.cache)
+
+
+def test_a_shared_segment_shorter_than_the_minimum_is_prefilled_with_its_reason():
+    """The length rule: a 60-token query under a 61-token minimum is prefilled densely (``short_segment``), exactly
+    as a plain request would be; at a minimum of 60 it is reused."""
+    for minimum, reused in ((61, False), (60, True)):
+        sched = MiniScheduler(make_cache("fullshared", min_reuse_tokens=minimum))
+        sched.run(annotated("A"))
+        warm(sched, "B")
+        b = annotated("B")
+        sched.run(b)
+        rep = b.report()
+        seg = rep["segments"][1]
+        if reused:
+            assert seg["resolved_by"] == "alignment" and rep["tokens_aligned"] == len(QUERY)
+        else:
+            assert seg["resolved_by"] == "dense" and rep["tokens_aligned"] == 0
+            assert {"segment": 1, "slot": "query", "reason": "short_segment"} in rep["fallbacks"]
+        assert_pool_accounted(sched.cache)
+
+
+def test_staged_prefill_passes_over_a_short_segment_to_the_long_one_behind_it():
+    """Two shared segments behind a dense stretch: the short one is prefilled (``short_segment``), reuse resumes at
+    the long one."""
+    short, long = list(range(300, 310)), list(range(400, 460))
+    sched = MiniScheduler(make_cache("fullshared", min_reuse_tokens=32))
+
+    def two(agent: str) -> FakeReq:
+        sys_ids = SYS[agent]
+        tokens = sys_ids + short + long + SUFFIX
+        a, b = len(sys_ids), len(sys_ids) + len(short)
+        segs = [{"kind": "private", "start": 0, "end": a}, {"kind": "shared", "start": a, "end": b, "slot": "s"},
+                {"kind": "shared", "start": b, "end": b + len(long), "slot": "l"},
+                {"kind": "private", "start": b + len(long), "end": len(tokens)}]
+        return FakeReq(tokens, custom_params={"kvshare": json.dumps({"agent": agent, "segments": segs})})
+
+    sched.run(two("A"))
+    b = two("B")  # cold B: its system prompt is a dense stretch, then the short segment, then the long one
+    sched.run(b)
+    rep = b.report()
+    assert rep["segments"][1]["resolved_by"] == "dense" and rep["segments"][2]["resolved_by"] == "alignment"
+    assert {"segment": 1, "slot": "s", "reason": "short_segment"} in rep["fallbacks"]
+    assert rep["tokens_aligned"] == len(long)
     assert_pool_accounted(sched.cache)

@@ -79,7 +79,8 @@ def test_config_round_trips_through_the_environment(monkeypatch):
     monkeypatch.setenv(ENV_VAR, config.to_json())
     assert KVShareConfig.from_env() == config
     monkeypatch.delenv(ENV_VAR)
-    assert KVShareConfig.from_env().mode == "off"
+    # Selecting the backend (sglang.launch_server --radix-cache-backend kvshare) asks for kvshare: the defaults.
+    assert KVShareConfig.from_env() == KVShareConfig()
 
 
 def test_help_lists_kvshare_options_next_to_sglang_options(capsys):

@@ -20,7 +20,7 @@ def tokenizer(model_path):
     return AutoTokenizer.from_pretrained(model_path)
 
 
-def _second_agent(server, tokenizer, text: str) -> dict:
+def _second_agent(server, tokenizer, text: str, head: int = 0) -> dict:
     """Agent A reads ``text`` (dense), then agent B reads it behind its own prompt (reused); B's output.
 
     B's system prompt is in the tree first (an exact hit), so no stage is needed for it.
@@ -29,7 +29,7 @@ def _second_agent(server, tokenizer, text: str) -> dict:
     server.generate(input_ids=ids, custom_params=cp, max_new_tokens=1)
     ids, cp = warm_request(tokenizer, "analyst")
     server.generate(input_ids=ids, custom_params=cp, max_new_tokens=1)
-    ids, cp = agent_request(tokenizer, "analyst", text)
+    ids, cp = agent_request(tokenizer, "analyst", text, head=head)
     return server.generate(input_ids=ids, custom_params=cp, max_new_tokens=6, return_logprob=True,
                            top_logprobs_num=5)
 
@@ -48,11 +48,11 @@ def _query_len(tokenizer, text: str) -> int:
 
 def test_a_sparse_head_takes_one_forward_and_gives_the_staged_heads_output(server_pool, tokenizer):
     text = context(24, 3)
-    with reconfigured(shared_server(server_pool), recompute_head=8, sparse_extend=False) as server:
-        staged = _second_agent(server, tokenizer, text)
-    with reconfigured(shared_server(server_pool), recompute_head=8) as server:
+    with reconfigured(shared_server(server_pool), sparse_extend=False) as server:
+        staged = _second_agent(server, tokenizer, text, head=8)
+    with reconfigured(shared_server(server_pool)) as server:
         before = _counters(server)
-        sparse = _second_agent(server, tokenizer, text)
+        sparse = _second_agent(server, tokenizer, text, head=8)
         after = _counters(server)
     # Per phase in the stats (the server is shared: counted as differences).
     assert after.get("sparse_forwards", 0) - before.get("sparse_forwards", 0) == 1
@@ -91,8 +91,8 @@ def test_recomputing_every_row_in_the_sparse_extend_gives_the_dense_prefill(serv
 
 def test_a_recompute_ratio_sizes_the_head_by_the_segment(server_pool, tokenizer):
     text = context(30, 2)
-    with reconfigured(shared_server(server_pool), recompute_ratio=0.15, recompute_head=4) as server:
-        rep = report(_second_agent(server, tokenizer, text))
+    with reconfigured(shared_server(server_pool), recompute_ratio=0.15) as server:
+        rep = report(_second_agent(server, tokenizer, text, head=4))
     n = _query_len(tokenizer, text)
     rows = max(4, math.ceil(round(0.15 * n, 6)))
     assert rep["segments"][1]["head_recomputed"] == rows and rep["tokens_sparse_recomputed"] == rows
@@ -107,7 +107,7 @@ def test_input_logprobs_of_a_sparse_forward_are_those_of_the_requests_own_tokens
     def forced(server) -> list:
         for ids, cp in (agent_request(tokenizer, "solver", text), warm_request(tokenizer, "analyst")):
             server.generate(input_ids=ids, custom_params=cp, max_new_tokens=1)  # A's copy, B's prompt in place
-        ids, cp = agent_request(tokenizer, "analyst", text)
+        ids, cp = agent_request(tokenizer, "analyst", text, head=8)
         body = {"input_ids": ids, "return_logprob": True, "top_logprobs_num": 3, "logprob_start_len": len(ids) - 6,
                 "sampling_params": {"max_new_tokens": 1, "temperature": 0.0, "custom_params": cp}}
         resp = requests.post(server.url + "/generate", json=body, timeout=300)
@@ -116,9 +116,9 @@ def test_input_logprobs_of_a_sparse_forward_are_those_of_the_requests_own_tokens
         assert report(out)["segments"][1]["head_recomputed"] == 8
         return [[(t, round(lp, 3)) for lp, t, _ in pos] for pos in out["meta_info"]["input_top_logprobs"][1:]]
 
-    with reconfigured(shared_server(server_pool), recompute_head=8, sparse_extend=False) as server:
+    with reconfigured(shared_server(server_pool), sparse_extend=False) as server:
         staged = forced(server)
-    with reconfigured(shared_server(server_pool), recompute_head=8) as server:
+    with reconfigured(shared_server(server_pool)) as server:
         sparse = forced(server)
     assert len(sparse) == 5 and sparse == staged
 
