@@ -8,7 +8,7 @@ each read the question (shared slot ``query``) and the previous agent's answer
 request, what the server prefilled and what it reused (aligned or corrected)
 with the TTFT, then totals, writes them as JSON, and stops the server.
 
-It runs the best measured setting (docs/FIDELITY.md, "Which setting to run"):
+It runs the best measured setting (docs/USAGE.md, "Which setting to run"):
 ``fullshared`` with 15 % of each reused segment recomputed inside the request's
 one prefill forward (``--kvshare-recompute-ratio 0.15``).
 """

@@ -3,7 +3,7 @@
 Why a module of its own: ``benchmarks.fidelity`` runs the arms; this module
 holds what is specific to the head-recompute and plan-variant arms, so the harness stays one job.
 
-Head recompute (ALGORITHM.md 7, EPIC's "LegoLink"): of a reused segment
+Head recompute (docs/ALGORITHM.md, Head recompute; EPIC's "LegoLink"): of a reused segment
 ``[s, e)`` the first ``K`` tokens are prefilled densely behind the consumer's
 own prefix, the rest come from the re-aligned (and, in kvcmas, corrected)
 source. Causal attention makes a dense prefill of ``ids[:K]`` behind the

@@ -1,1 +1,1 @@
-"""One-off diagnostics behind docs/PROFILE.md and the design choices (not user benchmarks)."""
+"""One-off diagnostics behind docs/research/ and the design choices (not user benchmarks)."""

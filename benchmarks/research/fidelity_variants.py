@@ -154,7 +154,7 @@ def _wins(row: dict, base: dict) -> float:
 
 
 def line_ratio(row: dict, base: dict) -> float:
-    """KL of ``row`` over the random-mix line through ``base`` at ``row``'s reuse (ALGORITHM.md 7):
+    """KL of ``row`` over the random-mix line through ``base`` at ``row``'s reuse (docs/research/ALGORITHM_STUDY.md):
     a dense prefill of a random share of segments scales ``base``'s KL with the reuse kept. < 1: above the line."""
     if row["reuse_ratio"] <= 0 or not base["kl_mean"]:
         return float("inf")

@@ -8,7 +8,7 @@ longer head in rows (``recompute_head``, what the fidelity guard writes into
 the requests of a scope it tightens); *which* rows is a ``RowPolicy``. ``HEAD``, the segment's first rows,
 is the one policy served: the others measured (the rows a kvcmas correction
 moves most, the rows the prompt's tail reads) did no better on the live
-frontier (docs/STAGED_PREFILL.md; their offline study is
+frontier (docs/research/STAGED_PREFILL.md; their offline study is
 ``benchmarks.selection``). A better policy comes back as one class here,
 handed to the cache (``KVShareRadixCache(row_policy=...)``).
 

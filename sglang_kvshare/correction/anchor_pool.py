@@ -154,7 +154,7 @@ def observation_steps(spec: RopeSpec, config: PoolConfig, source_k: torch.Tensor
     Why a generator: the server's learner resumes each step on a fresh thread
     and waits for a lull in serving between steps on a thread that runs no
     torch op. A thread that has run torch's OpenMP ops slows the scheduler's
-    forward for as long as it lives, even asleep (docs/PROFILE.md, finding 1b),
+    forward for as long as it lives, even asleep (docs/research/PROFILE.md, finding 1b),
     so the pause must not happen inside a step's thread. Arguments are checked
     at the first ``next``.
     """

@@ -1,7 +1,7 @@
 """Anchor pools on disk: what a restarted kvcmas server loads so that it corrects from its first requests.
 
 Why: a slot's edge corrects only once its pool holds ``--kvshare-edge-anchors``
-contents for it (ALGORITHM.md section 7), and every anchor is a dense prefill
+contents for it (docs/research/ALGORITHM_STUDY.md), and every anchor is a dense prefill
 the server had to serve first. A restart loses all of them. Saving the pools
 (``POST /kvshare/save``) and loading them at launch (``--kvshare-pool-file``)
 carries the learned anchors over.

@@ -14,7 +14,7 @@ grows. ``reset`` bumps a generation and drains the queue, so observations
 queued before a reset never refill the pools after it.
 
 Throttles (on a machine with few cores the learner's SVDs share the cores
-with the forward and slow every request while it learns; docs/PROFILE.md):
+with the forward and slow every request while it learns; docs/research/PROFILE.md):
 * ``admit`` runs before the scheduler copies anything: an observation whose
   (content, edge) the pool already holds is skipped (it would only replace
   that delta: the pool has converged there), and one slot is observed at most
@@ -295,7 +295,7 @@ class Learner:
         threads than cores libgomp stops spinning at its barriers, so the
         forward pays a futex round trip per parallel region (an idle side
         thread: 263 -> 740 us on a small op mix, ``benchmarks.research.idle_torch_thread``;
-        docs/PROFILE.md, 1b). For the same reason the pauses wait here, not
+        docs/research/PROFILE.md, 1b). For the same reason the pauses wait here, not
         inside a step's thread. A thread per step costs microseconds.
         """
         beside = functools.partial(_in_own_thread, single=self.single_thread)

@@ -3,7 +3,7 @@
 Why: GNU libgomp gives every thread that runs a parallel region a team of
 worker threads, and once a process holds more OpenMP threads than cores it
 stops spinning at barriers, so every parallel region of the scheduler's
-forward pays for sleeping and waking its threads (docs/PROFILE.md, findings
+forward pays for sleeping and waking its threads (docs/research/PROFILE.md, findings
 1b-1d). A learner thread whose ops run single-threaded starts no team, so the
 scheduler's threads keep spinning and keep the cores, and the learner (at
 the lowest priority) gets what the forward leaves, about half as fast. Measured

@@ -15,7 +15,7 @@ scheduler process when SGLang builds the kvshare cache (``plugin``). A plain
 ``sglang.launch_server`` gets none of them.
 
 This module imports nothing from SGLang or from the rest of kvshare, so it is
-cheap to import and reads as a list; ``docs/ARCHITECTURE.md`` prints it.
+cheap to import and reads as a list; ``docs/UPGRADE.md`` prints it.
 """
 
 from __future__ import annotations

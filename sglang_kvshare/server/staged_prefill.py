@@ -21,7 +21,7 @@ chunked-prefill machinery, so nothing else in the scheduler changes:
   capped at the next stage end through SGLang's own ``chunked_req_limit``.
 
 Cost of a stage: one more scheduling round and forward pass for the request
-(measured in ``benchmarks.chain_ttft``; see docs/STAGED_PREFILL.md). A
+(measured in ``benchmarks.chain_ttft``; see docs/research/STAGED_PREFILL.md). A
 recomputed head needs no stage where the sparse extend runs
 (``server/sparse_extend.py``); a segment that cannot be reused still does.
 

@@ -1,4 +1,4 @@
-"""Staged prefill and head recompute on fake pools (docs/STAGED_PREFILL.md).
+"""Staged prefill and head recompute on fake pools (docs/ALGORITHM.md, Staged prefill).
 
 ``MiniScheduler`` cuts the prefill where ``kvshare_stage_end`` asks and calls
 ``kvshare_resume`` between chunks, as the scheduler hooks do in a server.

@@ -1,7 +1,7 @@
 """The learner's throttles: a known (content, edge) is skipped, a slot's rate is capped, the worker pauses.
 
 Why these matter: on a 2-core machine the learner's SVDs make every request
-of a kvcmas server slower while it learns (docs/PROFILE.md, finding 1). Each test would fail if a
+of a kvcmas server slower while it learns (docs/research/PROFILE.md, finding 1). Each test would fail if a
 throttle were missing: an observation the pool already holds copied again, a
 slot observed twice inside its interval, a worker that never pauses.
 """
