@@ -4,7 +4,8 @@ README, docs/ and every source file (comments and docstrings included) state
 what is true now. Development rounds ("session 12"), tracker numbers ("issue
 14") and dated timing logs belong to git log; a results table may name the
 date of its measurement, and only docs/RESULTS.md (generated from the results
-JSON) holds such tables.
+JSON) holds such tables. The reference docs keep to a line budget, and every
+relative link in README and docs/ reaches a file and heading that exist.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 README_MAX_LINES = 300
+# docs/*.md are user reference (study logs live in docs/research/); docs/RESULTS.md is generated and not counted.
+DOCS_MAX_LINES = 1350
 
 PROCESS_WORDS = re.compile(r"\bsessions? \d+|\bs1\d\b|\bissues? #?\d+|\bissue-\d+|before this change",
                            re.IGNORECASE)
@@ -47,6 +50,52 @@ def test_no_process_words(path):
 def test_readme_is_short():
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines; move detail to docs/"
+
+
+def test_the_reference_docs_stay_within_their_budget():
+    docs = [p for p in sorted((ROOT / "docs").glob("*.md")) if p not in GENERATED]
+    lines = sum(len(p.read_text().splitlines()) for p in docs)
+    assert lines <= DOCS_MAX_LINES, f"docs/*.md have {lines} lines; state each fact once, move studies to docs/research/"
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^```.*?^```", re.DOTALL | re.MULTILINE)
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's id for a heading: lower case, punctuation dropped, spaces to dashes."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    return {_anchor(line.lstrip("#")) for line in FENCE.sub("", path.read_text()).splitlines() if line.startswith("#")}
+
+
+def _broken_links(path: Path) -> list[str]:
+    broken = []
+    for target in LINK.findall(FENCE.sub("", path.read_text())):
+        if target.startswith(("http://", "https://", "mailto:")):
+            continue
+        file, _, fragment = target.partition("#")
+        resolved = (path.parent / file).resolve() if file else path
+        if not resolved.exists():
+            broken.append(target)
+        elif fragment and resolved.suffix == ".md" and fragment not in _anchors(resolved):
+            broken.append(target)
+    return broken
+
+
+@pytest.mark.parametrize("path", [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_resolves(path):
+    assert _broken_links(path) == []
+
+
+def test_the_link_check_catches_a_moved_file_and_a_renamed_heading(tmp_path):
+    (tmp_path / "A.md").write_text("# Title\n\n## Which setting to run\n")
+    page = tmp_path / "B.md"
+    page.write_text("[ok](A.md#which-setting-to-run) [gone](OLD.md) [renamed](A.md#settings)\n```\n[code](X.md)\n```\n")
+    assert _broken_links(page) == ["OLD.md", "A.md#settings"]
 
 
 def test_the_checks_catch_planted_words():
