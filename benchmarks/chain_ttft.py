@@ -19,13 +19,13 @@ one at a time) and per repeat (a new content each time):
   compares like with like (the target: at most 1.10x); ``--probe-gap`` spaces
   them (back to back is steady load; a gap is a lull the learner may use).
 
-Arms: ``off``, ``fullshared``, ``kvcmas``, ``stock`` (``sglang.launch_server``
-with SGLang's default cache: is ``off`` free?), ``MODE:K`` for
-``--kvshare-recompute-head K`` (recomputed inside the one prefill forward, the
-sparse extend; ``MODE:K@sparse-extend=false`` stages it, one extra forward per
-reused segment: the stage cost is the difference), and ``ARM@name=value,...``
-for more settings (``kvcmas@learn-yield-s=0``, ``fullshared@recompute-ratio=0.15``; a
-setting without a flag goes into a ``--kvshare-config`` file).
+Arms: ``off``, ``fullshared``, ``kvcmas`` (each with the server's defaults
+otherwise: 15 % of each reused segment recomputed inside the one prefill
+forward), ``stock`` (``sglang.launch_server`` with SGLang's default cache: is
+``off`` free?), and ``ARM@name=value,...`` for other settings
+(``fullshared@recompute-ratio=0``, ``kvcmas@learn-yield-s=0``;
+``@sparse-extend=false`` stages each head, one extra forward per reused
+segment; a setting without a flag goes into a ``--kvshare-config`` file).
 ``kvcmas`` learns on its background thread (the serving default) from
 ``--warm`` chains; the measured repeats start once that learning is done
 (``wait_learning``, at most 300 s); the probes run before it.
@@ -110,11 +110,10 @@ def probe_dense(url: str, tok, length: int, n: int, gap_s: float = 0.0) -> list[
 
 
 def arm_launch(arm: str, tau: float) -> tuple[str, list[str]]:
-    """An arm's mode and extra kvshare launch arguments: ``MODE[:K][@name=value,...]``, each name a setting
+    """An arm's mode and extra kvshare launch arguments: ``MODE[@name=value,...]``, each name a setting
     (docs/CONFIGURATION.md, dashes for underscores); one without a flag goes into a ``--kvshare-config`` file."""
-    arm, _, flags = arm.partition("@")
-    mode, _, head = arm.partition(":")
-    settings: dict = {"tau": tau, **({"recompute_head": int(head)} if head else {})}
+    mode, _, flags = arm.partition("@")
+    settings: dict = {"tau": tau}
     for flag in filter(None, flags.split(",")):  # ``kvcmas@learn-yield-s=0``: one more setting
         name, sep, value = flag.partition("=")
         key = name.replace("-", "_")
@@ -140,7 +139,7 @@ def summary(values: list[float]) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.chain_ttft", description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
-    ap.add_argument("--arms", nargs="+", default=["stock", "off", "fullshared", "kvcmas", "fullshared:8"])
+    ap.add_argument("--arms", nargs="+", default=["stock", "off", "fullshared", "kvcmas", "fullshared@recompute-ratio=0"])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warm", type=int, default=3, help="chains kvcmas learns from before the measured ones")
     ap.add_argument("--tau", type=float, default=0.3)

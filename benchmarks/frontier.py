@@ -62,6 +62,7 @@ from tqdm import tqdm
 
 from benchmarks import frontier_metrics as fm
 from benchmarks.harness import RESULTS, machine, run_meta, stream_generate, write_json
+from benchmarks.workloads.role_set import draw
 from sglang_kvshare.protocol import Segment
 from sglang_kvshare.frontend.builder import BuiltRequest, Piece, assemble
 
@@ -77,6 +78,8 @@ class Arm:
     recompute_head: int = 0
     mix_p: Optional[float] = None  # random-mix share of consumer shared segments prefilled densely
     recompute_ratio: float = 0.0  # --kvshare-recompute-ratio: the share of each reused segment recomputed
+    min_reuse: int = 0  # --kvshare-min-reuse-tokens: shorter shared segments are prefilled
+    plain: bool = False  # a launch with no kvshare option: the server's defaults (``default_arm``)
 
     @property
     def policy(self) -> str:
@@ -84,10 +87,21 @@ class Arm:
         return "head" if self.recompute_head or self.recompute_ratio else "none"
 
     def server_args(self) -> list[str]:
+        """The arm's launch options; ``recompute_head`` goes in each request's annotation (a per-request floor)."""
+        if self.plain:
+            return []
         if self.mode == "off":
             return ["--kvshare-mode", "off"]
-        return ["--kvshare-mode", self.mode, "--kvshare-recompute-head", str(self.recompute_head),
-                "--kvshare-recompute-ratio", str(self.recompute_ratio)]
+        return ["--kvshare-mode", self.mode, "--kvshare-recompute-ratio", str(self.recompute_ratio),
+                "--kvshare-min-reuse-tokens", str(self.min_reuse)]
+
+
+def default_arm() -> Arm:
+    """The plain launch: what a user who sets nothing gets (its values recorded from the config's defaults)."""
+    from sglang_kvshare.config import KVShareConfig
+
+    d = KVShareConfig()
+    return Arm("default", d.mode, 0, None, d.recompute_ratio, d.min_reuse_tokens, plain=True)
 
 
 def default_arms(heads: Sequence[int], mix: Sequence[float], noise_floor: bool = False,
@@ -101,6 +115,7 @@ def default_arms(heads: Sequence[int], mix: Sequence[float], noise_floor: bool =
     arms += [Arm(f"kvcmas_k{k}", "kvcmas", k) for k in heads]
     arms += [Arm(f"fullshared_k{k}", "fullshared", k) for k in heads if k != 0]
     arms += [Arm(f"{mode}_r{r:g}", mode, 0, None, r) for mode in ("fullshared", "kvcmas") for r in ratios]
+    arms.append(default_arm())
     if noise_floor:
         # A second off server, same samples and the same request history: bit-identical on this
         # CPU server. It does not show the float32 floor of another history (a kvshare server
@@ -128,11 +143,14 @@ def system_header(system: str) -> str:
     return f"<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n"
 
 
-def retrieval_program(sample, enc, max_tokens: int) -> Program:
+def retrieval_program(sample, enc, max_tokens: int, roles: Optional[str] = None) -> Program:
+    """Four agents look up one key each in the shared document; ``roles``: a split of
+    ``workloads.role_set`` drawn per sample, or None for the task's own roles."""
     from benchmarks.workloads.retrieval import ROLES, answer_prefix, question
 
     doc = enc(sample.document)
-    for i, (role, lookup) in enumerate(zip(ROLES, sample.lookups)):
+    agents = ROLES if roles is None else draw(roles, sample.id, len(ROLES))
+    for i, (role, lookup) in enumerate(zip(agents, sample.lookups)):
         yield Call(role.name, i + 1, (
             Piece("private", None, enc(system_header(role.system))),
             Piece("shared", "doc", doc),
@@ -140,22 +158,25 @@ def retrieval_program(sample, enc, max_tokens: int) -> Program:
         ), max_tokens)
 
 
-def refer_program(task, sample, enc, max_tokens: int) -> Program:
-    """GSM8K / HumanEval ``refer``: the roles read the query; the final agent reads query + answers."""
+def refer_program(task, sample, enc, max_tokens: int, roles: Optional[str] = None) -> Program:
+    """GSM8K / HumanEval ``refer``: the roles read the query; the final agent reads query + answers.
+    ``roles``: a split of ``workloads.role_set`` drawn per sample (the final agent too), or None."""
     query = enc(sample.query)
     answers = []
-    for i, role in enumerate(task.roles):
+    agents = (*task.roles, task.final) if roles is None else draw(roles, sample.id, len(task.roles) + 1)
+    workers, final = agents[:-1], agents[-1]
+    for i, role in enumerate(workers):
         out = yield Call(role.name, i + 1, (
             Piece("private", None, enc(system_header(role.system))),
             Piece("shared", "query", query),
             Piece("private", None, enc(f"\n\n{task.instruction}{END_USER}")),
         ), max_tokens, output_slot=f"out:{role.name}")
         answers.append((role, out))
-    pieces = [Piece("private", None, enc(system_header(task.final.system))), Piece("shared", "query", query)]
+    pieces = [Piece("private", None, enc(system_header(final.system))), Piece("shared", "query", query)]
     for role, out in answers:
         pieces += [Piece("private", None, enc(f"\n\n{role.title} said:\n")), Piece("shared", f"out:{role.name}", out)]
     pieces.append(Piece("private", None, enc(f"\n\n{task.final_instruction}{END_USER}")))
-    yield Call(task.final.name, len(task.roles) + 1, tuple(pieces), max_tokens)
+    yield Call(final.name, len(workers) + 1, tuple(pieces), max_tokens)
 
 
 def mixed(call: Call, arm: Arm, sample_id: str, seed: int) -> tuple[Piece, ...]:
@@ -180,7 +201,8 @@ def build(call: Call, arm: Arm, sample_id: str, seed: int, tail: Sequence[Piece]
     built = assemble(call.agent, (*mixed(call, arm, sample_id, seed), *tail), output_slot)
     segments = tuple(s.model_copy(update={"reuse": False}) if s.kind == "shared" and fm.is_fresh_slot(s.slot) else s
                      for s in built.annotation.segments)
-    return BuiltRequest(built.input_ids, built.annotation.model_copy(update={"segments": segments}))
+    update: dict = {"segments": segments, **({"recompute_head": arm.recompute_head} if arm.recompute_head else {})}
+    return BuiltRequest(built.input_ids, built.annotation.model_copy(update=update))
 
 
 class Runner:
@@ -267,7 +289,7 @@ class TaskSpec:
     score_rows: Callable[[object, list[dict], Callable], list[dict]]  # one scored item per final answer
 
 
-def _retrieval_spec(seed: int) -> TaskSpec:
+def _retrieval_spec(seed: int, roles: Optional[str] = None, facts: Optional[int] = None) -> TaskSpec:
     from benchmarks.workloads import retrieval as rt
 
     def score_rows(sample, rows, decode):
@@ -280,11 +302,11 @@ def _retrieval_spec(seed: int) -> TaskSpec:
                           "consumer": row["position"] > 1})
         return items
 
-    return TaskSpec("retrieval", lambda limit, offset: rt.load(limit, offset, seed),
-                    lambda smp, enc, mt: retrieval_program(smp, enc, mt), score_rows)
+    return TaskSpec("retrieval", lambda limit, offset: rt.load(limit, offset, seed, facts or rt.FACTS),
+                    lambda smp, enc, mt: retrieval_program(smp, enc, mt, roles), score_rows)
 
 
-def _refer_spec(name: str) -> TaskSpec:
+def _refer_spec(name: str, roles: Optional[str] = None) -> TaskSpec:
     from benchmarks.workloads.tasks import TASKS as WTASKS
 
     task = WTASKS[name]
@@ -299,7 +321,7 @@ def _refer_spec(name: str) -> TaskSpec:
                  "correct": correct, "consumer": True}]
 
     return TaskSpec(name, lambda limit, offset: task.load(limit, offset),
-                    lambda smp, enc, mt: refer_program(task, smp, enc, mt), score_rows)
+                    lambda smp, enc, mt: refer_program(task, smp, enc, mt, roles), score_rows)
 
 
 # Warm-up samples sit this far past the scored ones in a task's own order (GSM8K: 550-557 for
@@ -330,11 +352,13 @@ def load_warmup(spec: TaskSpec, limit: int, warmup: int) -> list:
     return rest[-warmup:]
 
 
-def task_spec(name: str, seed: int) -> TaskSpec:
+def task_spec(name: str, seed: int, roles: Optional[str] = None, facts: Optional[int] = None) -> TaskSpec:
+    """The task's samples, program and scoring; ``roles``: a ``role_set`` split instead of the task's own
+    roles; ``facts``: the retrieval document's length in facts."""
     if name == "retrieval":
-        return _retrieval_spec(seed)
+        return _retrieval_spec(seed, roles, facts)
     if name in ("gsm8k", "humaneval"):
-        return _refer_spec(name)
+        return _refer_spec(name, roles)
     raise ValueError(f"unknown task {name!r}; choose from {TASKS}")
 
 
@@ -432,7 +456,7 @@ def summarize_arm(run: dict, off: dict, spec: TaskSpec, samples, decode) -> dict
     acc_off = [1.0 if b["correct"] else 0.0 for _, b in cons]
     return {
         "arm": arm.name, "mode": arm.mode, "recompute_head": arm.recompute_head, "random_mix_p": arm.mix_p,
-        "policy": arm.policy, "recompute_ratio": arm.recompute_ratio,
+        "policy": arm.policy, "recompute_ratio": arm.recompute_ratio, "min_reuse_tokens": arm.min_reuse,
         "forwards_per_request": _forwards_per_request(run["raw"]),
         "reuse_ratio": reuse["ratio"], "shared_tokens": reuse["shared"], "shared_tokens_reused": reuse["reused"],
         "tokens_head_recomputed": reuse["head"],
@@ -785,6 +809,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--arms", default=None, help="comma-separated subset of arm names (off is always run)")
     ap.add_argument("--noise-floor", action="store_true", help="add off_repeat: a second off server")
     ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--roles", choices=("project", "dev", "heldout"), default="project",
+                    help="the task's own roles, or a split of benchmarks.workloads.role_set drawn per sample "
+                         "(choose settings on dev, check them once on heldout)")
+    ap.add_argument("--facts", type=int, default=None,
+                    help="retrieval: facts in the shared document (about 10 tokens each; default 12)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--out-dir", default=str(RESULTS))
@@ -823,7 +852,7 @@ def selected_arms(args: argparse.Namespace) -> list[Arm]:
 
 
 def run_task(name: str, args, tok, argv_used: Sequence[str]) -> dict:
-    spec = task_spec(name, args.seed)
+    spec = task_spec(name, args.seed, None if args.roles == "project" else args.roles, args.facts)
     limit = args.limit or (100 if name == "retrieval" else 50)
     max_tokens = args.max_tokens or (8 if name == "retrieval" else 128)
     samples = spec.load(limit, 0)
@@ -835,7 +864,8 @@ def run_task(name: str, args, tok, argv_used: Sequence[str]) -> dict:
            "model_path": args.model_path, "task": name,
            "workflow": "retrieval: 4 agents, one lookup each" if name == "retrieval" else "refer, 3 roles + final",
            "samples": len(samples), "warmup_samples": len(warm), "max_tokens": max_tokens,
-           "concurrency": args.concurrency, "seed": args.seed, "top_k": TOP_K,
+           "concurrency": args.concurrency, "seed": args.seed, "top_k": TOP_K, "roles": args.roles,
+           "facts": args.facts if name == "retrieval" else None,
            "random_mix": {"p": args.mix, "endpoints": "p=0 is fullshared_k0, p=1 is off",
                           "how": "client-side: a dense segment gets a fresh slot name (no source), marked reuse: false"},
            "definitions": {

@@ -40,6 +40,8 @@ ROLES = (
          "You are a radio operator. Look up the requested code in the list and read it back."),
 )
 AGENTS = len(ROLES)
+# Keys of longer documents (past len(KEYS) facts): two words, so a 1K-token document still has distinct keys.
+PAIRED_KEYS = tuple(f"{a} {b}" for a in KEYS for b in KEYS if a != b)
 
 
 @dataclass(frozen=True)
@@ -69,18 +71,19 @@ def make_sample(index: int, seed: int = 0, facts: int = FACTS, agents: int = AGE
     """
     if not 1 <= agents <= min(facts, len(ROLES)):
         raise ValueError(f"agents must be in [1, {min(facts, len(ROLES))}], got {agents}")
-    if facts > len(KEYS):
-        raise ValueError(f"at most {len(KEYS)} facts (distinct keys), got {facts}")
-    rng = random.Random(f"retrieval/{seed}/{index}")
-    keys = rng.sample(KEYS, facts)
+    if facts > len(PAIRED_KEYS):
+        raise ValueError(f"at most {len(PAIRED_KEYS)} facts (distinct keys), got {facts}")
+    rng = random.Random(f"retrieval/{seed}/{index}" + (f"/{facts}" if facts > len(KEYS) else ""))
+    keys = rng.sample(KEYS if facts <= len(KEYS) else PAIRED_KEYS, facts)
     values = rng.sample(range(1000, 10000), facts)
     table = tuple(Lookup(k, str(v)) for k, v in zip(keys, values))
     asked = tuple(table[i] for i in rng.sample(range(facts), agents))
     return RetrievalSample(id=f"retrieval/{seed}/{index}", facts=table, lookups=asked)
 
 
-def load(limit: int, offset: int = 0, seed: int = 0) -> list[RetrievalSample]:
-    return [make_sample(i, seed) for i in range(offset, offset + limit)]
+def load(limit: int, offset: int = 0, seed: int = 0, facts: int = FACTS) -> list[RetrievalSample]:
+    """Samples ``offset .. offset + limit``; ``facts`` sets the document's length (about 10 tokens a fact)."""
+    return [make_sample(i, seed, facts) for i in range(offset, offset + limit)]
 
 
 def question(key: str) -> str:

@@ -32,12 +32,13 @@ def test_derive_ratios_against_floor_and_off():
     assert results["arms"]["off"]["100"]["agent1_vs_off"]["median"] == 1.0
 
 
-def test_an_arm_names_its_mode_head_and_extra_flags():
+def test_an_arm_names_its_mode_and_extra_flags():
     assert arm_launch("kvcmas", 0.3) == ("kvcmas", ["--kvshare-tau", "0.3"])
-    assert arm_launch("fullshared:8", 0.3) == ("fullshared", ["--kvshare-tau", "0.3", "--kvshare-recompute-head", "8"])
-    mode, extra = arm_launch("kvcmas:8@learn-yield-s=0,learn-cpu-share=1,edge-anchors=4", 0.3)
+    assert arm_launch("fullshared@recompute-ratio=0", 0.3) == (
+        "fullshared", ["--kvshare-tau", "0.3", "--kvshare-recompute-ratio", "0.0"])
+    mode, extra = arm_launch("kvcmas@learn-yield-s=0,learn-cpu-share=1,edge-anchors=4,recompute-ratio=0.3", 0.3)
     config, _ = parse_kvshare(["--kvshare-mode", mode, *extra])  # the learner's settings travel in a config file
-    assert (config.learn_yield_s, config.learn_cpu_share, config.edge_anchors, config.recompute_head) == (0, 1, 4, 8)
+    assert (config.learn_yield_s, config.learn_cpu_share, config.edge_anchors, config.recompute_ratio) == (0, 1, 4, 0.3)
     assert "--kvshare-config" in extra and "--kvshare-edge-anchors" in extra
     with pytest.raises(ValueError, match="not a kvshare setting"):
         arm_launch("kvcmas@learn-yeld-s=0", 0.3)

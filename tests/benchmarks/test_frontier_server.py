@@ -29,8 +29,8 @@ def test_frontier_retrieval_off_and_fullshared(tmp_path, server_pool):
             requests.post(server.url + "/flush_cache", timeout=120).raise_for_status()
             yield server.url
             return
-        with reconfigured(shared_server(server_pool), mode=arm.mode, recompute_head=arm.recompute_head,
-                          recompute_ratio=arm.recompute_ratio) as server:
+        with reconfigured(shared_server(server_pool), mode=arm.mode,
+                          recompute_ratio=arm.recompute_ratio, min_reuse_tokens=arm.min_reuse) as server:
             yield server.url
 
     frontier.main(["--task", "retrieval", "--limit", "2", "--warmup", "0", "--heads", "0", "--mix",

@@ -52,3 +52,31 @@ def test_run_summary_counts_reuse_fallbacks_and_ttft():
     other = [{**results[0], "answer": "4", "final": "y"}]
     assert agreement("gsm8k", results, other)["final_answer_agreement"] == 0.0
     assert agreement("humaneval", results, other)["final_answer_agreement"] == 1.0
+
+
+def test_the_role_set_splits_24_distinct_roles_and_draws_them_per_sample():
+    from benchmarks.workloads.role_set import DEV, HELDOUT, draw
+
+    names = [r.name for r in DEV + HELDOUT]
+    assert len(DEV) == len(HELDOUT) == 12 and len(set(names)) == 24
+    assert not {r.system for r in DEV} & {r.system for r in HELDOUT}
+    lengths = sorted(len(r.system) for r in HELDOUT)
+    assert lengths[0] < 40 and lengths[-1] > 200  # one line to a paragraph in each half
+    first = draw("heldout", "gsm8k/3", 4)
+    assert first == draw("heldout", "gsm8k/3", 4) and len(set(first)) == 4 and set(first) <= set(HELDOUT)
+    assert {draw("dev", f"s/{i}", 4) for i in range(20)} != {draw("dev", "s/0", 4)}  # roles rotate over samples
+
+
+def test_a_frontier_program_on_a_split_reads_only_that_splits_roles_and_a_longer_document():
+    from benchmarks.frontier import task_spec
+    from benchmarks.workloads.role_set import HELDOUT
+
+    spec = task_spec("retrieval", 0, "heldout", 68)
+    sample = spec.load(1, 0)[0]
+    assert len(sample.facts) == 68 and len({f.key for f in sample.facts}) == 68
+    calls = list(spec.program(sample, lambda text: [ord(c) for c in text], 8))
+    assert {c.agent for c in calls} <= {r.name for r in HELDOUT} and len({c.agent for c in calls}) == 4
+    gsm = task_spec("gsm8k", 0, "dev")
+    program = gsm.program(gsm.load(1, 0)[0], lambda text: [ord(c) for c in text], 8)
+    agents = [next(program).agent] + [program.send([1, 2]).agent for _ in range(3)]
+    assert len(set(agents)) == 4 and "final" not in agents
