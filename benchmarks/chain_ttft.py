@@ -172,10 +172,11 @@ def main(argv=None) -> int:
             per_len = {}
             for length in args.lengths:
                 cell: dict = {}
+                warm = []
                 if arm.startswith("kvcmas") or args.probe:  # every arm warms alike when it is probed
                     for w in range(args.warm):
-                        run_chain(server.url, tok, context_tokens(tok, length, seed=1000 + 10 * length + w),
-                                  floor=False)
+                        warm.append(run_chain(server.url, tok, context_tokens(tok, length, seed=1000 + 10 * length + w),
+                                              floor=False))
                 if args.probe:
                     cell["while_learning"] = probe_dense(server.url, tok, length, args.probe, args.probe_gap)
                 if arm.startswith("kvcmas"):
@@ -185,7 +186,12 @@ def main(argv=None) -> int:
                     reps.append(run_chain(server.url, tok, context_tokens(tok, length, seed=length + 7 * r),
                                           floor=True))
                     bar.update()
-                per_len[str(length)] = {**cell, "repeats": reps}
+                # Per content in the order served (warm chains, then the measured ones): the share of agents
+                # 2-4's shared tokens reused; a kvcmas server prefills contents densely while its pools learn.
+                chain_reuse = [round(sum(c[a]["shared_tokens_reused"] for a in LATER) / (length * len(LATER)), 3)
+                               for c in warm + reps]
+                per_len[str(length)] = {**cell, "repeats": reps, "chain_reuse": chain_reuse,
+                                        "contents_dense": sum(r == 0 for r in chain_reuse)}
             results["arms"][arm] = per_len
             if arm != "stock":  # where the server's time went, and what the learner kept or dropped
                 stats = requests.get(server.url + "/kvshare/stats", timeout=30).json()
