@@ -445,6 +445,13 @@ def summarize_arm(run: dict, off: dict, spec: TaskSpec, samples, decode) -> dict
         reuse["ratio"] = 0.0
     tf_rows = [fm.compare_positions(off["tf"][job]["tops"], run["tf"][job]["tops"]) for job in run["tf"]]
     tf = fm.pooled(tf_rows)
+    per_sample = [[0, 0.0, 0.0] for _ in samples]  # (positions, top-1 hits, KL sum) per sample: line intervals
+    for job, row in zip(run["tf"], tf_rows):
+        if row["positions"]:
+            acc_ = per_sample[job[0]]
+            acc_[0] += row["positions"]
+            acc_[1] += row["top1"] * row["positions"]
+            acc_[2] += row["kl"] * row["positions"]
     tf_jobs = [(off["raw"][job[0]][job[1]]["agent"], job[0]) for job in run["tf"]]
     # Self-check of the reference: off's teacher-forced top-1 against its own greedy continuation.
     greedy = [fm.argmax(top) == tok_id for job, t in run["tf"].items()
@@ -465,6 +472,7 @@ def summarize_arm(run: dict, off: dict, spec: TaskSpec, samples, decode) -> dict
         "agreement_final": fm.statistics.fmean(1.0 if a["answer"] == b["answer"] else 0.0 for a, b in cons),
         "identical_text": fm.statistics.fmean(1.0 if a["text"] == b["text"] else 0.0 for a, b in cons),
         "teacher_forced_top1": tf["top1"], "teacher_forced_kl": tf["kl"], "teacher_forced_positions": tf["positions"],
+        "teacher_forced_per_sample": per_sample,
         "teacher_forced_per_agent": per_agent(tf_jobs, tf_rows),
         "reuse_per_agent": reuse_per_agent(run["raw"]),
         "teacher_forced_reuse_ratio": tf_reused / tf_shared if tf_shared else (0.0 if arm.mode == "off" else None),
@@ -561,6 +569,17 @@ def add_line_gaps(arms: dict) -> None:
         a["random_mix_top1_at_same_reuse"] = tline
         a["top1_above_random_mix"] = None if tline is None or a["teacher_forced_top1"] is None \
             else a["teacher_forced_top1"] - tline
+        kpts = [(x["reuse_ratio"] or 0.0, x.get("teacher_forced_kl")) for name, x in arms.items() if on_mix_line(name, x)]
+        kline = fm.interpolate(kpts, a["reuse_ratio"] or 0.0) if all(y is not None for _, y in kpts) else None
+        a["random_mix_kl_at_same_reuse"] = kline
+        a["kl_below_random_mix"] = None if kline is None or a.get("teacher_forced_kl") is None \
+            else kline - a["teacher_forced_kl"]
+    if all("teacher_forced_per_sample" in a for a in arms.values()):
+        tf_ci = fm.tf_line_gap_intervals({name: a["teacher_forced_per_sample"] for name, a in arms.items()},
+                                         {name: a["reuse_ratio"] or 0.0 for name, a in arms.items()},
+                                         [name for name, a in arms.items() if on_mix_line(name, a)])
+        for name, a in arms.items():
+            a["teacher_forced_line_gap_ci95"] = tf_ci[name]
     off = arms.get("off")
     if off is None or "per_item" not in off or any("per_item" not in a for a in arms.values()):
         return

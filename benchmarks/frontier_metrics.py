@@ -172,6 +172,45 @@ def line_gap_intervals(agree: Mapping[str, Sequence[float]], reuse: Mapping[str,
     return out
 
 
+def tf_line_gap_intervals(per_sample: Mapping[str, Sequence[Sequence[float]]], reuse: Mapping[str, float],
+                          line: Sequence[str], reps: int = 1000, seed: int = 0) -> dict[str, Optional[dict]]:
+    """95 % intervals of each arm's teacher-forced gap to the random-mix line: top-1 above it, KL below it.
+
+    ``per_sample[arm][i]`` = (positions, top-1 hits, KL sum) of sample ``i``, the same samples in every arm.
+    Samples (not positions) are resampled, jointly for all arms, since the positions of one sample move
+    together; as in ``line_gap_intervals`` the reuse ratios stay fixed. None outside the line's range.
+    """
+    names = list(per_sample)
+    n = len(next(iter(per_sample.values()), []))
+    if any(len(v) != n for v in per_sample.values()):
+        raise ValueError("every arm must cover the same samples")
+    if n == 0 or not line:
+        return {name: None for name in names}
+    rng = random.Random(seed)
+    gaps: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in names}
+    for _ in range(reps):
+        idx = [rng.randrange(n) for _ in range(n)]
+        top1, kl = {}, {}
+        for name in names:
+            pos = sum(per_sample[name][i][0] for i in idx) or 1
+            top1[name] = sum(per_sample[name][i][1] for i in idx) / pos
+            kl[name] = sum(per_sample[name][i][2] for i in idx) / pos
+        t_line = [(reuse[m], top1[m]) for m in line]
+        k_line = [(reuse[m], kl[m]) for m in line]
+        for name in names:
+            ty, ky = interpolate(t_line, reuse[name]), interpolate(k_line, reuse[name])
+            if ty is not None and ky is not None:
+                gaps[name][0].append(top1[name] - ty)
+                gaps[name][1].append(ky - kl[name])
+
+    def ci(g: list[float]) -> list[float]:
+        g = sorted(g)
+        return [g[int(0.025 * (len(g) - 1))], g[int(round(0.975 * (len(g) - 1)))]]
+
+    return {name: ({"top1_above": ci(gaps[name][0]), "kl_below": ci(gaps[name][1])} if gaps[name][0] else None)
+            for name in names}
+
+
 def spread(values: Sequence[float]) -> dict:
     """Median and the 10th / 90th percentiles (nearest rank)."""
     vals = sorted(v for v in values if v is not None)

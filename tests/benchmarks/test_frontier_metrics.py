@@ -384,3 +384,19 @@ def test_warmup_samples_exist_and_are_never_scored_ones():
     assert [s.id for s in fr.load_warmup(gsm, 50, 8)] == [f"gsm8k/{i}" for i in range(550, 558)]
     ret = fr.task_spec("retrieval", 0)
     assert [s.id for s in fr.load_warmup(ret, 100, 2)] == [s.id for s in rt.load(2, 100_000, 0)]
+
+
+def test_teacher_forced_line_intervals_resample_samples_jointly():
+    from benchmarks.frontier_metrics import tf_line_gap_intervals
+
+    # off: exact; fullshared K=0: 10 of 100 positions wrong, KL 0.01 a position; the arm at half reuse: 2 wrong
+    # (above the line's 5 at that reuse), KL 0.002 (below the line's 0.005).
+    per = {"off": [[10, 10.0, 0.0]] * 10, "fullshared_k0": [[10, 9.0, 0.1]] * 10,
+           "arm": [[10, 9.0, 0.02]] * 2 + [[10, 10.0, 0.02]] * 8}
+    ci = tf_line_gap_intervals(per, {"off": 0.0, "fullshared_k0": 1.0, "arm": 0.5}, ["off", "fullshared_k0"])
+    lo, hi = ci["arm"]["top1_above"]
+    assert -1e-9 <= lo <= 0.03 <= hi <= 0.05 + 1e-9  # 0.98 against the line's 0.95; the 2 bad samples resampled
+    assert abs(ci["arm"]["kl_below"][0] - 0.003) < 1e-9 and abs(ci["arm"]["kl_below"][1] - 0.003) < 1e-9
+    assert ci["off"]["top1_above"] == [0.0, 0.0]
+    with pytest.raises(ValueError):
+        tf_line_gap_intervals({"a": [[1, 1.0, 0.0]], "b": []}, {"a": 0.0, "b": 1.0}, ["a", "b"])
