@@ -27,16 +27,20 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import re
 import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from benchmarks.serving_digest import serving_digest
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 DOC = ROOT / "docs" / "RESULTS.md"
 PLOTS = ROOT / "docs" / "results"
+DETAIL = ROOT / "docs" / "research" / "RESULTS_DETAIL.md"
 TEXT_META = "# meta: "
 
 
@@ -96,9 +100,53 @@ def meta_line(meta: dict) -> str:
     """Where, when, from which code and with which command a file was measured."""
     rev = meta.get("git_revision") or "-"
     dirty = " (uncommitted changes)" if meta.get("git_dirty") else ""
+    digest = meta.get("serving_digest")
+    code = f"serving digest `{digest[:12]}`" if digest else "no serving digest"
     how = (" Date and revision: the commit that recorded the file." if meta.get("backfilled") else "")
-    return (f"Measured on {hardware(meta)}, {date_of(meta)}, revision `{rev[:10]}`{dirty}; "
-            f"command: `{meta.get('command', '-')}`.{how}")
+    return (f"Measured on {hardware(meta)}, {date_of(meta)}, revision `{rev[:10]}`{dirty}, {code}, by "
+            f"`{meta.get('command', '-')}`.{how}")
+
+
+# ------------------------------------------------------------------ freshness
+CHANGED = "serving code changed since"
+NO_DIGEST = "measured before digests were recorded"
+PARTS_DIFFER = "parts measured on different serving code"
+MARK = re.compile(r"(?: - )?\*\*stale\*\* \((?:" + "|".join(map(re.escape, (CHANGED, NO_DIGEST, PARTS_DIFFER)))
+                  + r")\)|(?<=\| )fresh(?= \|)")
+"""Every freshness mark the report writes (``cell_mark``, ``header_mark``): ``--check`` compares the documents
+with them taken out, so a change of the serving code alone does not fail it (``--check-fresh`` does that)."""
+LEGEND = (f"Code: `fresh` = measured on the serving code of this tree (`benchmarks/serving_digest.py`); **stale** = "
+          f"{CHANGED}, {NO_DIGEST}, or {PARTS_DIFFER} (a merged or pooled file); "
+          "`python -m benchmarks.report --check-fresh` names the commands that measure a stale row again.")
+
+
+def freshness(data: dict, tree: str) -> Optional[str]:
+    """None when ``data`` was measured on the serving code whose digest is ``tree``; else why it is stale.
+
+    A merged or pooled file (``parts_meta``; a guard overhead taken from another run, ``overhead_source``) is
+    fresh only when every part recorded the tree's digest. Reads the files alone: the same files and tree give the
+    same answer on a fresh clone (no git call)."""
+    metas = [data["meta"], *(data.get("parts_meta") or [])]
+    if data.get("overhead_source"):
+        metas.append(data["overhead_source"].get("meta"))
+    digests = [(m or {}).get("serving_digest") for m in metas]
+    if len({d for d in digests if d}) > 1:
+        return PARTS_DIFFER
+    if not all(digests):
+        return NO_DIGEST
+    return None if digests[0] == tree else CHANGED
+
+
+def cell_mark(stale: Optional[str]) -> str:
+    return "fresh" if stale is None else f"**stale** ({stale})"
+
+
+def header_mark(stale: Optional[str]) -> str:
+    return "" if stale is None else f" - **stale** ({stale})"
+
+
+def without_marks(text: str) -> str:
+    return MARK.sub("", text)
 
 
 # ------------------------------------------------------------------ registry
@@ -116,6 +164,11 @@ class Benchmark:
     plot: Optional[Callable[[Any, Path], None]] = None
     results_png: bool = False  # the benchmark itself draws ``<file stem>.png`` beside its JSON
     optional: bool = False  # not measured yet: the report leaves it out while its file is missing
+
+    @property
+    def detail(self) -> bool:
+        """A research benchmark: its tables go to docs/research/RESULTS_DETAIL.md, its section links them."""
+        return "benchmarks.research." in self.command
 
     @property
     def is_json(self) -> bool:
@@ -238,6 +291,28 @@ def render_workflow(d: dict) -> str:
             + ("\n\nShared-segment fallbacks: " + "; ".join(reasons) + "." if reasons else "") + note)
 
 
+def render_demo(d: dict) -> str:
+    s, t = d["settings"], d["totals"]
+    rows = []
+    for agent in dict.fromkeys(r["agent"] for r in d["requests"]):
+        mine = [r for r in d["requests"] if r["agent"] == agent]
+        shared = sum(r["shared_tokens"] for r in mine)
+        reused = sum(r["tokens_aligned"] + r["tokens_corrected"] for r in mine)
+        rows.append([f"{mine[0]['position']}: {agent}", str(len(mine)), str(sum(r["prompt_tokens"] for r in mine)),
+                     str(sum(r["prefill_tokens"] for r in mine)), str(reused), num(reused / shared if shared else None),
+                     num(statistics.fmean(r["ttft_s"] for r in mine), ".2f", " s")])
+    rows.append(["all", str(t["requests"]), str(t["prompt_tokens"]), str(t["prefill_tokens"]), str(t["reused_tokens"]),
+                 num(t["reuse_ratio"]), "-"])
+    return (f"Mode `{s['kvshare_mode']}`, recompute ratio {s['recompute_ratio']:g}, {s['questions']} GSM8K questions, "
+            f"{s['max_new_tokens']} tokens per answer, one request in flight.\n\n"
+            + table(["agent", "requests", "prompt tokens", "prefilled", "reused (aligned + corrected)",
+                     "reuse ratio of shared tokens", "mean TTFT"], rows))
+
+
+def render_frontier_heldout(d: dict) -> str:
+    return (f"Roles: `{d['roles']}`; shared segments of {d['segment_tokens']} tokens. " + render_frontier(d))
+
+
 def _ttft_cell(a: dict) -> str:
     """Median (p10-p90); runs pooled over seeds keep one per run (medians do not pool)."""
     spreads = [a["ttft_agents_2_4_s"]] if a.get("ttft_agents_2_4_s") else a.get("ttft_agents_2_4_s_per_run") or []
@@ -285,13 +360,13 @@ def render_frontier(d: dict) -> str:
                      f"seed {seed} {num(r.get('mean'), '+.3f')} {interval(r.get('ci95'))}"
                      for seed, r in zip(d["seed"], a.get("accuracy_vs_off_paired_per_run") or []))
                      for name, a in d["arms"].items() if name != "off")
-                 + ". Runs:\n\n" + "\n".join(f"- `{c}`" for c in d["commands"]))
+                 + ". Runs: " + "; ".join(f"`{c}`" for c in d["commands"]) + ".")
     elif d.get("commands"):
         parts = ("\n\nThe arms ran in parts, each with its own `off` server, joined with `--merge` (which refuses "
-                 "parts whose `off` answered differently); TTFT is compared with the first part's `off`. Parts:\n\n"
-                 + "\n".join(f"- `{c}`" for c in d["commands"]))
+                 "parts whose `off` answered differently); TTFT is compared with the first part's `off`. Parts: "
+                 + "; ".join(f"`{c}`" for c in d["commands"]) + ".")
         if d.get("remeasured"):
-            parts += ("\n\nMeasured again in a later part, which replaced the earlier measurement: "
+            parts += (" Measured again in a later part, which replaced the earlier measurement: "
                       + ", ".join(f"`{a}`" for a in d["remeasured"]) + ".")
     return (f"{d['samples']} samples ({d['scored_items']} scored items; {d.get('warmup_samples', 0)} unscored "
             f"warm-up samples per server), {off.get('teacher_forced_positions')} teacher-forced positions per arm, "
@@ -341,14 +416,14 @@ def render_guard(d: dict) -> str:
              + f"; seed {d.get('seed', 0)}. "
                f"Complete: {'yes' if d.get('complete') else 'no'}.", "", table(header, rows)]
     ctl = d.get("controller") or OLD_GUARD_RULE
-    parts += ["", f"Controller: tightens {ctl['tighten']}; relaxes {ctl['relax']}."]
+    notes = [f"Controller: tightens {ctl['tighten']}; relaxes {ctl['relax']}."]
     if d.get("commands"):
-        parts += ["", "The run was measured in parts on the same revision, joined with `--merge` (which refuses "
-                      "parts that differ in arguments or code, or measure a task twice):", ""]
         n = len(d["commands"])
-        parts += [f"- `{c}` (started {str(m.get('date', '-'))[:16].replace('T', ' ')} UTC): {', '.join(w) or '-'}"
-                  for c, m, w in zip(d["commands"], d.get("parts_meta") or [{}] * n,
-                                     d.get("parts_measured") or [[]] * n)]
+        notes.append("The run was measured in parts on the same revision, joined with `--merge` (which refuses "
+                     "parts that differ in arguments or code, or measure a task twice): " + "; ".join(
+                         f"`{c}` (started {str(m.get('date', '-'))[:16].replace('T', ' ')} UTC): {', '.join(w) or '-'}"
+                         for c, m, w in zip(d["commands"], d.get("parts_meta") or [{}] * n,
+                                            d.get("parts_measured") or [[]] * n)) + ".")
     ov = d.get("overhead")
     if ov:
         cells = []
@@ -356,7 +431,7 @@ def render_guard(d: dict) -> str:
             v = ov[key]["verdict"]
             cells.append(f"{label} {num(v['median'], '.3f')} {interval(v['ci95'], '.3f')} ({v['n']} pairs, "
                          f"{v['verdict']} {v['tolerance']:.0%})")
-        parts += ["", f"Overhead, guard at {ov['verify_rate']:g} against 0 (guarded / plain, median [95 % bootstrap "
+        notes += [f"Overhead, guard at {ov['verify_rate']:g} against 0 (guarded / plain, median [95 % bootstrap "
                       f"interval]): {'; '.join(cells)}; {ov['verified_requests']} requests verified; waiting for "
                       f"the guarded server's queue after its requests (its references, off the request path, and "
                       f"the polls) took {num(ov['drain_s'], '.1f')} s in all."]
@@ -371,13 +446,13 @@ def render_guard(d: dict) -> str:
                             f"({old[key]['n']} pairs, {old[key]['verdict']})"
                             for key, label in (("ttft", "TTFT"), ("throughput", "throughput"))]
                 text += "; the run's own overhead, which it replaced: " + "; ".join(replaced)
-            parts += ["", text + "."]
+            notes.append(text + ".")
     q = d.get("guard_queue")
     if q:
         limits = q.get("limits") or {}
-        parts += ["", f"Guard queue: peak {q['peak_jobs']} jobs, {q['peak_approx_bytes']} bytes (approx.); limits "
+        notes += [f"Guard queue: peak {q['peak_jobs']} jobs, {q['peak_approx_bytes']} bytes (approx.); limits "
                       f"{limits.get('queue_jobs', '-')} jobs, {limits.get('scopes', '-')} scopes."]
-    return "\n".join(parts)
+    return "\n".join(parts + ["", " ".join(notes)])
 
 
 FIDELITY_COLUMNS = ["arm", "mode", "tau", "rank", "head K", "KL mean", "KL p90", "top-1", "greedy 32 equal", "reuse",
@@ -394,9 +469,8 @@ def _fidelity_row(label: str, r: dict) -> list[str]:
 
 def render_fidelity(d: dict) -> str:
     rows = [_fidelity_row(m, d[m]) for m in d["modes"] if m in d]
-    rows += [_fidelity_row(k, r) for k, r in d.get("sweep", {}).items()]
     rows += [_fidelity_row(k, r) for k, r in d.get("head_recompute", {}).items()]
-    rows += [_fidelity_row(k, r) for k, r in d.get("selective_recompute", {}).items()]
+    more = len(d.get("sweep", {})) + len(d.get("selective_recompute", {}))
     hf = d.get("head_frontier") or {}
     target = ""
     if hf:
@@ -408,8 +482,8 @@ def render_fidelity(d: dict) -> str:
             f"segment lengths {', '.join(map(str, d['content_lengths']))} tokens. Every number is against NonShared "
             f"(exact dense prefill, the reference `off` serves) over the consumer's suffix. Dense prefill cost "
             f"{d['dense_prefill_seconds_per_token'] * 1e3:.1f} ms per token here."
-            + (" `select_<policy>_r<share>`: `fullshared` plus that share of the segment's rows recomputed in one "
-               "forward, chosen by the policy (`benchmarks/selection.py`)." if d.get("selective_recompute") else "")
+            + (f" The file holds {more} more arms (tau and rank sweeps, selective recompute) in the same form."
+               if more else "")
             + "\n\n"
             + table(FIDELITY_COLUMNS, rows) + target)
 
@@ -457,10 +531,14 @@ def render_kernels(d: dict) -> str:
                      "reconstructed)", "repeats"], rows))
 
 
-def verdict_rows(verdicts: dict) -> list[list[str]]:
-    """One table row per verdict: pass, not checked or FAIL."""
-    return [[f"`{k}`", "pass" if v is True else ("not checked" if v == "not checked" else "FAIL")]
-            for k, v in verdicts.items()]
+def verdicts_line(verdicts: dict) -> str:
+    """How many verdicts passed, naming each one that failed or was not checked."""
+    passed = sum(1 for v in verdicts.values() if v is True)
+    failed = [f"`{k}`" for k, v in verdicts.items() if v is not True and v != "not checked"]
+    unchecked = [f"`{k}`" for k, v in verdicts.items() if v == "not checked"]
+    return (f"Verdicts: {passed} of {len(verdicts)} pass"
+            + (f"; **FAIL**: {', '.join(failed)}" if failed else "")
+            + (f"; not checked: {', '.join(unchecked)}" if unchecked else "") + ".")
 
 
 def passed_and_requests(d: dict) -> str:
@@ -472,17 +550,15 @@ def passed_and_requests(d: dict) -> str:
 
 def render_soak(d: dict) -> str:
     s = d["settings"]
-    rows = verdict_rows(d["verdicts"])
     rep = d["replay"]
     return (f"Mode `{s['mode']}`, tau {s['tau']}, {s['clients']} clients for {s['minutes']} min, KV pool "
             f"{s['max_total_tokens']} tokens, {s['slot_names']} slot names; wall {d['wall_s']} s. "
             f"{passed_and_requests(d)}; faults injected "
             f"{d['faults_injected_total']}; plain requests replayed against `off`: {rep['same']} of {rep['n']} "
-            f"identical.\n\n" + table(["verdict", "result"], rows))
+            f"identical. " + verdicts_line(d["verdicts"]))
 
 
 def render_adversary(d: dict) -> str:
-    rows = verdict_rows(d["verdicts"])
     flood = d["attacks"].get("name_flood") or {}
     chats = (d["attacks"].get("long_chats") or {}).get("sizes") or {}
     sizes = ", ".join(f"{n} messages: {c['auto_status']} in {num(c['auto_s'])} s (stock {c['stock_status']}), "
@@ -491,7 +567,7 @@ def render_adversary(d: dict) -> str:
             f"{d['secrets']['count']} secrets looked for in {d['secrets']['answers_scanned']} answers, "
             f"{len(d['secrets']['leaks'])} found; name flood {flood.get('flood_requests', '-')} agents, guard scope "
             f"series {(flood.get('series') or {}).get('scopes', '-')} (cap {flood.get('series_cap', '-')}). "
-            f"Long chats: {sizes or '-'}.\n\n" + table(["verdict", "result"], rows))
+            f"Long chats: {sizes or '-'}. " + verdicts_line(d["verdicts"]))
 
 
 def render_langgraph(d: dict) -> str:
@@ -598,16 +674,23 @@ def render_idle_thread(d: dict) -> str:
 
 def render_profile(d: dict) -> str:
     threads = ", ".join(f"{k} {v:.2f}" for k, v in d["scheduler_threads_share"].items())
-    top = [[f"`{r['function']}`", f"{r['share_of_loop']:.3f}"] for r in d["event_loop_self_top"][:8]]
-    kv = [[f"`{r['function']}`", f"{r['share_of_loop']:.3f}"] for r in d["event_loop_inclusive_kvshare"][:10]]
+    top = [[f"`{r['function']}`", f"{r['share_of_loop']:.3f}"] for r in d["event_loop_self_top"][:5]]
+    kv = [[f"`{r['function']}`", f"{r['share_of_loop']:.3f}"] for r in d["event_loop_inclusive_kvshare"][:5]]
     return (f"Mode `{d['mode']}`, {d['length']} shared tokens, {d['chains']} chains, py-spy at {d['rate_hz']} Hz. "
             f"{d['note']}. Scheduler samples {d['scheduler_samples']}; share by thread: {threads}.\n\n"
-            "Event loop, self time:\n\n" + table(["function", "share of loop"], top)
-            + "\n\nEvent loop, inclusive time of kvshare functions:\n\n" + table(["function", "share of loop"], kv))
+            "Event loop, self time (top 5):\n\n" + table(["function", "share of loop"], top)
+            + "\n\nEvent loop, inclusive time of kvshare functions (top 5):\n\n" + table(["function", "share of loop"], kv))
+
+
+TEXT_TAIL = 4
 
 
 def render_text(d: dict) -> str:
-    return "The script's output:\n\n```\n" + d["text"].rstrip("\n") + "\n```"
+    """The last lines of a script's saved output (the whole of it is the linked file)."""
+    lines = d["text"].rstrip("\n").splitlines()
+    head = (f"The last {TEXT_TAIL} of the script's {len(lines)} output lines:" if len(lines) > TEXT_TAIL
+            else "The script's output:")
+    return head + "\n\n```\n" + "\n".join(lines[-TEXT_TAIL:]) + "\n```"
 
 
 # ------------------------------------------------------------------ plots
@@ -673,6 +756,21 @@ REGISTRY: list[Benchmark] = [
         "contents while a kvcmas learner still has observations queued. Speed only: the fidelity of these modes is "
         "in the frontier and fidelity sections.",
         render_chain, plot_chain),
+    Benchmark(
+        "demo", "demo.json", "python -m benchmarks.demo --out benchmarks/results/demo.json",
+        "What does the shipped demo, a 4-agent GSM8K team on one kvshare server in the recommended setting, prefill "
+        "and reuse per request, and how soon does each agent get its first token?",
+        "Each agent reads the question and the previous agent's answer as shared segments behind its own system "
+        "prompt. `prefilled` counts what the server computed (a recomputed share of a reused segment included); "
+        "`reused` what it served aligned or corrected. Speed and reuse only: fidelity is in the frontier sections.",
+        render_demo, optional=True),
+    Benchmark(
+        "frontier_heldout", "frontier_heldout.json",
+        "python -m benchmarks.frontier --roles heldout (the section names the exact command)",
+        "On role prompts no setting was chosen on, which mode keeps `off`'s answers and distributions at which "
+        "reuse?",
+        FRONTIER_READING, render_frontier_heldout, _plot_from("benchmarks.frontier", "plot"), results_png=True,
+        optional=True),
     Benchmark(
         "stock_vs_off", "stock_vs_off.json", "python -m benchmarks.stock_vs_off",
         "Does `--kvshare-mode off` cost anything against stock SGLang, to 2 %?",
@@ -863,22 +961,27 @@ def canonical_files(results: Path = RESULTS) -> set[str]:
 
 # ------------------------------------------------------------------ headline
 def _frontier_headline(d: dict) -> tuple[str, str, str]:
-    """The arm with the highest teacher-forced top-1 at reuse >= 0.7 (lowest KL on a tie)."""
+    """The arm with the highest teacher-forced top-1 at reuse >= 0.7 (lowest KL on a tie; at any reuse when no arm
+    reaches 0.7), with its fidelity and its TTFT against `off`'s."""
     arms = d["arms"]
     cands = [(n, a) for n, a in arms.items() if n != "off" and a.get("random_mix_p") is None
-             and (a.get("reuse_ratio") or 0) >= 0.7 and a.get("teacher_forced_top1") is not None]
-    name, a = max(cands, key=lambda na: (na[1]["teacher_forced_top1"], -na[1]["teacher_forced_kl"]))
-    base = arms["fullshared_k0"]["teacher_forced_kl"]
-    off_t = arms["off"]["ttft_agents_2_4_s"]["median"]
-    t = a["ttft_agents_2_4_s"]["median"]
+             and a.get("teacher_forced_top1") is not None]
+    high = [(n, a) for n, a in cands if (a.get("reuse_ratio") or 0) >= 0.7]
+    name, a = max(high or cands, key=lambda na: (na[1]["teacher_forced_top1"], -na[1]["teacher_forced_kl"]))
+    base = (arms.get("fullshared_k0") or {}).get("teacher_forced_kl")
     paired = a.get("accuracy_vs_off_paired") or {}
     what = "pass/fail agreement" if d["task"] == "humaneval" else "final-answer agreement"
     fidelity = (f"reuse {a['reuse_ratio']:.2f}; teacher-forced top-1 {a['teacher_forced_top1']:.4f}, KL "
-                f"{a['teacher_forced_kl']:.5f} ({a['teacher_forced_kl'] / base:.2f}x `fullshared` K=0); {what} "
-                f"{a['agreement_final']:.2f}; accuracy {paired.get('mean', 0):+.3f} {interval(paired.get('ci95'))} "
-                f"vs `off` ({d['scored_items']} items)")
+                f"{a['teacher_forced_kl']:.5f}" + (f" ({a['teacher_forced_kl'] / base:.2f}x `fullshared` K=0)"
+                                                   if base else "")
+                + f"; {what} {a['agreement_final']:.2f}; accuracy {paired.get('mean', 0):+.3f} "
+                  f"{interval(paired.get('ci95'))} vs `off` ({d['scored_items']} items)")
+    t = (a.get("ttft_agents_2_4_s") or {}).get("median")
+    off_t = (arms["off"].get("ttft_agents_2_4_s") or {}).get("median")
     own_off = a.get("off_ttft_agents_2_4_median_same_run")
-    if d.get("commands") and own_off:  # merged parts: the ratio within the arm's own part
+    if t is None:  # pooled runs: medians do not pool
+        speed = "TTFT per run in the section"
+    elif d.get("commands") and own_off:  # merged parts: the ratio within the arm's own part
         speed = (f"TTFT agents 2-4 median {t:.2f} s against its own part's `off` {own_off:.2f} s "
                  f"({own_off / t:.2f}x)")
     elif d.get("commands"):  # merged parts: each part had its own off, so no ratio across parts
@@ -886,159 +989,171 @@ def _frontier_headline(d: dict) -> tuple[str, str, str]:
                  f"own `off`)")
     else:
         speed = f"TTFT agents 2-4 median {t:.2f} s against `off`'s {off_t:.2f} s ({off_t / t:.2f}x)"
-    figure = f"best top-1 at reuse >= 0.7: `{name}`; {speed}"
+    figure = f"best top-1{' at reuse >= 0.7' if high else ''}: `{name}`; {speed}"
     return f"Fidelity frontier, {d['task']}", figure, fidelity
 
 
-def _guard_headline(d: dict) -> tuple[str, str, str]:
-    """The guard's row: what it costs and catches (figure), what it kept against one global head (fidelity)."""
-    tasks = d["tasks"]
-    judged = sum(t["calibration"]["scopes_judged"] for t in tasks.values())
-    inside = sum(round((t["calibration_within_ci"] or 0.0) * t["calibration"]["scopes_judged"]) for t in tasks.values())
-    caught = ", ".join(f"{n} {t['detection_samples'] if t['detection_samples'] is not None else 'not caught'}"
-                       for n, t in tasks.items())
-    figure = (f"truth inside the guard's 95 % interval in {inside} of {judged} judged scopes; a perturbed slot made "
-              f"dense after (verified samples) {caught}")
-    ov = d.get("overhead")
-    if ov:
-        ttft, throughput = ov["ttft"]["verdict"], ov["throughput"]["verdict"]
-        figure += (f"; overhead at rate {ov['verify_rate']:g}: TTFT {ttft['median']:.3f} "
-                   f"{interval(ttft['ci95'], '.3f')}, throughput {throughput['median']:.3f} "
-                   f"{interval(throughput['ci95'], '.3f')}")
-    kept = []
-    for n, t in tasks.items():
-        best = ("no fixed K meets it" if t["best_global_k"] is None else
-                f"best fixed K={t['best_global_k']} reuse {t['best_global_k_reuse']:.2f}")
-        verdict = "meets the target" if t["controlled_top1"] >= d["target_bound"] else "misses the target"
-        kept.append(f"{n}: guarded reuse {t['controlled_reuse']:.2f}, top-1 {t['controlled_top1']:.4f} ({verdict}; "
-                    f"{best})")
-    return (f"Fidelity guard, rate {d['verify_rate']:g}, target `{d['target']}`", figure, "; ".join(kept))
+def _chain_headline(d: dict) -> tuple[str, str, str]:
+    """Each plain mode's (no ``:K`` or ``@setting``) speedup against `off` and ratio to the exact hit, per length."""
+    figs = []
+    for arm, per_len in d["arms"].items():
+        if arm in ("off", "stock") or ":" in arm or "@" in arm:
+            continue
+        for length, cell in per_len.items():
+            figs.append(f"`{arm}` {int(length) / 1024:g}K: {cell['speedup_vs_off_agents_2_4']['median']:.2f}x "
+                        f"`off`, {cell['reuse_over_floor']['median']:.2f}x the exact hit")
+    repeats = {c["ttft_agents_2_4_s"]["n"] for per_len in d["arms"].values() for c in per_len.values()}
+    return (f"4-agent chain, agents 2-4 TTFT (median of {'/'.join(map(str, sorted(repeats)))} repeats)",
+            "; ".join(figs), "not measured here (speed only; see the frontier rows)")
 
 
-def headline_rows(results: Path = RESULTS, link: str = "") -> list[list[str]]:
-    data = {b.name: load(b, results) for b in REGISTRY if b.name in HEADLINE_SOURCES}
+def _demo_headline(d: dict) -> tuple[str, str, str]:
+    t, s = d["totals"], d["settings"]
+    ttft = ""
+    if t.get("ttft_s_mean_agents_2_4") is not None:
+        ttft = (f"; mean TTFT agents 2-4 {t['ttft_s_mean_agents_2_4']:.2f} s (agent 1 "
+                f"{t['ttft_s_mean_agent_1']:.2f} s)")
+    return (f"Demo: 4-agent GSM8K team, `{s['kvshare_mode']}` recompute {s['recompute_ratio']:g}, "
+            f"{t['requests']} requests",
+            f"{t['prompt_tokens']} prompt tokens, {t['prefill_tokens']} prefilled, {t['reused_tokens']} reused: reuse "
+            f"ratio {t['reuse_ratio']:.2f} of {t['shared_tokens']} shared tokens{ttft}",
+            "not measured here (see the frontier rows)")
+
+
+def _stock_headline(d: dict) -> tuple[str, str, str]:
+    t, tp = d["ttft"]["verdict"], d["throughput"]["verdict"]
+    return ("`off` against stock SGLang (paired ABBA requests)",
+            f"TTFT ratio {t['median']:.3f} {interval(t['ci95'], '.3f')}, throughput {tp['median']:.3f} "
+            f"{interval(tp['ci95'], '.3f')} (median [95 % interval])", "`off` serves exact KV only")
+
+
+def _heldout_headline(d: dict) -> tuple[str, str, str]:
+    title, figure, fidelity = _frontier_headline(d)
+    return f"{title}, held-out roles, {d['segment_tokens']}-token segments", figure, fidelity
+
+
+HEADLINE: dict[str, Callable[[dict], tuple[str, str, str]]] = {
+    "chain_ttft": _chain_headline, "demo": _demo_headline, "frontier_heldout": _heldout_headline,
+    "stock_vs_off": _stock_headline}
+"""The headline rows, in order: (result, figure, fidelity) from a canonical file. A row whose file is an optional
+entry's and missing is left out."""
+
+
+def headline_entries(results: Path = RESULTS) -> list[Benchmark]:
+    covered = {b.name for b in present(results)}
+    return [BY_NAME[name] for name in HEADLINE if name in covered]
+
+
+def headline_rows(results: Path = RESULTS, link: str = "", tree: Optional[str] = None) -> list[list[str]]:
+    tree = serving_digest() if tree is None else tree
     rows = []
-
-    def add(name: str, result: str, figure: str, fidelity: str) -> None:
-        meta = data[name]["meta"]
-        rows.append([result, figure, fidelity, hardware(meta), date_of(meta), f"[{name}]({link}#{name})"])
-
-    try:
-        c = data["chain_ttft"]["arms"]
-        figs = []
-        for arm in ("fullshared", "kvcmas"):
-            for length in ("1024", "4096"):
-                cell = c[arm][length]
-                figs.append(f"`{arm}` {int(length) // 1024}K: {cell['speedup_vs_off_agents_2_4']['median']:.2f}x "
-                            f"`off`, {cell['reuse_over_floor']['median']:.2f}x the exact hit")
-        add("chain_ttft", "4-agent chain, agents 2-4 TTFT (median of 3 repeats)", "; ".join(figs),
-            "not measured here (speed only; see the frontier rows)")
-
-        s = data["serving"]["modes"]
-        parts = []
-        for mode in ("fullshared", "kvcmas"):
-            meds = [statistics.median(cell["speedup_p50_vs_off_per_repeat"])
-                    for per_rate in s[mode]["cells"].values() for cell in per_rate.values()]
-            parts.append(f"`{mode}` {min(meds):.2f}-{max(meds):.2f}x")
-        n_cells = sum(len(per_rate) for per_rate in s["kvcmas"]["cells"].values())
-        add("serving", f"Serving under load, TTFT p50 speedup vs `off` ({n_cells} cells, median of repeats)",
-            ", ".join(parts), "not measured here (speed only)")
-
-        so = data["stock_vs_off"]
-        add("stock_vs_off", "`off` against stock SGLang (paired ABBA requests)",
-            f"TTFT ratio {so['ttft']['verdict']['median']:.3f} {interval(so['ttft']['verdict']['ci95'], '.3f')}, "
-            f"throughput {so['throughput']['verdict']['median']:.3f} "
-            f"{interval(so['throughput']['verdict']['ci95'], '.3f')} (median [95 % interval])",
-            "`off` serves exact KV only")
-
-        for name in ("frontier_retrieval", "frontier_gsm8k", "frontier_humaneval"):
-            add(name, *_frontier_headline(data[name]))
-
-        f = data["fidelity"]
-        hf = f["head_frontier"]
-        best = f["head_recompute"].get(hf["best_arm"]) or f[hf["best_arm"]]
-        add("fidelity", f"Offline fidelity on held-out contents ({f['n_eval_samples']} contents x "
-                        f"{f['consumers_per_sample']} consumers)",
-            f"best KL at reuse >= {hf['min_reuse']}: `{hf['best_arm']}` (target {hf['target_kl']}: "
-            f"{'met' if hf['target_met'] else 'missed'})",
-            f"KL {best['kl_mean']:.4f}, top-1 {best['top1']:.3f} at reuse {best['reuse_ratio']:.2f}; "
-            f"`fullshared` alone KL {f['fullshared']['kl_mean']:.4f}, top-1 {f['fullshared']['top1']:.3f} at "
-            f"{f['fullshared']['reuse_ratio']:.2f}")
-
-        add("guard", *_guard_headline(data["guard"]))
-
-        w = data["workflow_gsm8k"]
-        off, km = w["runs"]["off"], w["runs"]["kvcmas"]
-        ag = w["agreement_with_off"]["kvcmas"]
-        add("workflow_gsm8k", f"GSM8K `refer` workflow, {w['samples']} samples, {w['concurrency']} in flight",
-            f"`kvcmas` mean TTFT agents 2-4 {km['ttft_s_mean_agents_2_on']:.2f} s against `off`'s "
-            f"{off['ttft_s_mean_agents_2_on']:.2f} s",
-            f"reuse {km['reuse_ratio']:.2f}; final answer equal to `off`'s on {ag['final_answer_agreement']:.2f} of "
-            f"samples, identical final text {ag['identical_final_text']:.2f}")
-    except (KeyError, TypeError, ValueError, IndexError, ZeroDivisionError) as exc:
-        raise ReportError(f"headline: a canonical file lacks a field the headline reads ({exc!r}); files: "
-                          + ", ".join(str(results / BY_NAME[n].file) for n in HEADLINE_SOURCES)) from exc
+    for entry in headline_entries(results):
+        data = load(entry, results)
+        try:
+            result, figure, fidelity = HEADLINE[entry.name](data)
+        except (KeyError, TypeError, ValueError, IndexError, ZeroDivisionError) as exc:
+            raise ReportError(f"headline: {results / entry.file} lacks a field the headline reads ({exc!r})") from exc
+        meta = data["meta"]
+        rows.append([result, figure, fidelity, hardware(meta), date_of(meta), cell_mark(freshness(data, tree)),
+                     f"[{entry.name}]({link}#{entry.name})"])
     return rows
 
 
-HEADLINE_SOURCES = ("chain_ttft", "serving", "stock_vs_off", "frontier_retrieval", "frontier_gsm8k",
-                    "frontier_humaneval", "fidelity", "guard", "workflow_gsm8k")
+def headline_markdown(results: Path = RESULTS, link: str = "", tree: Optional[str] = None) -> str:
+    """The headline table and its legend; ``link`` prefixes its section links (README's copy points into
+    RESULTS.md)."""
+    return (table(["result", "figure", "fidelity against `off`", "measured on", "date", "code", "section"],
+                  headline_rows(results, link, tree)) + "\n\n" + LEGEND)
 
 
-def headline_markdown(results: Path = RESULTS, link: str = "") -> str:
-    """The headline table alone; ``link`` prefixes its section links (README's copy points into RESULTS.md)."""
-    return table(["result", "figure", "fidelity against `off`", "measured on", "date", "section"],
-                 headline_rows(results, link))
+def stale_headline(results: Path = RESULTS, tree: Optional[str] = None) -> list[tuple[str, str, list[str]]]:
+    """(name, why stale, the commands that measure it again) of every stale headline row, in table order.
+
+    A merged or pooled file names its parts' commands, then its own (the merge)."""
+    tree = serving_digest() if tree is None else tree
+    out = []
+    for entry in headline_entries(results):
+        data = load(entry, results)
+        why = freshness(data, tree)
+        if why is not None:
+            out.append((entry.name, why, [*(data.get("commands") or []), data["meta"]["command"]]))
+    return out
 
 
 README = ROOT / "README.md"
 README_BEGIN, README_END = "<!-- headline-results:begin -->", "<!-- headline-results:end -->"
 
 
-def readme_with_headline(text: str, results: Path = RESULTS) -> str:
+def readme_with_headline(text: str, results: Path = RESULTS, tree: Optional[str] = None) -> str:
     """README's text with the generated headline table between its markers."""
     if README_BEGIN not in text or README_END not in text:
         raise ReportError(f"README.md lacks the markers {README_BEGIN} ... {README_END}")
     head, rest = text.split(README_BEGIN, 1)
     _, tail = rest.split(README_END, 1)
     block = ["<!-- generated by `python -m benchmarks.report` from benchmarks/results/; do not edit -->", "",
-             headline_markdown(results, link="docs/RESULTS.md"), ""]
+             headline_markdown(results, link="docs/RESULTS.md", tree=tree), ""]
     return head + README_BEGIN + "\n" + "\n".join(block) + README_END + tail
 
 
 # ------------------------------------------------------------------ the document
-def section(entry: Benchmark, data: Any, results: Path) -> str:
+def body_of(entry: Benchmark, data: Any, results: Path) -> str:
     try:
-        body = entry.render(data)
+        return entry.render(data)
     except (KeyError, TypeError, ValueError, IndexError, AttributeError, ZeroDivisionError) as exc:
         raise ReportError(f"{results / entry.file}: malformed for benchmark {entry.name!r} "
                           f"(its section cannot read {exc!r})") from exc
-    out = [f"## {entry.name}", "", f"**Question.** {entry.question}", "", f"**Reading.** {entry.reading}", "",
-           f"Command: `{entry.command}`. File: [`benchmarks/results/{entry.file}`]"
-           f"(../benchmarks/results/{entry.file}).", ""]
-    out += [meta_line(data["meta"]), ""]
-    if entry.plot is not None:
-        out += [f"![{entry.name}](results/{entry.name}.png)", ""]
-    out += [body, ""]
-    return "\n".join(out)
 
 
-def render(results: Path = RESULTS) -> str:
-    """docs/RESULTS.md's text from the canonical files in ``results``."""
+def section(entry: Benchmark, data: Any, results: Path, stale: Optional[str] = None) -> str:
+    """One benchmark's short section: a paragraph (question, reading, file, plot, measurement, the body's opening
+    note) and its key table; a research benchmark's tables stand in RESULTS_DETAIL.md, linked."""
+    body = body_of(entry, data, results)
+    meta = data["meta"]
+    recipe = "" if meta.get("command") == entry.command else f" Recipe: `{entry.command}`."
+    plot = f", plot [`{entry.name}.png`](results/{entry.name}.png)" if entry.plot is not None else ""
+    if entry.detail:
+        body = f"Tables: [research/RESULTS_DETAIL.md](research/RESULTS_DETAIL.md#{entry.name})."
+    note, _, rest = body.partition("\n\n")
+    if note.startswith(("|", "```")):
+        note, rest = "", body
+    out = [f'## <a id="{entry.name}"></a>{entry.name}{header_mark(stale)}', "",
+           f"**Question.** {entry.question} **Reading.** {entry.reading} File "
+           f"[`benchmarks/results/{entry.file}`](../benchmarks/results/{entry.file}){plot}. {meta_line(meta)}"
+           f"{recipe}" + (f" {note}" if note else ""), ""]
+    return "\n".join(out + ([rest, ""] if rest else []))
+
+
+def render_detail(results: Path = RESULTS) -> str:
+    """docs/research/RESULTS_DETAIL.md's text: the tables of the research benchmarks (``detail`` entries)."""
+    parts = ["# Results: research benchmarks' tables", "",
+             "<!-- Generated by `python -m benchmarks.report` from benchmarks/results/. Do not edit by hand. -->", "",
+             "The tables of the research benchmarks (`benchmarks/research/`); what each asks, how it was measured "
+             "and whether its serving code is this tree's: [docs/RESULTS.md](../RESULTS.md).", ""]
+    for entry in present(results):
+        if entry.detail:
+            parts += [f"## {entry.name}", "", body_of(entry, load(entry, results), results), ""]
+    return "\n".join(parts).rstrip("\n") + "\n"
+
+
+def render(results: Path = RESULTS, tree: Optional[str] = None) -> str:
+    """docs/RESULTS.md's text from the canonical files in ``results``, marked against the serving code whose digest
+    is ``tree`` (default: this working tree's)."""
+    tree = serving_digest() if tree is None else tree
     entries = present(results)
     data = {b.name: load(b, results) for b in entries}
-    index = table(["benchmark", "question", "command", "canonical file"],
-                  [[f"[{b.name}](#{b.name})", b.question, f"`{b.command}`", f"`{b.file}`"] for b in entries])
+    stale = {b.name: freshness(data[b.name], tree) for b in entries}
+    index = table(["benchmark", "question", "code"],
+                  [[f"[{b.name}](#{b.name})", b.question, cell_mark(stale[b.name])] for b in entries])
     parts = [
         "# Results",
         "",
         "<!-- Generated by `python -m benchmarks.report` from benchmarks/results/. Do not edit by hand. -->",
         "",
-        "This file is generated by `python -m benchmarks.report` from the canonical results files in "
-        "`benchmarks/results/` (one per benchmark); do not edit it by hand: re-run a benchmark's command, then the "
-        "report. `python -m benchmarks.report --check` fails when this file differs from what the files give. Each "
-        "section names the hardware, date, git revision and command of its measurement. Ratios against `off` are "
-        "taken within one run; seconds move between runs of a shared machine.",
+        "Generated by `python -m benchmarks.report` from the canonical results files in `benchmarks/results/` (one "
+        "per benchmark): re-run a benchmark's command, then the report. `--check` fails when this file differs from "
+        "what the files give; `--check-fresh` when a headline row was measured on other serving code. Each section "
+        "names the hardware, date, revision, serving digest and command of its measurement. Ratios against `off` "
+        "are taken within one run; seconds move between runs of a shared machine.",
         "",
         "## Index",
         "",
@@ -1048,10 +1163,10 @@ def render(results: Path = RESULTS) -> str:
         "",
         "Speed next to fidelity against `off` (exact prefill) wherever the same run measured it.",
         "",
-        headline_markdown(results),
+        headline_markdown(results, tree=tree),
         "",
     ]
-    parts += [section(b, data[b.name], results) for b in entries]
+    parts += [section(b, data[b.name], results, stale[b.name]) for b in entries]
     return "\n".join(parts).rstrip("\n") + "\n"
 
 
@@ -1067,39 +1182,81 @@ def write_plots(results: Path = RESULTS, out_dir: Path = PLOTS) -> list[Path]:
     return written
 
 
-def check(doc: Path = DOC, results: Path = RESULTS, readme: Optional[Path] = README) -> tuple[bool, str]:
-    """Whether ``doc`` (and README's headline block) is what the results give; a short unified diff when not."""
-    pairs = [(doc, render(results))]
+def check(doc: Path = DOC, results: Path = RESULTS, readme: Optional[Path] = README,
+          tree: Optional[str] = None, detail: Optional[Path] = DETAIL) -> tuple[bool, str]:
+    """Whether ``doc`` (and README's headline block, and ``detail``) is what the results give: (ok, what to say).
+
+    Freshness marks are left out of the comparison: a change of the serving code turns results stale without
+    making the documents wrong about what the files hold (``--check-fresh`` fails on that). When only the marks
+    differ, ok is True and the message says so; otherwise the message is a short unified diff."""
+    tree = serving_digest() if tree is None else tree
+    pairs = [(doc, render(results, tree))]
     if readme is not None:
-        pairs.append((readme, readme_with_headline(readme.read_text(), results)))
+        pairs.append((readme, readme_with_headline(readme.read_text(), results, tree)))
+    if detail is not None:
+        pairs.append((detail, render_detail(results)))
     diff: list[str] = []
+    marks = []
     for path, want in pairs:
         have = path.read_text() if path.is_file() else ""
-        if have != want:
-            diff += list(difflib.unified_diff(have.splitlines(), want.splitlines(), str(path), "generated",
-                                              lineterm="", n=1))
-    if not diff:
-        return True, ""
-    return False, "\n".join(diff[:60]) + ("\n..." if len(diff) > 60 else "")
+        if have == want:
+            continue
+        if without_marks(have) == without_marks(want):
+            marks.append(str(path))
+            continue
+        diff += list(difflib.unified_diff(have.splitlines(), want.splitlines(), str(path), "generated",
+                                          lineterm="", n=1))
+    if diff:
+        return False, "\n".join(diff[:60]) + ("\n..." if len(diff) > 60 else "")
+    if marks:
+        return True, (f"note: the stale marks of {', '.join(marks)} are not this tree's (its serving code changed); "
+                      "python -m benchmarks.report updates them")
+    return True, ""
+
+
+def check_fresh(results: Path = RESULTS, tree: Optional[str] = None) -> tuple[bool, str]:
+    """Whether every headline row was measured on the serving code of this tree: (ok, what to say), naming each
+    stale row and the commands that measure it again."""
+    stale = stale_headline(results, tree)
+    if not stale:
+        return True, "every headline row was measured on this tree's serving code"
+    lines = [f"{len(stale)} headline row(s) measured on other serving code; measure them again:"]
+    for name, why, commands in stale:
+        lines.append(f"  {name} ({why}):")
+        lines += [f"    {c}" for c in commands]
+    return False, "\n".join(lines)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true",
-                    help="write nothing; exit 1 with a diff when docs/RESULTS.md differs from what the JSON gives")
+                    help="write nothing; exit 1 with a diff when docs/RESULTS.md differs from what the JSON gives "
+                         "(freshness marks aside)")
+    ap.add_argument("--check-fresh", action="store_true",
+                    help="write nothing; exit 1 naming each headline row measured on other serving code than this "
+                         "tree's, with the commands that measure it again")
     ap.add_argument("--no-plots", action="store_true", help="write docs/RESULTS.md only")
     ap.add_argument("--results", type=Path, default=RESULTS, help="folder of the canonical results files")
     ap.add_argument("--out", type=Path, default=DOC, help="the markdown file (default docs/RESULTS.md)")
     args = ap.parse_args(argv)
     try:
-        if args.check:
-            ok, diff = check(args.out, args.results, README if args.out == DOC else None)
-            if not ok:
-                print(f"{args.out} differs from what the results give; run python -m benchmarks.report\n{diff}",
-                      file=sys.stderr)
-                return 1
-            print(f"{args.out} is up to date")
-            return 0
+        if args.check or args.check_fresh:
+            status = 0
+            if args.check:
+                default = args.out == DOC
+                ok, message = check(args.out, args.results, README if default else None,
+                                    detail=DETAIL if default else None)
+                if not ok:
+                    print(f"{args.out} differs from what the results give; run python -m benchmarks.report\n"
+                          f"{message}", file=sys.stderr)
+                    status = 1
+                else:
+                    print(f"{args.out} is up to date" + (f"\n{message}" if message else ""))
+            if args.check_fresh:
+                ok, message = check_fresh(args.results)
+                print(message, file=sys.stdout if ok else sys.stderr)
+                status = status or (0 if ok else 1)
+            return status
         text = render(args.results)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)
@@ -1107,6 +1264,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.out == DOC:
             README.write_text(readme_with_headline(README.read_text(), args.results))
             print(f"wrote the headline block of {README}")
+            DETAIL.parent.mkdir(parents=True, exist_ok=True)
+            DETAIL.write_text(render_detail(args.results))
+            print(f"wrote {DETAIL}")
         if not args.no_plots:
             for path in write_plots(args.results, PLOTS if args.out == DOC else args.out.parent / "results"):
                 print(f"wrote {path}")
