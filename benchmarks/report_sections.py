@@ -168,7 +168,7 @@ def render_demo(d: dict) -> str:
                      num(statistics.fmean(r["ttft_s"] for r in mine), ".2f", " s")])
     rows.append(["all", str(t["requests"]), str(t["prompt_tokens"]), str(t["prefill_tokens"]), str(t["reused_tokens"]),
                  num(t["reuse_ratio"]), "-"])
-    return (f"Mode `{s['kvshare_mode']}`, recompute ratio {s['recompute_ratio']:g}, {s['questions']} GSM8K questions, "
+    return (f"Mode `{s['kvshare_mode']}`, recompute ratio {s['recompute_ratio']:g}, {s['questions']} GSM8K question{'' if s['questions'] == 1 else 's'}, "
             f"{s['max_new_tokens']} tokens per answer, one request in flight.\n\n"
             + table(["agent", "requests", "prompt tokens", "prefilled", "reused (aligned + corrected)",
                      "reuse ratio of shared tokens", "mean TTFT"], rows))
