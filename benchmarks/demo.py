@@ -6,7 +6,8 @@ on GSM8K questions: a solver answers, an analyst, a programmer and a judge
 each read the question (shared slot ``query``) and the previous agent's answer
 (shared slot ``out:<agent>``) behind their own system prompts. It prints, per
 request, what the server prefilled and what it reused (aligned or corrected)
-with the TTFT, then totals, writes them as JSON, and stops the server.
+with the TTFT, then totals, writes them as JSON (with ``benchmarks.harness.run_meta``;
+``--out benchmarks/results/demo.json`` is the canonical results file), and stops the server.
 
 It runs the best measured setting (docs/USAGE.md, "Which setting to run"):
 ``fullshared`` with 15 % of each reused segment recomputed inside the request's
@@ -17,10 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
+import statistics
 from pathlib import Path
 
-from benchmarks.harness import prefilled_tokens
+from benchmarks.harness import prefilled_tokens, run_meta, stream_generate, write_json
 from devtools.data import gsm8k_path
 from sglang_kvshare.frontend.builder import build_request, private_part, shared_part
 from devtools.server_process import ServerProcess
@@ -49,6 +50,23 @@ def agent_request(tok, agent: str, question: str, previous: tuple[str, list[int]
     return build_request(tok, agent, parts, output_slot=f"out:{agent}")
 
 
+def totals(rows: list[dict], mode: str, recompute_ratio: float) -> dict:
+    """The run's totals over its request rows: prompt, prefilled and reused tokens, the reuse ratio over the shared
+    tokens, and the mean TTFT of agent 1 and of agents 2-4 (``position`` counts from 1 within a question)."""
+    shared = sum(r["shared_tokens"] for r in rows)
+    reused = sum(r["tokens_aligned"] + r["tokens_corrected"] for r in rows)
+    later = [r["ttft_s"] for r in rows if r["position"] >= 2]
+    first = [r["ttft_s"] for r in rows if r["position"] == 1]
+    return {"mode": mode, "recompute_ratio": recompute_ratio, "requests": len(rows),
+            "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
+            "prefill_tokens": sum(r["prefill_tokens"] for r in rows), "shared_tokens": shared,
+            "reused_tokens": reused, "reuse_ratio": reused / shared if shared else 0.0,
+            "ttft_s_mean_agent_1": statistics.fmean(first) if first else None,
+            "ttft_s_mean_agents_2_4": statistics.fmean(later) if later else None,
+            "note": "ttft_s: first streamed token; latency_s: the whole request (prefill + up to --max-new-tokens "
+                    "decode) on this machine"}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-path", default=None, help="local model folder (default: the shipped SmolLM2-135M)")
@@ -74,36 +92,30 @@ def main(argv: list[str] | None = None) -> int:
     with ServerProcess(model_path=args.model_path, kvshare_args=kv_args) as server:
         print(f"server up at {server.url}, radix cache backend: {server.server_info().get('radix_cache_backend')}")
         print(f"{'q':>2} {'agent':10s} {'prompt':>6} {'prefill':>7} {'aligned':>7} {'corrected':>9} {'recomputed':>10} "
-              f"{'latency s':>9}  fallbacks")
+              f"{'ttft s':>6} {'latency s':>9}  fallbacks")
         for qi, question in enumerate(load_questions(args.questions)):
             previous = None
-            for agent in ROLES:
+            for position, agent in enumerate(ROLES, start=1):
                 ids, cp = agent_request(tok, agent, question, previous)
-                t0 = time.perf_counter()
-                out = server.generate(input_ids=ids, custom_params=cp, max_new_tokens=args.max_new_tokens)
-                latency = time.perf_counter() - t0
-                meta = out["meta_info"]
-                rep = meta.get("kvshare", [{}])[0]
-                row = {"question": qi, "agent": agent, "prompt_tokens": meta["prompt_tokens"],
-                       "prefill_tokens": prefilled_tokens(meta),
+                out = stream_generate(server.url, ids, custom_params=cp, max_new_tokens=args.max_new_tokens)
+                rep = out.report
+                row = {"question": qi, "agent": agent, "position": position, "prompt_tokens": out.meta["prompt_tokens"],
+                       "prefill_tokens": prefilled_tokens(out.meta),
                        "tokens_aligned": rep.get("tokens_aligned", 0), "tokens_corrected": rep.get("tokens_corrected", 0),
                        "tokens_recomputed": rep.get("tokens_head_recomputed", 0),
-                       "shared_tokens": rep.get("shared_tokens", 0), "latency_s": round(latency, 3),
+                       "shared_tokens": rep.get("shared_tokens", 0), "ttft_s": round(out.ttft, 3),
+                       "latency_s": round(out.e2e, 3),
                        "fallbacks": sorted({f["reason"] for f in rep.get("fallbacks", [])}),
-                       "answer": out["text"][:80]}
+                       "answer": tok.decode(out.output_ids)[:80]}
                 rows.append(row)
                 print(f"{qi:>2} {agent:10s} {row['prompt_tokens']:>6} {row['prefill_tokens']:>7} "
                       f"{row['tokens_aligned']:>7} {row['tokens_corrected']:>9} {row['tokens_recomputed']:>10} "
-                      f"{latency:>9.2f}  {','.join(row['fallbacks'])}")
-                previous = (agent, out["output_ids"])
-    shared_total = sum(r["shared_tokens"] for r in rows)
-    reused = sum(r["tokens_aligned"] + r["tokens_corrected"] for r in rows)
-    totals = {"mode": args.kvshare_mode, "recompute_ratio": args.recompute_ratio, "requests": len(rows), "prompt_tokens": sum(r["prompt_tokens"] for r in rows),
-              "prefill_tokens": sum(r["prefill_tokens"] for r in rows),
-              "shared_tokens": shared_total, "reuse_ratio": reused / shared_total if shared_total else 0.0,
-              "note": "latency_s is the whole request (prefill + up to --max-new-tokens decode) on this machine"}
-    print(json.dumps(totals, indent=2))
-    Path(args.out).write_text(json.dumps({"totals": totals, "requests": rows}, indent=2))
+                      f"{out.ttft:>6.2f} {out.e2e:>9.2f}  {','.join(row['fallbacks'])}")
+                previous = (agent, out.output_ids)
+    total = totals(rows, args.kvshare_mode, args.recompute_ratio)
+    print(json.dumps(total, indent=2))
+    settings = {k: getattr(args, k) for k in ("kvshare_mode", "recompute_ratio", "tau", "questions", "max_new_tokens")}
+    write_json(Path(args.out), {"meta": run_meta(), "settings": settings, "totals": total, "requests": rows})
     print(f"wrote {args.out}")
     return 0
 

@@ -62,6 +62,7 @@ from tqdm import tqdm
 
 from benchmarks import frontier_metrics as fm
 from benchmarks.harness import RESULTS, machine, run_meta, stream_generate, write_json
+from benchmarks.serving_digest import common_digest
 from benchmarks.workloads.role_set import draw
 from sglang_kvshare.protocol import Segment
 from sglang_kvshare.frontend.builder import BuiltRequest, Piece, assemble
@@ -930,9 +931,11 @@ def write_reports(path: Path, task: str, arm: str, samples, run: dict) -> None:
 
 
 def _save_combined(combined: dict, out_path: Path, argv) -> None:
-    """A file combined from finished runs (``--merge``, ``--pool``), its own ``meta`` first: this command."""
+    """A file combined from finished runs (``--merge``, ``--pool``), its own ``meta`` first: this command, and the
+    serving digest its parts share (None when they differ: no one serving code measured the whole)."""
     argv_used = sys.argv[1:] if argv is None else list(argv)
     meta = run_meta("python -m benchmarks.frontier " + " ".join(shlex.quote(a) for a in argv_used))
+    meta["serving_digest"] = common_digest(combined["parts_meta"])
     save({"meta": meta, **combined}, out_path)
 
 

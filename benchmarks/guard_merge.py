@@ -14,6 +14,7 @@ import shlex
 from typing import Callable, Mapping, Sequence
 
 from benchmarks import frontier as fr
+from benchmarks.serving_digest import common_digest
 
 # Arguments that say which part of the run a part measured, or where it wrote: free to differ between parts.
 PART_ARGS = frozenset({"task", "out_dir", "no_progress", "no_overhead", "overhead_only", "merge"})
@@ -73,7 +74,8 @@ def merge_parts(parts: Sequence[Mapping], command: str,
     queues = [p["guard_queue"] for p in parts if p.get("guard_queue")]
     dates = sorted(p["meta"]["date"] for p in parts)
     merged.update(
-        meta={**first["meta"], "command": command, "date": dates[-1]},
+        meta={**first["meta"], "command": command, "date": dates[-1],
+              "serving_digest": common_digest(p["meta"] for p in parts)},
         command=command, commands=[p["command"] for p in parts], parts_meta=[p["meta"] for p in parts],
         parts_measured=[list(p.get("tasks", {})) + (["overhead"] if "overhead" in p else []) for p in parts],
         tasks={name: tasks[name] for name in fr.TASKS if name in tasks})
@@ -127,6 +129,7 @@ def replace_overhead(whole: Mapping, part: Mapping, serving_diff: Callable[[str,
         raise MergeError(f"{part.get('command')!r} measured no overhead")
     revisions = check_overhead_source(whole, part["meta"], part.get("model"), serving_diff)
     out = dict(whole)
+    out["meta"] = {**whole["meta"], "serving_digest": common_digest([whole["meta"], part["meta"]])}
     if "overhead" in whole:
         old = whole["overhead"]
         out["overhead_replaced"] = {"ttft": old["ttft"]["verdict"], "throughput": old["throughput"]["verdict"]}

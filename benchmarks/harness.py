@@ -24,6 +24,7 @@ from typing import Optional, Sequence
 
 import requests
 
+from benchmarks.serving_digest import serving_digest
 from devtools.server_process import ServerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -177,12 +178,16 @@ def command_line(argv: Optional[Sequence[str]] = None) -> str:
 
 
 def run_meta(command: Optional[str] = None) -> dict:
-    """The ``meta`` of a results JSON: command, machine, UTC date-time, git revision and whether the checkout was dirty.
+    """The ``meta`` of a results JSON: command, machine, UTC date-time, git revision, whether the checkout was dirty,
+    and the serving code's digest.
 
     ``command``: the command line that produced the results (default: this
     process's, ``command_line()``). ``git_revision`` is ``git rev-parse HEAD``
     of this checkout (None outside git); ``git_dirty`` is True when tracked
     files differ from it, so the revision alone does not name the code that ran.
+    ``serving_digest`` (``benchmarks.serving_digest``) names the serving code of
+    the working tree as it ran, uncommitted edits included: ``benchmarks.report``
+    compares it with the tree's to mark a result stale, with no git history.
     """
     rev = _git("rev-parse", "HEAD")
     status = _git("status", "--porcelain", "--untracked-files=no")
@@ -190,7 +195,8 @@ def run_meta(command: Optional[str] = None) -> dict:
             "machine": machine(),
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "git_revision": rev.strip() if rev else None,
-            "git_dirty": bool(status.strip()) if status is not None else None}
+            "git_dirty": bool(status.strip()) if status is not None else None,
+            "serving_digest": serving_digest(ROOT)}
 
 
 def write_json(path: Path, data: dict) -> None:

@@ -3,23 +3,30 @@
 Every benchmark keeps one canonical results file in ``benchmarks/results/``
 (``REGISTRY`` below: its name, its file, the command that writes it, the
 question it answers and how to read it). This module reads those files and
-writes ``docs/RESULTS.md``: an index, the headline figures, and one section
-per benchmark whose tables come from the JSON alone, each with the hardware,
-date, git revision and command recorded in the file's ``meta``
-(``benchmarks.harness.run_meta``). Plots go to ``docs/results/`` through the
-benchmarks' own plot functions.
+writes ``docs/RESULTS.md``: an index, the headline table, and one short
+section per benchmark (question, reading, the hardware, date, revision, serving
+digest and command recorded in the file's ``meta`` by
+``benchmarks.harness.run_meta``, and its key table); the research benchmarks'
+tables go to ``docs/research/RESULTS_DETAIL.md``. Plots go to ``docs/results/``
+through the benchmarks' own plot functions.
 
-    python -m benchmarks.report               # write docs/RESULTS.md, docs/results/*.png, README's headline block
-    python -m benchmarks.report --no-plots    # docs/RESULTS.md only
-    python -m benchmarks.report --check       # exit 1 (and a diff) if docs/RESULTS.md is not what the JSON gives
+    python -m benchmarks.report               # write docs/RESULTS.md, RESULTS_DETAIL.md, the plots, README's headline block
+    python -m benchmarks.report --no-plots    # the documents only
+    python -m benchmarks.report --check       # exit 1 (and a diff) if the documents are not what the files give
+    python -m benchmarks.report --check-fresh # exit 1 if a headline row was measured on other serving code
 
 Why generated: a table typed by hand drifts from the file it quotes, and a
 reader cannot tell which run a number came from. The output is deterministic
-(same JSON in, byte-identical markdown out: stable order, fixed float formats,
-no generation time), so ``--check`` and the test suite can hold docs/RESULTS.md
-to the committed JSON. A missing or malformed canonical file raises
-``ReportError`` naming the file; an entry marked ``optional`` (a benchmark not
-measured yet) is left out of the document while its file is missing.
+(same files and working tree in, byte-identical markdown out: stable order,
+fixed float formats, no generation time, no git call), so ``--check`` and the
+test suite can hold the documents to the committed files. A result whose
+``serving_digest`` is not the tree's (``benchmarks/serving_digest.py``) is
+marked stale in its section header, the index and the headline; ``--check``
+ignores those marks (a change of the serving code alone does not make the
+documents wrong about the files), ``--check-fresh`` fails on them. A missing
+or malformed canonical file raises ``ReportError`` naming the file; an entry
+marked ``optional`` (a benchmark not measured yet) is left out of the
+documents, headline included, while its file is missing.
 """
 
 from __future__ import annotations
@@ -27,16 +34,26 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
-import statistics
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from benchmarks.report_sections import (date_of, hardware, interval, meta_line, plot_chain, plot_from, render_adversary,
+                                        render_assembly_cost, render_chain, render_demo, render_fidelity,
+                                        render_fidelity_variants, render_frontier, render_frontier_heldout,
+                                        render_guard, render_idle_thread, render_kernels, render_langgraph,
+                                        render_learn_cost, render_profile, render_scaleout, render_serving,
+                                        render_soak, render_stock_vs_off, render_text, render_tp_kvcmas,
+                                        render_warm_start, render_workflow, table)
+from benchmarks.serving_digest import serving_digest
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 DOC = ROOT / "docs" / "RESULTS.md"
 PLOTS = ROOT / "docs" / "results"
+DETAIL = ROOT / "docs" / "research" / "RESULTS_DETAIL.md"
 TEXT_META = "# meta: "
 
 
@@ -44,61 +61,46 @@ class ReportError(RuntimeError):
     """A canonical results file is missing or does not hold what its section reads."""
 
 
-# ------------------------------------------------------------------ formatting
-def num(x: Any, fmt: str = ".2f", unit: str = "") -> str:
-    """``x`` formatted (``-`` for a missing value)."""
-    if x is None:
-        return "-"
-    if isinstance(x, float) and x != x:
-        return "-"
-    return f"{format(x, fmt)}{unit}"
+# ------------------------------------------------------------------ freshness
+CHANGED = "serving code changed since"
+NO_DIGEST = "measured before digests were recorded"
+PARTS_DIFFER = "parts measured on different serving code"
+MARK = re.compile(r"(?: - )?\*\*stale\*\* \((?:" + "|".join(map(re.escape, (CHANGED, NO_DIGEST, PARTS_DIFFER)))
+                  + r")\)|(?<=\| )fresh(?= \|)")
+"""Every freshness mark the report writes (``cell_mark``, ``header_mark``): ``--check`` compares the documents
+with them taken out, so a change of the serving code alone does not fail it (``--check-fresh`` does that)."""
+LEGEND = (f"Code: `fresh` = measured on the serving code of this tree (`benchmarks/serving_digest.py`); **stale** = "
+          f"{CHANGED}, {NO_DIGEST}, or {PARTS_DIFFER} (a merged or pooled file); "
+          "`python -m benchmarks.report --check-fresh` names the commands that measure a stale row again.")
 
 
-def spread(cell: Optional[dict], fmt: str = ".2f", unit: str = "", *, mid: str = "median",
-           lo: str = "min", hi: str = "max") -> str:
-    """``median (min-max)`` of a summary dict."""
-    if not cell or cell.get(mid) is None:
-        return "-"
-    return f"{num(cell[mid], fmt)}{unit} ({num(cell.get(lo), fmt)}-{num(cell.get(hi), fmt)})"
+def freshness(data: dict, tree: str) -> Optional[str]:
+    """None when ``data`` was measured on the serving code whose digest is ``tree``; else why it is stale.
+
+    A merged or pooled file (``parts_meta``; a guard overhead taken from another run, ``overhead_source``) is
+    fresh only when every part recorded the tree's digest. Reads the files alone: the same files and tree give the
+    same answer on a fresh clone (no git call)."""
+    metas = [data["meta"], *(data.get("parts_meta") or [])]
+    if data.get("overhead_source"):
+        metas.append(data["overhead_source"].get("meta"))
+    digests = [(m or {}).get("serving_digest") for m in metas]
+    if len({d for d in digests if d}) > 1:
+        return PARTS_DIFFER
+    if not all(digests):
+        return NO_DIGEST
+    return None if digests[0] == tree else CHANGED
 
 
-def interval(ci: Optional[list], fmt: str = "+.3f") -> str:
-    return f"[{num(ci[0], fmt)}, {num(ci[1], fmt)}]" if ci else "-"
+def cell_mark(stale: Optional[str]) -> str:
+    return "fresh" if stale is None else f"**stale** ({stale})"
 
 
-def table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
+def header_mark(stale: Optional[str]) -> str:
+    return "" if stale is None else f" - **stale** ({stale})"
 
 
-def fallbacks(reasons: Optional[dict]) -> str:
-    """``reason count`` pairs, most frequent first (ties by name)."""
-    if not reasons:
-        return "-"
-    return ", ".join(f"{k} {v}" for k, v in sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0])))
-
-
-def hardware(meta: dict) -> str:
-    m = meta.get("machine") or {}
-    if m.get("description"):
-        return m["description"]
-    cores = m.get("cpu_count")
-    gpu = m.get("gpu")
-    return f"{cores} CPU cores, " + (f"GPU {gpu}" if gpu else "no GPU")
-
-
-def date_of(meta: dict) -> str:
-    return str(meta.get("date", "-"))[:10]
-
-
-def meta_line(meta: dict) -> str:
-    """Where, when, from which code and with which command a file was measured."""
-    rev = meta.get("git_revision") or "-"
-    dirty = " (uncommitted changes)" if meta.get("git_dirty") else ""
-    how = (" Date and revision: the commit that recorded the file." if meta.get("backfilled") else "")
-    return (f"Measured on {hardware(meta)}, {date_of(meta)}, revision `{rev[:10]}`{dirty}; "
-            f"command: `{meta.get('command', '-')}`.{how}")
+def without_marks(text: str) -> str:
+    return MARK.sub("", text)
 
 
 # ------------------------------------------------------------------ registry
@@ -116,6 +118,11 @@ class Benchmark:
     plot: Optional[Callable[[Any, Path], None]] = None
     results_png: bool = False  # the benchmark itself draws ``<file stem>.png`` beside its JSON
     optional: bool = False  # not measured yet: the report leaves it out while its file is missing
+
+    @property
+    def detail(self) -> bool:
+        """A research benchmark: its tables go to docs/research/RESULTS_DETAIL.md, its section links them."""
+        return "benchmarks.research." in self.command
 
     @property
     def is_json(self) -> bool:
@@ -152,503 +159,6 @@ def load(entry: Benchmark, results: Path = RESULTS) -> Any:
     return data
 
 
-# ------------------------------------------------------------------ sections
-def render_chain(d: dict) -> str:
-    header = ["arm", "shared tokens", "reuse ratio (agents 2-4)", "TTFT agents 2-4", "exact-hit floor",
-              "reuse / floor", "speedup vs off", "agent 1 vs off", "assembly / dense prefill",
-              "dense probe while learning / off", "n"]
-    rows = []
-    for arm, per_len in d["arms"].items():
-        for length, c in per_len.items():
-            n = c["ttft_agents_2_4_s"]["n"]
-            probes = c.get("while_learning_vs_off", {}).get("n")
-            rows.append([f"`{arm}`", length, num(c["reuse_ratio"]), spread(c["ttft_agents_2_4_s"], ".2f", " s"),
-                         spread(c["floor_agents_2_4_s"], ".2f", " s"), spread(c["reuse_over_floor"]),
-                         spread(c.get("speedup_vs_off_agents_2_4")), spread(c.get("agent1_vs_off")),
-                         spread(c.get("assembly_over_dense_prefill"), ".3f"),
-                         spread(c.get("while_learning_vs_off")),
-                         f"{n} repeats" + (f", {probes} probes" if probes else "")])
-    return ("Median (min-max) over the repeats; each repeat is a new content. "
-            "`MODE:K` is `--kvshare-recompute-head K`, recomputed inside the one prefill forward (the sparse "
-            "extend); `@sparse-extend=false` stages each head (one more forward); `@recompute-ratio=r` recomputes "
-            "the first share r of each reused segment.\n\n" + table(header, rows))
-
-
-def render_stock_vs_off(d: dict) -> str:
-    t, tp = d["ttft"], d["throughput"]
-    rows = []
-    for label, cell, stock, off, fmt in (
-            (f"TTFT, {t['length']} tokens", t, t["stock_median_s"], t["off_median_s"], ".3f"),
-            (f"throughput, {tp['batch']} x ({tp['batch_length']} + {tp['output_tokens']}) tokens", tp,
-             tp["stock_median_tokens_per_s"], tp["off_median_tokens_per_s"], ".0f")):
-        v = cell["verdict"]
-        unit = " s" if label.startswith("TTFT") else " tok/s"
-        rows.append([label, num(stock, fmt, unit), num(off, fmt, unit),
-                     f"{num(v['median'], '.3f')} {interval(v['ci95'], '.3f')} ({num(v['min'], '.3f')}-"
-                     f"{num(v['max'], '.3f')})", str(v["n"]), f"{v['verdict']} {v['tolerance']:.0%}"])
-    idle = d.get("idle_cpu_share") or {}
-    return (table(["metric", "stock (median)", "`off` (median)",
-                   "paired ratio off / stock: median [95 % bootstrap interval] (min-max)", "pairs", "verdict"], rows)
-            + f"\n\nIdle CPU of each server while the other one was measured (cores): "
-              f"stock {num(idle.get('stock'), '.3f')}, `off` {num(idle.get('off'), '.3f')}.")
-
-
-def render_serving(d: dict) -> str:
-    s = d["settings"]
-    header = ["mode", "context", "rate (wf/s)", "TTFT p50", "TTFT p90", "e2e p50", "reuse ratio",
-              "speedup p50 vs off: median of repeats (each repeat)", "bound 1/(1-rho)", "n requests", "fallbacks"]
-    rows = []
-    for mode, info in d["modes"].items():
-        for length, per_rate in info["cells"].items():
-            for rate, c in per_rate.items():
-                per = c.get("speedup_p50_vs_off_per_repeat") or []
-                sp = (f"{statistics.median(per):.2f} ({', '.join(f'{x:.2f}' for x in per)})" if per else "-")
-                n = sum(r["n_requests"] for r in c["per_repeat"])
-                rows.append([f"`{mode}`", length, rate, num(c["ttft_p50"], ".2f", " s"),
-                             num(c["ttft_p90"], ".2f", " s"), num(c["e2e_p50"], ".2f", " s"), num(c["reuse_ratio"]), sp, num(c.get("bound")),
-                             str(n), ", ".join(c.get("fallbacks") or []) or "-"])
-    rss = ", ".join(f"`{m}` {info['peak_rss_mb'] / 1024:.2f} GB" for m, info in d["modes"].items())
-    return (f"{s['workflows']} workflows per cell and repeat, {s['repeats']} repeats, {s['output_tokens']} output "
-            f"tokens per agent, {s['warm']} warm-up workflows per length. Speedup: `off`'s TTFT p50 over the mode's, "
-            f"per repeat. p50/p90 pool every request of a cell.\n\n" + table(header, rows)
-            + f"\n\nPeak server memory (RSS, all processes): {rss}.")
-
-
-def render_workflow(d: dict) -> str:
-    agree = d.get("agreement_with_off", {})
-    header = ["mode", "accuracy", "agrees with `off`: final answer / identical final text", "reuse ratio",
-              "of which corrected", "dense-fallback rate", "mean TTFT agents 2-4", "median TTFT agents 2 / 3 / 4",
-              "mean TTFT agent 1", "wall", "n samples"]
-    rows, reasons = [], []
-    for mode, r in d["runs"].items():
-        a = agree.get(mode)
-        pos = r.get("ttft_s_by_position", {})
-        meds = " / ".join(num(pos.get(str(i), {}).get("p50")) for i in (2, 3, 4)) + " s"
-        rows.append([f"`{mode}`", num(r["accuracy"]),
-                     "1 / 1 (reference)" if mode == "off" else
-                     (f"{num(a['final_answer_agreement'])} / {num(a['identical_final_text'])}" if a else "-"),
-                     num(r.get("reuse_ratio")), num(r.get("shared_corrected_ratio")), num(r.get("dense_fallback_rate")),
-                     num(r["ttft_s_mean_agents_2_on"], ".2f", " s"), meds, num(r["ttft_s_mean_agent_1"], ".2f", " s"),
-                     num(r["wall_s"] / 60, ".1f", " min"), str(r["samples"])])
-        if r.get("fallback_reasons"):
-            reasons.append(f"`{mode}`: {fallbacks(r['fallback_reasons'])}")
-    note = f"\n\nRecorded with the run: {d['note']}" if d.get("note") else ""
-    return (f"{d['task']} `{d['topology']}` workflow, {d['agents']} agents, {d['samples']} samples, "
-            f"{d['max_tokens']} tokens per agent, {d['concurrency']} samples in flight.\n\n" + table(header, rows)
-            + ("\n\nShared-segment fallbacks: " + "; ".join(reasons) + "." if reasons else "") + note)
-
-
-def _ttft_cell(a: dict) -> str:
-    """Median (p10-p90); runs pooled over seeds keep one per run (medians do not pool)."""
-    spreads = [a["ttft_agents_2_4_s"]] if a.get("ttft_agents_2_4_s") else a.get("ttft_agents_2_4_s_per_run") or []
-    cells = [f"{num(t['median'], '.2f')} s ({num(t['p10'], '.2f')}-{num(t['p90'], '.2f')})" for t in spreads]
-    if not cells:
-        return "-"
-    return " / ".join(cells) + (" (per run)" if len(cells) > 1 else "")
-
-
-def frontier_rows(d: dict) -> tuple[list[str], list[list[str]]]:
-    arms = d["arms"]
-    base_kl = (arms.get("fullshared_k0") or {}).get("teacher_forced_kl")
-    agreement = "pass/fail agreement" if d["task"] == "humaneval" else "final-answer agreement"
-    header = ["arm", "reuse ratio", agreement, "vs random-mix line [95% CI]", "identical text",
-              "teacher-forced top-1 (vs line)", "teacher-forced KL (x fullshared K=0)", "TF reuse",
-              "accuracy (paired diff vs off [95% CI])", "TTFT agents 2-4 median (p10-p90)", "shared-segment fallbacks"]
-    rows = []
-    for name, a in arms.items():
-        kl = a.get("teacher_forced_kl")
-        ratio = f" ({kl / base_kl:.2f})" if kl is not None and base_kl else ""
-        paired = a.get("accuracy_vs_off_paired") or {}
-        gap = a.get("above_random_mix")
-        rows.append([f"`{name}`", num(a.get("reuse_ratio")), num(a.get("agreement_final"), ".3f"),
-                     f"{num(gap, '+.3f')} {interval(a.get('above_random_mix_ci95'))}" if name != "off" else "-",
-                     num(a.get("identical_text"), ".3f"),
-                     f"{num(a.get('teacher_forced_top1'), '.4f')} ({num(a.get('top1_above_random_mix'), '+.4f')})",
-                     f"{num(kl, '.5f')}{ratio}", num(a.get("teacher_forced_reuse_ratio")),
-                     f"{num(a.get('accuracy'), '.3f')} ({num(paired.get('mean'), '+.3f')} "
-                     f"{interval(paired.get('ci95'))})" if name != "off" else num(a.get("accuracy"), ".3f"),
-                     _ttft_cell(a),
-                     fallbacks(a.get("fallback_reasons"))])
-    return header, rows
-
-
-def render_frontier(d: dict) -> str:
-    header, rows = frontier_rows(d)
-    off = d["arms"]["off"]
-    parts = ""
-    seeds = ", ".join(map(str, d["seed"])) if d.get("pooled") else d["seed"]
-    if d.get("pooled"):
-        parts = ("\n\nPooled over runs on different seeds (different contents), each arm against its own run's "
-                 "`off`: agreement, accuracy and its paired interval over every item, teacher-forced metrics over "
-                 "every position; TTFT per run, in seed order. Paired accuracy difference per run: "
-                 + "; ".join(f"`{name}` " + ", ".join(
-                     f"seed {seed} {num(r.get('mean'), '+.3f')} {interval(r.get('ci95'))}"
-                     for seed, r in zip(d["seed"], a.get("accuracy_vs_off_paired_per_run") or []))
-                     for name, a in d["arms"].items() if name != "off")
-                 + ". Runs:\n\n" + "\n".join(f"- `{c}`" for c in d["commands"]))
-    elif d.get("commands"):
-        parts = ("\n\nThe arms ran in parts, each with its own `off` server, joined with `--merge` (which refuses "
-                 "parts whose `off` answered differently); TTFT is compared with the first part's `off`. Parts:\n\n"
-                 + "\n".join(f"- `{c}`" for c in d["commands"]))
-        if d.get("remeasured"):
-            parts += ("\n\nMeasured again in a later part, which replaced the earlier measurement: "
-                      + ", ".join(f"`{a}`" for a in d["remeasured"]) + ".")
-    return (f"{d['samples']} samples ({d['scored_items']} scored items; {d.get('warmup_samples', 0)} unscored "
-            f"warm-up samples per server), {off.get('teacher_forced_positions')} teacher-forced positions per arm, "
-            f"{d['max_tokens']} tokens per answer, concurrency {d['concurrency']}, "
-            f"seed{'s' if d.get('pooled') else ''} {seeds}. "
-            f"Complete: {'yes' if d.get('complete') else 'no'}.\n\n" + table(header, rows) + parts)
-
-
-def _guard_row(name: str, t: dict) -> list[str]:
-    cal, det, ctl = t["calibration"], t["detection"], t["controlled"]
-    if t.get("best_global_k") is None:  # say how close the fixed heads came
-        fixed = [a["teacher_forced_top1"] for n, a in t["arms"].items() if n.startswith("fullshared_k")]
-        best = f"none meets it (best top-1 {num(max(fixed), '.4f')})" if fixed else "-"
-    else:
-        best = f"K={t['best_global_k']}: {num(t['best_global_k_reuse'])} / {num(t['best_global_k_top1'], '.4f')}"
-    kept = {True: "yes", False: "no", None: "-"}
-    moved = len(ctl.get("actions_in_warmup") or []) + len(ctl.get("actions_in_scored") or [])
-    return [name, f"{num(t['calibration_within_ci'])} ({cal['scopes_judged']} of {cal['scopes']} scopes judged, "
-                  f"{cal['approximated_requests']} requests)",
-            str(t["min_samples"]["chosen"]),
-            f"{num(t['controlled_reuse'])} / {num(t['controlled_top1'], '.4f')} ({moved} setting changes)",
-            " / ".join(num((t["arms"].get(a) or {}).get("ttft_agents_2_4_s", {}).get("median"), ".2f")
-                       for a in ("guarded", "fullshared_k0", "off")) + " s", best,
-            f"{num(t['detection_samples'], 'd')} ({det['victims_dense']} of {det['victims']} victim scopes dense; "
-            f"min_samples {det['min_samples']}, rate {det['verify_rate']:g})",
-            kept[det.get("others_kept_reuse")]]
-
-
-# What a guard.json that does not record its controller was measured with.
-OLD_GUARD_RULE = {"tighten": "one step per decision (straight to dense when missed by far); on the mean once "
-                             "3 x min_samples verified requests leave the interval straddling the target",
-                  "relax": "one step, the whole interval past the target by the margin, 2 x min_samples"}
-
-
-def render_guard(d: dict) -> str:
-    header = ["task", "truth inside the guard's 95 % interval (share of scopes)", "min_samples (warm data)",
-              "guarded: reuse / teacher-forced top-1", "TTFT agents 2-4 median: guarded / K=0 / `off`",
-              "best one global K: reuse / top-1", "perturbed slot caught after (verified samples)",
-              "other scopes kept reuse (not dense, still served reuse)"]
-    rows = [_guard_row(name, t) for name, t in d["tasks"].items()]
-    parts = [f"Verify rate {d['verify_rate']:g}, target `{d['target']}`, fixed heads "
-             f"{', '.join(map(str, d['heads']))}; samples per task: "
-             + ", ".join(f"{n} {t['samples']} scored from index {t.get('offset', d.get('offset', 0))} + "
-                         f"{t['warmup_samples']} warm-up, calibration "
-                         f"{t['sizes']['calibration']} + warm-up, guarded arm {t['sizes']['controlled_warmup']} "
-                         f"warm-up" for n, t in d["tasks"].items())
-             + f"; seed {d.get('seed', 0)}. "
-               f"Complete: {'yes' if d.get('complete') else 'no'}.", "", table(header, rows)]
-    ctl = d.get("controller") or OLD_GUARD_RULE
-    parts += ["", f"Controller: tightens {ctl['tighten']}; relaxes {ctl['relax']}."]
-    if d.get("commands"):
-        parts += ["", "The run was measured in parts on the same revision, joined with `--merge` (which refuses "
-                      "parts that differ in arguments or code, or measure a task twice):", ""]
-        n = len(d["commands"])
-        parts += [f"- `{c}` (started {str(m.get('date', '-'))[:16].replace('T', ' ')} UTC): {', '.join(w) or '-'}"
-                  for c, m, w in zip(d["commands"], d.get("parts_meta") or [{}] * n,
-                                     d.get("parts_measured") or [[]] * n)]
-    ov = d.get("overhead")
-    if ov:
-        cells = []
-        for key, label in (("ttft", "TTFT"), ("throughput", "throughput")):
-            v = ov[key]["verdict"]
-            cells.append(f"{label} {num(v['median'], '.3f')} {interval(v['ci95'], '.3f')} ({v['n']} pairs, "
-                         f"{v['verdict']} {v['tolerance']:.0%})")
-        parts += ["", f"Overhead, guard at {ov['verify_rate']:g} against 0 (guarded / plain, median [95 % bootstrap "
-                      f"interval]): {'; '.join(cells)}; {ov['verified_requests']} requests verified; waiting for "
-                      f"the guarded server's queue after its requests (its references, off the request path, and "
-                      f"the polls) took {num(ov['drain_s'], '.1f')} s in all."]
-        src, old = d.get("overhead_source"), d.get("overhead_replaced")
-        if src:
-            rev = str(src["meta"].get("git_revision") or "-")[:7]
-            text = (f"The overhead was measured again, on its own, by `{src['command']}` (revision {rev}, started "
-                    f"{str(src['meta'].get('date', '-'))[:16].replace('T', ' ')} UTC; the serving code is the tasks' "
-                    f"run's, checked with `git diff`)")
-            if old:
-                replaced = [f"{label} {num(old[key]['median'], '.3f')} {interval(old[key]['ci95'], '.3f')} "
-                            f"({old[key]['n']} pairs, {old[key]['verdict']})"
-                            for key, label in (("ttft", "TTFT"), ("throughput", "throughput"))]
-                text += "; the run's own overhead, which it replaced: " + "; ".join(replaced)
-            parts += ["", text + "."]
-    q = d.get("guard_queue")
-    if q:
-        limits = q.get("limits") or {}
-        parts += ["", f"Guard queue: peak {q['peak_jobs']} jobs, {q['peak_approx_bytes']} bytes (approx.); limits "
-                      f"{limits.get('queue_jobs', '-')} jobs, {limits.get('scopes', '-')} scopes."]
-    return "\n".join(parts)
-
-
-FIDELITY_COLUMNS = ["arm", "mode", "tau", "rank", "head K", "KL mean", "KL p90", "top-1", "greedy 32 equal", "reuse",
-                    "fallback", "anchor memory", "n segments"]
-
-
-def _fidelity_row(label: str, r: dict) -> list[str]:
-    mib = r.get("anchor_bytes")
-    return [f"`{label}`", r["mode"], num(r.get("tau"), "g"), "full" if r.get("rank") is None else str(r["rank"]),
-            str(r.get("head") or 0), num(r["kl_mean"], ".4f"), num(r["kl_p90"], ".4f"), num(r["top1"], ".3f"),
-            num(r.get("greedy_match")), num(r["reuse_ratio"]), num(r["fallback_rate"]),
-            f"{mib / 2**20:.0f} MiB" if mib else "0", str(r.get("decisions", "-"))]
-
-
-def render_fidelity(d: dict) -> str:
-    rows = [_fidelity_row(m, d[m]) for m in d["modes"] if m in d]
-    rows += [_fidelity_row(k, r) for k, r in d.get("sweep", {}).items()]
-    rows += [_fidelity_row(k, r) for k, r in d.get("head_recompute", {}).items()]
-    rows += [_fidelity_row(k, r) for k, r in d.get("selective_recompute", {}).items()]
-    hf = d.get("head_frontier") or {}
-    target = ""
-    if hf:
-        target = (f"\n\nTarget KL <= {hf['target_kl']} at reuse >= {hf['min_reuse']}: "
-                  f"{'met' if hf['target_met'] else 'missed'}; the best arm there is `{hf['best_arm']}`, "
-                  f"KL {num(hf['best_kl_mean'], '.4f')} at reuse {num(hf['best_reuse'])}.")
-    return (f"{d['model']}; {d['n_eval_samples']} held-out contents x {d['consumers_per_sample']} consumers "
-            f"(pools warmed on {d['n_warm_samples']} other contents); sources {', '.join(d['sources'])}; "
-            f"segment lengths {', '.join(map(str, d['content_lengths']))} tokens. Every number is against NonShared "
-            f"(exact dense prefill, the reference `off` serves) over the consumer's suffix. Dense prefill cost "
-            f"{d['dense_prefill_seconds_per_token'] * 1e3:.1f} ms per token here."
-            + (" `select_<policy>_r<share>`: `fullshared` plus that share of the segment's rows recomputed in one "
-               "forward, chosen by the policy (`benchmarks/selection.py`)." if d.get("selective_recompute") else "")
-            + "\n\n"
-            + table(FIDELITY_COLUMNS, rows) + target)
-
-
-def render_fidelity_variants(d: dict) -> str:
-    rows = []
-    for k, c in d["choice"].items():
-        rows.append([k, f"`{c['best_variant']}`", num(c["kl_mean"], ".5f"), num(c["fullshared_kl_mean"], ".5f"),
-                     num(c["ratio_to_random_mix_line"], ".3f"), num(c["win_rate_vs_fullshared"]),
-                     "yes" if c["beats_head_recompute_alone"] else "no"])
-    held = [[f"`{k}`", num(v["kl_mean"], ".5f"), num(v.get("kl_p90"), ".5f"), num(v.get("top1"), ".4f"),
-             num(v.get("greedy_match")), num(v["reuse_ratio"]), num(v.get("fallback_rate"))]
-            for k, v in d.get("heldout", {}).items()]
-    return (f"{d['n_warm']} warm and {d['n_heldout']} held-out contents, tau {d['tau']}, rank {d['rank']}. "
-            f"Rule: {d['win_rule']}.\n\nWarm study (leave one content out), the best variant per head length:\n\n"
-            + table(["head K", "best variant", "warm KL mean", "fullshared + head KL mean",
-                     "x the random-mix line", "lower KL than fullshared + head (share of instances)",
-                     "beats head recompute alone"], rows)
-            + "\n\nHeld-out check:\n\n"
-            + table(["arm", "KL mean", "KL p90", "top-1", "greedy 32 equal", "reuse", "fallback"], held))
-
-
-KERNEL_LABELS = {"align_only": "align only (gather, re-rotate, scatter)", "align_correct": "align + correct",
-                 "gate_sq_distances": "gate distances (all L rows)", "token_distances": "token distances"}
-
-
-def render_kernels(d: dict) -> str:
-    m = d["meta"]
-    rows_by = {(r["kernel"], r["L"]): r for r in d["rows"]}
-    rows = []
-    for (kernel, length), r in rows_by.items():
-        if kernel not in KERNEL_LABELS:
-            continue
-        unfused = rows_by.get((f"{kernel}_torch_unfused", length))
-        rows.append([KERNEL_LABELS[kernel], str(length),
-                     f"{r['seconds'] * 1e3:.1f} ({r['seconds_min'] * 1e3:.1f}-{r['seconds_max'] * 1e3:.1f}) ms",
-                     num(r["ratio_to_prefill"], ".3f"), f"{unfused['seconds'] * 1e3:.1f} ms" if unfused else "-",
-                     str(r["repeats"])])
-    prefill = ", ".join(f"{num(v['seconds'], '.2f')} s ({length} tokens)" for length, v in m["prefill"].items())
-    return (f"Device: {m['device']}; path of the fused rows: {m['fused_path']}. {m['note']} Shapes: "
-            f"{m['model_shapes']['layers']} layers, {m['model_shapes']['kv_heads']} KV heads x "
-            f"{m['model_shapes']['head_dim']}; {d['rows'][0]['anchors']} anchors of rank {d['rows'][0]['rank']}, "
-            f"{d['rows'][0]['dtype']} pool. Dense prefill of the same model on the same thread: {prefill}.\n\n"
-            + table(["op", "L", "time: median (min-max)", "/ dense prefill", "torch, unfused (every anchor "
-                     "reconstructed)", "repeats"], rows))
-
-
-def verdict_rows(verdicts: dict) -> list[list[str]]:
-    """One table row per verdict: pass, not checked or FAIL."""
-    return [[f"`{k}`", "pass" if v is True else ("not checked" if v == "not checked" else "FAIL")]
-            for k, v in verdicts.items()]
-
-
-def passed_and_requests(d: dict) -> str:
-    """The verdict and the request totals of a soak-like run (``passed``, ``totals``)."""
-    t = d["totals"]
-    return (f"Passed: **{'yes' if d['passed'] else 'no'}**. Requests {t['requests']}: 2xx {t['ok_2xx']}, 4xx "
-            f"{t['client_4xx']}, 5xx {t['server_5xx']}, lost {t['lost']}")
-
-
-def render_soak(d: dict) -> str:
-    s = d["settings"]
-    rows = verdict_rows(d["verdicts"])
-    rep = d["replay"]
-    return (f"Mode `{s['mode']}`, tau {s['tau']}, {s['clients']} clients for {s['minutes']} min, KV pool "
-            f"{s['max_total_tokens']} tokens, {s['slot_names']} slot names; wall {d['wall_s']} s. "
-            f"{passed_and_requests(d)}; faults injected "
-            f"{d['faults_injected_total']}; plain requests replayed against `off`: {rep['same']} of {rep['n']} "
-            f"identical.\n\n" + table(["verdict", "result"], rows))
-
-
-def render_adversary(d: dict) -> str:
-    rows = verdict_rows(d["verdicts"])
-    flood = d["attacks"].get("name_flood") or {}
-    chats = (d["attacks"].get("long_chats") or {}).get("sizes") or {}
-    sizes = ", ".join(f"{n} messages: {c['auto_status']} in {num(c['auto_s'])} s (stock {c['stock_status']}), "
-                      f"short chat delayed {num(c['short_delay_s'])} s" for n, c in chats.items())
-    return (f"Form `{d['form']}`, {d['server_s']} s against the server. {passed_and_requests(d)}; "
-            f"{d['secrets']['count']} secrets looked for in {d['secrets']['answers_scanned']} answers, "
-            f"{len(d['secrets']['leaks'])} found; name flood {flood.get('flood_requests', '-')} agents, guard scope "
-            f"series {(flood.get('series') or {}).get('scopes', '-')} (cap {flood.get('series_cap', '-')}). "
-            f"Long chats: {sizes or '-'}.\n\n" + table(["verdict", "result"], rows))
-
-
-def render_langgraph(d: dict) -> str:
-    rows = []
-    for mode, r in d["summary"].items():
-        agents = ", ".join(f"{k} {num(v)}" for k, v in (r.get("agreement_text") or {}).items())
-        rows.append([f"`{mode}`", num(r["seconds"], ".1f", " s"), str(r["message_tokens"]),
-                     num(r.get("reuse_ratio_repeated")), num(r.get("agreement_final_number")), agents])
-    return (f"{len(d['questions'])} questions, {d['max_tokens']} tokens per answer, greedy.\n\n"
-            + table(["mode", "wall", "message tokens", "reuse of repeated message tokens",
-                     "final number equals `off`'s", "answer text equals `off`'s, per agent"], rows))
-
-
-def render_scaleout(d: dict) -> str:
-    rows = []
-    for arm, r in d["arms"].items():
-        spread = ", ".join(f"{w['shared_tokens_seen']}" for w in r["workers"])
-        rows.append([f"`{arm}`", num(r["reuse_ratio"]), num(r.get("reuse_gap_to_one_worker")),
-                     num(r.get("same_answers_as_one_worker")), spread, num(r["ttft_s_mean_agents_2_on"], ".2f", " s")])
-    return (f"GSM8K `refer` workflow, {d['samples']} samples (one workflow each), {d['agents']} agents, "
-            f"{d['max_tokens']} tokens per answer, mode `{d['mode']}`, {d['concurrency']} workflows in flight. "
-            f"Target: the affinity arms' reuse within {d['target_gap']} of `one_worker`'s.\n\n"
-            + table(["arm", "reuse", "gap to one worker", "final answers equal one worker's",
-                     "shared tokens seen per worker", "TTFT agents 2-4 (mean)"], rows))
-
-
-def render_tp_kvcmas(d: dict) -> str:
-    rows = []
-    for tp, r in d["sizes"].items():
-        vs = r.get("vs_tp1") or {}
-        digests = "-" if r.get("digests_equal") is None else ("equal" if r["digests_equal"] else "**differ**")
-        rows.append([tp, str(r["requests"]), num(r["reuse_ratio"]), str(r["tokens_corrected"]),
-                     num(r["top1_agents_2_4"], ".4f"), num(r["kl_agents_2_4"], ".5f"), num(vs.get("reuse_ratio")),
-                     num(vs.get("top1_difference"), "+.4f"),
-                     "-" if not vs else ("yes" if vs.get("agent1_greedy_identical") else "no"), digests])
-    soaks = [f"TP={tp}: {r['soak']['sent']} more requests over new contexts, {r['soak']['ok']} answered, "
-             f"{r['soak']['aborted']} aborted mid-answer, {r['soak']['failed']} failed, {r['soak']['mode_switches']} "
-             f"mode switches; rank digests {'equal' if r['soak']['digests_equal'] else '**differ**'} after it "
-             f"({r['soak']['tp_ranks'][0]['gate_decisions']} decisions each)."
-             for tp, r in d["sizes"].items() if r.get("soak")]
-    return (f"{d['chains']} chains of {d['agents']} agents over {d['length']} shared tokens, {d['max_tokens']} "
-            "answer tokens per agent; top-1 and KL of agents 2-4 against `off` at the same TP size.\n\n"
-            + table(["TP", "requests", "reuse", "tokens corrected", "top-1", "KL", "reuse / TP=1's",
-                     "top-1 - TP=1's", "agent 1 greedy = TP=1's", "rank digests"], rows)
-            + "".join(f"\n\nSoak, {line}" for line in soaks))
-
-
-def render_warm_start(d: dict) -> str:
-    rows = []
-    for arm in ("cold", "warm", "fullshared"):
-        r = d.get(arm)
-        if not r:
-            continue
-        served = ", ".join(f"{n} {how}" for how, n in sorted(r["served_as"].items(), key=lambda kv: -kv[1]))
-        t = r["b_ttft_s"]
-        total = sum(q["b_ttft_s"] for q in r["requests"])
-        rows.append([arm, str(r["anchors_loaded"]), served, num(r["reuse"]), num(r["corrected_share"]),
-                     f"{num(t['median'], '.3f')} ({num(t['min'], '.3f')}-{num(t['max'], '.3f')}) s",
-                     num(total, ".1f", " s"), num(r["b_over_a_ttft"]), num(r["top1"], ".4f"), num(r["kl"], ".5f"),
-                     str(r["positions"])])
-    saved = d["saved"]
-    return (f"{d['eval']} new documents of {d['length']} tokens, each read by agent `{d['agents'][0]}` (dense) and "
-            f"then by `{d['agents'][1]}` behind its own system prompt, on one fresh server per arm. The pool file "
-            f"came from a server that read {d['teach']} other documents with the same agents: "
-            f"{saved['anchors']} anchors of {saved['slots']} slot(s), {saved['bytes'] / 2**20:.0f} MiB. Top-1 and "
-            f"KL: B's own {d['max_tokens']}-token answer teacher-forced through an exact prefill of the same "
-            "prompt.\n\n"
-            + table(["arm", "anchors loaded", "B's document served as", "reuse", "corrected", "B TTFT, median (min-max)",
-                     "B TTFT, all requests", "B / A TTFT (median)", "top-1", "KL", "positions"], rows))
-
-
-def _phase(cell: dict, unit: float = 1e3, fmt: str = ".1f") -> str:
-    return (f"{format(cell['median_s'] * unit, fmt)} ({format(cell['min_s'] * unit, fmt)}-"
-            f"{format(cell['max_s'] * unit, fmt)})")
-
-
-def render_assembly_cost(d: dict) -> str:
-    rows = [[str(r["length"]), str(r["anchors"]), _phase(r["read"]), _phase(r["estimate"]), _phase(r["plan_args"]),
-             _phase(r["write"]), f"{r['corrected_total_s'] * 1e3:.1f}", _phase(r["align_only"])] for r in d["rows"]]
-    return (f"{d['torch_threads']} torch threads; pool of {d['shapes']['pool_rows']} rows, rank "
-            f"{d['shapes']['rank']}. Milliseconds, median (min-max).\n\n"
-            + table(["tokens", "anchors", "read", "estimate", "plan args", "write", "corrected total",
-                     "align only (fullshared)"], rows))
-
-
-def render_learn_cost(d: dict) -> str:
-    rows = [[str(r["length"]), r["method"], num(r["residual_over_svd"], ".5f"), _phase(r["with_base"], 1, ".3f"),
-             _phase(r["deltas_only"], 1, ".3f")] for r in d["rows"]]
-    return (f"{d['torch_threads']} torch threads; rank {d['shapes']['rank']}. Seconds, median (min-max).\n\n"
-            + table(["tokens", "method", "residual / exact SVD's", "with base (first observation of a content)",
-                     "deltas only (a known content)"], rows))
-
-
-def render_idle_thread(d: dict) -> str:
-    rows = []
-    for state, c in d["summary"].items():
-        ratio = d.get(f"{state}_over_before")
-        rows.append([f"`{state}`", f"{c['median_us']:.0f} ({c['min_us']:.0f}-{c['max_us']:.0f})",
-                     spread(ratio) if ratio else "1.00"])
-    return (f"Op: {d['op']}; side thread: {d['side_thread_work']}; {d['torch_threads']} torch threads, "
-            f"{len(d['repeats'])} repeats.\n\n"
-            + table(["state", "main thread op time, us: median (min-max)", "x `before`"], rows))
-
-
-def render_profile(d: dict) -> str:
-    threads = ", ".join(f"{k} {v:.2f}" for k, v in d["scheduler_threads_share"].items())
-    top = [[f"`{r['function']}`", f"{r['share_of_loop']:.3f}"] for r in d["event_loop_self_top"][:8]]
-    kv = [[f"`{r['function']}`", f"{r['share_of_loop']:.3f}"] for r in d["event_loop_inclusive_kvshare"][:10]]
-    return (f"Mode `{d['mode']}`, {d['length']} shared tokens, {d['chains']} chains, py-spy at {d['rate_hz']} Hz. "
-            f"{d['note']}. Scheduler samples {d['scheduler_samples']}; share by thread: {threads}.\n\n"
-            "Event loop, self time:\n\n" + table(["function", "share of loop"], top)
-            + "\n\nEvent loop, inclusive time of kvshare functions:\n\n" + table(["function", "share of loop"], kv))
-
-
-def render_text(d: dict) -> str:
-    return "The script's output:\n\n```\n" + d["text"].rstrip("\n") + "\n```"
-
-
-# ------------------------------------------------------------------ plots
-def _plot_from(module: str, function: str) -> Callable[[Any, Path], None]:
-    """A benchmark module's own plot function, imported only when plots are drawn (the imports are heavy)."""
-    def draw(data: Any, path: Path) -> None:
-        import importlib
-
-        getattr(importlib.import_module(module), function)(data, path)
-    return draw
-
-
-def plot_chain(d: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    lengths = sorted({int(length) for per_len in d["arms"].values() for length in per_len})
-    fig, axes = plt.subplots(1, len(lengths), figsize=(6 * len(lengths), 4.2), squeeze=False)
-    for ax, length in zip(axes[0], lengths):
-        arms = [a for a, per_len in d["arms"].items() if str(length) in per_len]
-        cells = [d["arms"][a][str(length)] for a in arms]
-        med = [c["ttft_agents_2_4_s"]["median"] for c in cells]
-        err = [[m - c["ttft_agents_2_4_s"]["min"] for m, c in zip(med, cells)],
-               [c["ttft_agents_2_4_s"]["max"] - m for m, c in zip(med, cells)]]
-        xs = list(range(len(arms)))
-        ax.bar(xs, med, yerr=err, capsize=3, color="tab:blue", alpha=0.8, label="TTFT agents 2-4 (median, min-max)")
-        ax.scatter(xs, [c["floor_agents_2_4_s"]["median"] for c in cells], marker="_", s=600, color="black",
-                   label="exact-hit floor", zorder=3)
-        ax.set_xticks(xs, arms, rotation=30, ha="right")
-        ax.set_ylabel("seconds")
-        ax.set_title(f"shared context {length} tokens")
-        ax.grid(alpha=0.3, axis="y")
-        ax.legend(fontsize=8)
-    fig.suptitle(f"4-agent chain, {hardware(d['meta'])}, {date_of(d['meta'])}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 # ------------------------------------------------------------------ the registry
 FRONTIER_READING = (
     "Per arm: `reuse ratio` = consumer shared tokens served by alignment or correction (a recomputed head counts as "
@@ -674,12 +184,27 @@ REGISTRY: list[Benchmark] = [
         "in the frontier and fidelity sections.",
         render_chain, plot_chain),
     Benchmark(
+        "demo", "demo.json", "python -m benchmarks.demo --out benchmarks/results/demo.json",
+        "What does the shipped demo, a 4-agent GSM8K team on one kvshare server in the recommended setting, prefill "
+        "and reuse per request, and how soon does each agent get its first token?",
+        "Each agent reads the question and the previous agent's answer as shared segments behind its own system "
+        "prompt. `prefilled` counts what the server computed (a recomputed share of a reused segment included); "
+        "`reused` what it served aligned or corrected. Speed and reuse only: fidelity is in the frontier sections.",
+        render_demo, optional=True),
+    Benchmark(
+        "frontier_heldout", "frontier_heldout.json",
+        "python -m benchmarks.frontier --roles heldout (the section names the exact command)",
+        "On role prompts no setting was chosen on, which mode keeps `off`'s answers and distributions at which "
+        "reuse?",
+        FRONTIER_READING, render_frontier_heldout, plot_from("benchmarks.frontier", "plot"), results_png=True,
+        optional=True),
+    Benchmark(
         "stock_vs_off", "stock_vs_off.json", "python -m benchmarks.stock_vs_off",
         "Does `--kvshare-mode off` cost anything against stock SGLang, to 2 %?",
         "Both servers run at once and the same request goes to one, then the other, in ABBA order, one in flight at "
         "a time, so the machine's drift cancels in the paired ratio `off / stock`. \"within\" means the whole 95 % "
         "interval of the median ratio lies inside 1 +- 2 %.",
-        render_stock_vs_off, _plot_from("benchmarks.stock_vs_off", "plot"), results_png=True),
+        render_stock_vs_off, plot_from("benchmarks.stock_vs_off", "plot"), results_png=True),
     Benchmark(
         "serving", "serving.json",
         "python -m benchmarks.serving --lengths 512 1024 --rates 0.1 0.2 --output-tokens 32 --repeats 3",
@@ -688,7 +213,7 @@ REGISTRY: list[Benchmark] = [
         "and the previous agent's output as shared segments. A repeat is 3 workflows (12 requests), so a single "
         "repeat's ratio moves with how the arrivals overlap: read the median of the repeats. `bound` is the "
         "arithmetic ceiling 1/(1-rho) for the share rho of prefill tokens saved. Speed only.",
-        render_serving, _plot_from("benchmarks.serving", "make_plot"), results_png=True),
+        render_serving, plot_from("benchmarks.serving", "make_plot"), results_png=True),
     Benchmark(
         "workflow_gsm8k", "workflow_gsm8k.json",
         "python -m benchmarks.workflow --task gsm8k --topology refer --agents 4 --limit 50 --max-tokens 128 "
@@ -712,7 +237,7 @@ REGISTRY: list[Benchmark] = [
         "--arms off,fullshared_k0,mix_p0.5,kvcmas_k0,kvcmas_k8,fullshared_k8,kvcmas_k32,fullshared_k32",
         "On a synthetic 12-fact lookup task shared by four agents, which mode keeps `off`'s answers at which reuse, "
         "and is it better than a coin?",
-        FRONTIER_READING, render_frontier, _plot_from("benchmarks.frontier", "plot"), results_png=True),
+        FRONTIER_READING, render_frontier, plot_from("benchmarks.frontier", "plot"), results_png=True),
     Benchmark(
         "frontier_retrieval_1000", "frontier_retrieval_1000.json",
         "python -m benchmarks.frontier --task retrieval --limit 334 --seed S --warmup 8 --heads 0 --mix "
@@ -722,19 +247,19 @@ REGISTRY: list[Benchmark] = [
         "lookups each, pooled)?",
         FRONTIER_READING + " Only `off` and the recommended arm ran here (no random-mix points), so the line gaps "
         "are not defined.",
-        render_frontier, _plot_from("benchmarks.frontier", "plot"), results_png=True, optional=True),
+        render_frontier, plot_from("benchmarks.frontier", "plot"), results_png=True, optional=True),
     Benchmark(
         "frontier_gsm8k", "frontier_gsm8k.json",
         "python -m benchmarks.frontier --task gsm8k --limit 50 --max-tokens 128 --concurrency 8 --heads 0 8 16 32 "
         "--mix 0.5",
         "On the GSM8K `refer` workflow, which mode keeps `off`'s answers and distributions at which reuse?",
-        FRONTIER_READING, render_frontier, _plot_from("benchmarks.frontier", "plot"), results_png=True),
+        FRONTIER_READING, render_frontier, plot_from("benchmarks.frontier", "plot"), results_png=True),
     Benchmark(
         "frontier_humaneval", "frontier_humaneval.json",
         "python -m benchmarks.frontier --task humaneval --limit 50 --max-tokens 128 --concurrency 8 --heads 0 8 32 "
         "--mix 0.5",
         "On the HumanEval `refer` workflow, which mode keeps `off`'s programs and distributions at which reuse?",
-        FRONTIER_READING, render_frontier, _plot_from("benchmarks.frontier", "plot"), results_png=True),
+        FRONTIER_READING, render_frontier, plot_from("benchmarks.frontier", "plot"), results_png=True),
     Benchmark(
         "fidelity", "fidelity.json", "python -m benchmarks.fidelity",
         "Offline, on the real model and contents it has never seen: how far is each reuse mode's next-token "
@@ -742,7 +267,7 @@ REGISTRY: list[Benchmark] = [
         "KL(NonShared || mode) over the consumer's suffix tokens, top-1 agreement and a 32-token greedy continuation, "
         "per consumer segment; `head K` prefills the first K tokens of each reused segment densely. The oracle row "
         "(the content's own exact delta) is not deployable: it bounds what a correction could do.",
-        render_fidelity, _plot_from("benchmarks.fidelity", "plot"), results_png=True),
+        render_fidelity, plot_from("benchmarks.fidelity", "plot"), results_png=True),
     Benchmark(
         "kernels", "kernels_cpu.json", "python -m benchmarks.kernels",
         "What do the gate, the token weights and the correction cost next to the dense prefill they replace?",
@@ -775,7 +300,7 @@ REGISTRY: list[Benchmark] = [
         "`off` meets the bound). Detection: noise in one shared slot's KV; the verified samples until its readers "
         "were served dense, while renamed twins of the workflow on intact slots "
         "keep their reuse. Overhead: two servers up, paired requests in ABBA order, roles swapped halfway.",
-        render_guard, _plot_from("benchmarks.guard", "plot"), results_png=True, optional=True),
+        render_guard, plot_from("benchmarks.guard", "plot"), results_png=True, optional=True),
     Benchmark(
         "langgraph_reuse", "langgraph_reuse.json", "python -m benchmarks.langgraph_reuse",
         "Pointed at a `--kvshare-auto` server, how much of the text an unchanged LangGraph team sends more than "
@@ -863,22 +388,27 @@ def canonical_files(results: Path = RESULTS) -> set[str]:
 
 # ------------------------------------------------------------------ headline
 def _frontier_headline(d: dict) -> tuple[str, str, str]:
-    """The arm with the highest teacher-forced top-1 at reuse >= 0.7 (lowest KL on a tie)."""
+    """The arm with the highest teacher-forced top-1 at reuse >= 0.7 (lowest KL on a tie; at any reuse when no arm
+    reaches 0.7), with its fidelity and its TTFT against `off`'s."""
     arms = d["arms"]
     cands = [(n, a) for n, a in arms.items() if n != "off" and a.get("random_mix_p") is None
-             and (a.get("reuse_ratio") or 0) >= 0.7 and a.get("teacher_forced_top1") is not None]
-    name, a = max(cands, key=lambda na: (na[1]["teacher_forced_top1"], -na[1]["teacher_forced_kl"]))
-    base = arms["fullshared_k0"]["teacher_forced_kl"]
-    off_t = arms["off"]["ttft_agents_2_4_s"]["median"]
-    t = a["ttft_agents_2_4_s"]["median"]
+             and a.get("teacher_forced_top1") is not None]
+    high = [(n, a) for n, a in cands if (a.get("reuse_ratio") or 0) >= 0.7]
+    name, a = max(high or cands, key=lambda na: (na[1]["teacher_forced_top1"], -na[1]["teacher_forced_kl"]))
+    base = (arms.get("fullshared_k0") or {}).get("teacher_forced_kl")
     paired = a.get("accuracy_vs_off_paired") or {}
     what = "pass/fail agreement" if d["task"] == "humaneval" else "final-answer agreement"
     fidelity = (f"reuse {a['reuse_ratio']:.2f}; teacher-forced top-1 {a['teacher_forced_top1']:.4f}, KL "
-                f"{a['teacher_forced_kl']:.5f} ({a['teacher_forced_kl'] / base:.2f}x `fullshared` K=0); {what} "
-                f"{a['agreement_final']:.2f}; accuracy {paired.get('mean', 0):+.3f} {interval(paired.get('ci95'))} "
-                f"vs `off` ({d['scored_items']} items)")
+                f"{a['teacher_forced_kl']:.5f}" + (f" ({a['teacher_forced_kl'] / base:.2f}x `fullshared` K=0)"
+                                                   if base else "")
+                + f"; {what} {a['agreement_final']:.2f}; accuracy {paired.get('mean', 0):+.3f} "
+                  f"{interval(paired.get('ci95'))} vs `off` ({d['scored_items']} items)")
+    t = (a.get("ttft_agents_2_4_s") or {}).get("median")
+    off_t = (arms["off"].get("ttft_agents_2_4_s") or {}).get("median")
     own_off = a.get("off_ttft_agents_2_4_median_same_run")
-    if d.get("commands") and own_off:  # merged parts: the ratio within the arm's own part
+    if t is None:  # pooled runs: medians do not pool
+        speed = "TTFT per run in the section"
+    elif d.get("commands") and own_off:  # merged parts: the ratio within the arm's own part
         speed = (f"TTFT agents 2-4 median {t:.2f} s against its own part's `off` {own_off:.2f} s "
                  f"({own_off / t:.2f}x)")
     elif d.get("commands"):  # merged parts: each part had its own off, so no ratio across parts
@@ -886,159 +416,171 @@ def _frontier_headline(d: dict) -> tuple[str, str, str]:
                  f"own `off`)")
     else:
         speed = f"TTFT agents 2-4 median {t:.2f} s against `off`'s {off_t:.2f} s ({off_t / t:.2f}x)"
-    figure = f"best top-1 at reuse >= 0.7: `{name}`; {speed}"
+    figure = f"best top-1{' at reuse >= 0.7' if high else ''}: `{name}`; {speed}"
     return f"Fidelity frontier, {d['task']}", figure, fidelity
 
 
-def _guard_headline(d: dict) -> tuple[str, str, str]:
-    """The guard's row: what it costs and catches (figure), what it kept against one global head (fidelity)."""
-    tasks = d["tasks"]
-    judged = sum(t["calibration"]["scopes_judged"] for t in tasks.values())
-    inside = sum(round((t["calibration_within_ci"] or 0.0) * t["calibration"]["scopes_judged"]) for t in tasks.values())
-    caught = ", ".join(f"{n} {t['detection_samples'] if t['detection_samples'] is not None else 'not caught'}"
-                       for n, t in tasks.items())
-    figure = (f"truth inside the guard's 95 % interval in {inside} of {judged} judged scopes; a perturbed slot made "
-              f"dense after (verified samples) {caught}")
-    ov = d.get("overhead")
-    if ov:
-        ttft, throughput = ov["ttft"]["verdict"], ov["throughput"]["verdict"]
-        figure += (f"; overhead at rate {ov['verify_rate']:g}: TTFT {ttft['median']:.3f} "
-                   f"{interval(ttft['ci95'], '.3f')}, throughput {throughput['median']:.3f} "
-                   f"{interval(throughput['ci95'], '.3f')}")
-    kept = []
-    for n, t in tasks.items():
-        best = ("no fixed K meets it" if t["best_global_k"] is None else
-                f"best fixed K={t['best_global_k']} reuse {t['best_global_k_reuse']:.2f}")
-        verdict = "meets the target" if t["controlled_top1"] >= d["target_bound"] else "misses the target"
-        kept.append(f"{n}: guarded reuse {t['controlled_reuse']:.2f}, top-1 {t['controlled_top1']:.4f} ({verdict}; "
-                    f"{best})")
-    return (f"Fidelity guard, rate {d['verify_rate']:g}, target `{d['target']}`", figure, "; ".join(kept))
+def _chain_headline(d: dict) -> tuple[str, str, str]:
+    """Each plain mode's (no ``:K`` or ``@setting``) speedup against `off` and ratio to the exact hit, per length."""
+    figs = []
+    for arm, per_len in d["arms"].items():
+        if arm in ("off", "stock") or ":" in arm or "@" in arm:
+            continue
+        for length, cell in per_len.items():
+            figs.append(f"`{arm}` {int(length) / 1024:g}K: {cell['speedup_vs_off_agents_2_4']['median']:.2f}x "
+                        f"`off`, {cell['reuse_over_floor']['median']:.2f}x the exact hit")
+    repeats = {c["ttft_agents_2_4_s"]["n"] for per_len in d["arms"].values() for c in per_len.values()}
+    return (f"4-agent chain, agents 2-4 TTFT (median of {'/'.join(map(str, sorted(repeats)))} repeats)",
+            "; ".join(figs), "not measured here (speed only; see the frontier rows)")
 
 
-def headline_rows(results: Path = RESULTS, link: str = "") -> list[list[str]]:
-    data = {b.name: load(b, results) for b in REGISTRY if b.name in HEADLINE_SOURCES}
+def _demo_headline(d: dict) -> tuple[str, str, str]:
+    t, s = d["totals"], d["settings"]
+    ttft = ""
+    if t.get("ttft_s_mean_agents_2_4") is not None:
+        ttft = (f"; mean TTFT agents 2-4 {t['ttft_s_mean_agents_2_4']:.2f} s (agent 1 "
+                f"{t['ttft_s_mean_agent_1']:.2f} s)")
+    return (f"Demo: 4-agent GSM8K team, `{s['kvshare_mode']}` recompute {s['recompute_ratio']:g}, "
+            f"{t['requests']} requests",
+            f"{t['prompt_tokens']} prompt tokens, {t['prefill_tokens']} prefilled, {t['reused_tokens']} reused: reuse "
+            f"ratio {t['reuse_ratio']:.2f} of {t['shared_tokens']} shared tokens{ttft}",
+            "not measured here (see the frontier rows)")
+
+
+def _stock_headline(d: dict) -> tuple[str, str, str]:
+    t, tp = d["ttft"]["verdict"], d["throughput"]["verdict"]
+    return ("`off` against stock SGLang (paired ABBA requests)",
+            f"TTFT ratio {t['median']:.3f} {interval(t['ci95'], '.3f')}, throughput {tp['median']:.3f} "
+            f"{interval(tp['ci95'], '.3f')} (median [95 % interval])", "`off` serves exact KV only")
+
+
+def _heldout_headline(d: dict) -> tuple[str, str, str]:
+    title, figure, fidelity = _frontier_headline(d)
+    return f"{title}, held-out roles, {d['segment_tokens']}-token segments", figure, fidelity
+
+
+HEADLINE: dict[str, Callable[[dict], tuple[str, str, str]]] = {
+    "chain_ttft": _chain_headline, "demo": _demo_headline, "frontier_heldout": _heldout_headline,
+    "stock_vs_off": _stock_headline}
+"""The headline rows, in order: (result, figure, fidelity) from a canonical file. A row whose file is an optional
+entry's and missing is left out."""
+
+
+def headline_entries(results: Path = RESULTS) -> list[Benchmark]:
+    covered = {b.name for b in present(results)}
+    return [BY_NAME[name] for name in HEADLINE if name in covered]
+
+
+def headline_rows(results: Path = RESULTS, link: str = "", tree: Optional[str] = None) -> list[list[str]]:
+    tree = serving_digest() if tree is None else tree
     rows = []
-
-    def add(name: str, result: str, figure: str, fidelity: str) -> None:
-        meta = data[name]["meta"]
-        rows.append([result, figure, fidelity, hardware(meta), date_of(meta), f"[{name}]({link}#{name})"])
-
-    try:
-        c = data["chain_ttft"]["arms"]
-        figs = []
-        for arm in ("fullshared", "kvcmas"):
-            for length in ("1024", "4096"):
-                cell = c[arm][length]
-                figs.append(f"`{arm}` {int(length) // 1024}K: {cell['speedup_vs_off_agents_2_4']['median']:.2f}x "
-                            f"`off`, {cell['reuse_over_floor']['median']:.2f}x the exact hit")
-        add("chain_ttft", "4-agent chain, agents 2-4 TTFT (median of 3 repeats)", "; ".join(figs),
-            "not measured here (speed only; see the frontier rows)")
-
-        s = data["serving"]["modes"]
-        parts = []
-        for mode in ("fullshared", "kvcmas"):
-            meds = [statistics.median(cell["speedup_p50_vs_off_per_repeat"])
-                    for per_rate in s[mode]["cells"].values() for cell in per_rate.values()]
-            parts.append(f"`{mode}` {min(meds):.2f}-{max(meds):.2f}x")
-        n_cells = sum(len(per_rate) for per_rate in s["kvcmas"]["cells"].values())
-        add("serving", f"Serving under load, TTFT p50 speedup vs `off` ({n_cells} cells, median of repeats)",
-            ", ".join(parts), "not measured here (speed only)")
-
-        so = data["stock_vs_off"]
-        add("stock_vs_off", "`off` against stock SGLang (paired ABBA requests)",
-            f"TTFT ratio {so['ttft']['verdict']['median']:.3f} {interval(so['ttft']['verdict']['ci95'], '.3f')}, "
-            f"throughput {so['throughput']['verdict']['median']:.3f} "
-            f"{interval(so['throughput']['verdict']['ci95'], '.3f')} (median [95 % interval])",
-            "`off` serves exact KV only")
-
-        for name in ("frontier_retrieval", "frontier_gsm8k", "frontier_humaneval"):
-            add(name, *_frontier_headline(data[name]))
-
-        f = data["fidelity"]
-        hf = f["head_frontier"]
-        best = f["head_recompute"].get(hf["best_arm"]) or f[hf["best_arm"]]
-        add("fidelity", f"Offline fidelity on held-out contents ({f['n_eval_samples']} contents x "
-                        f"{f['consumers_per_sample']} consumers)",
-            f"best KL at reuse >= {hf['min_reuse']}: `{hf['best_arm']}` (target {hf['target_kl']}: "
-            f"{'met' if hf['target_met'] else 'missed'})",
-            f"KL {best['kl_mean']:.4f}, top-1 {best['top1']:.3f} at reuse {best['reuse_ratio']:.2f}; "
-            f"`fullshared` alone KL {f['fullshared']['kl_mean']:.4f}, top-1 {f['fullshared']['top1']:.3f} at "
-            f"{f['fullshared']['reuse_ratio']:.2f}")
-
-        add("guard", *_guard_headline(data["guard"]))
-
-        w = data["workflow_gsm8k"]
-        off, km = w["runs"]["off"], w["runs"]["kvcmas"]
-        ag = w["agreement_with_off"]["kvcmas"]
-        add("workflow_gsm8k", f"GSM8K `refer` workflow, {w['samples']} samples, {w['concurrency']} in flight",
-            f"`kvcmas` mean TTFT agents 2-4 {km['ttft_s_mean_agents_2_on']:.2f} s against `off`'s "
-            f"{off['ttft_s_mean_agents_2_on']:.2f} s",
-            f"reuse {km['reuse_ratio']:.2f}; final answer equal to `off`'s on {ag['final_answer_agreement']:.2f} of "
-            f"samples, identical final text {ag['identical_final_text']:.2f}")
-    except (KeyError, TypeError, ValueError, IndexError, ZeroDivisionError) as exc:
-        raise ReportError(f"headline: a canonical file lacks a field the headline reads ({exc!r}); files: "
-                          + ", ".join(str(results / BY_NAME[n].file) for n in HEADLINE_SOURCES)) from exc
+    for entry in headline_entries(results):
+        data = load(entry, results)
+        try:
+            result, figure, fidelity = HEADLINE[entry.name](data)
+        except (KeyError, TypeError, ValueError, IndexError, ZeroDivisionError) as exc:
+            raise ReportError(f"headline: {results / entry.file} lacks a field the headline reads ({exc!r})") from exc
+        meta = data["meta"]
+        rows.append([result, figure, fidelity, hardware(meta), date_of(meta), cell_mark(freshness(data, tree)),
+                     f"[{entry.name}]({link}#{entry.name})"])
     return rows
 
 
-HEADLINE_SOURCES = ("chain_ttft", "serving", "stock_vs_off", "frontier_retrieval", "frontier_gsm8k",
-                    "frontier_humaneval", "fidelity", "guard", "workflow_gsm8k")
+def headline_markdown(results: Path = RESULTS, link: str = "", tree: Optional[str] = None) -> str:
+    """The headline table and its legend; ``link`` prefixes its section links (README's copy points into
+    RESULTS.md)."""
+    return (table(["result", "figure", "fidelity against `off`", "measured on", "date", "code", "section"],
+                  headline_rows(results, link, tree)) + "\n\n" + LEGEND)
 
 
-def headline_markdown(results: Path = RESULTS, link: str = "") -> str:
-    """The headline table alone; ``link`` prefixes its section links (README's copy points into RESULTS.md)."""
-    return table(["result", "figure", "fidelity against `off`", "measured on", "date", "section"],
-                 headline_rows(results, link))
+def stale_headline(results: Path = RESULTS, tree: Optional[str] = None) -> list[tuple[str, str, list[str]]]:
+    """(name, why stale, the commands that measure it again) of every stale headline row, in table order.
+
+    A merged or pooled file names its parts' commands, then its own (the merge)."""
+    tree = serving_digest() if tree is None else tree
+    out = []
+    for entry in headline_entries(results):
+        data = load(entry, results)
+        why = freshness(data, tree)
+        if why is not None:
+            out.append((entry.name, why, [*(data.get("commands") or []), data["meta"]["command"]]))
+    return out
 
 
 README = ROOT / "README.md"
 README_BEGIN, README_END = "<!-- headline-results:begin -->", "<!-- headline-results:end -->"
 
 
-def readme_with_headline(text: str, results: Path = RESULTS) -> str:
+def readme_with_headline(text: str, results: Path = RESULTS, tree: Optional[str] = None) -> str:
     """README's text with the generated headline table between its markers."""
     if README_BEGIN not in text or README_END not in text:
         raise ReportError(f"README.md lacks the markers {README_BEGIN} ... {README_END}")
     head, rest = text.split(README_BEGIN, 1)
     _, tail = rest.split(README_END, 1)
     block = ["<!-- generated by `python -m benchmarks.report` from benchmarks/results/; do not edit -->", "",
-             headline_markdown(results, link="docs/RESULTS.md"), ""]
+             headline_markdown(results, link="docs/RESULTS.md", tree=tree), ""]
     return head + README_BEGIN + "\n" + "\n".join(block) + README_END + tail
 
 
 # ------------------------------------------------------------------ the document
-def section(entry: Benchmark, data: Any, results: Path) -> str:
+def body_of(entry: Benchmark, data: Any, results: Path) -> str:
     try:
-        body = entry.render(data)
+        return entry.render(data)
     except (KeyError, TypeError, ValueError, IndexError, AttributeError, ZeroDivisionError) as exc:
         raise ReportError(f"{results / entry.file}: malformed for benchmark {entry.name!r} "
                           f"(its section cannot read {exc!r})") from exc
-    out = [f"## {entry.name}", "", f"**Question.** {entry.question}", "", f"**Reading.** {entry.reading}", "",
-           f"Command: `{entry.command}`. File: [`benchmarks/results/{entry.file}`]"
-           f"(../benchmarks/results/{entry.file}).", ""]
-    out += [meta_line(data["meta"]), ""]
-    if entry.plot is not None:
-        out += [f"![{entry.name}](results/{entry.name}.png)", ""]
-    out += [body, ""]
-    return "\n".join(out)
 
 
-def render(results: Path = RESULTS) -> str:
-    """docs/RESULTS.md's text from the canonical files in ``results``."""
+def section(entry: Benchmark, data: Any, results: Path, stale: Optional[str] = None) -> str:
+    """One benchmark's short section: a paragraph (question, reading, file, plot, measurement, the body's opening
+    note) and its key table; a research benchmark's tables stand in RESULTS_DETAIL.md, linked."""
+    body = body_of(entry, data, results)
+    meta = data["meta"]
+    recipe = "" if meta.get("command") == entry.command else f" Recipe: `{entry.command}`."
+    plot = f", plot [`{entry.name}.png`](results/{entry.name}.png)" if entry.plot is not None else ""
+    if entry.detail:
+        body = f"Tables: [research/RESULTS_DETAIL.md](research/RESULTS_DETAIL.md#{entry.name})."
+    note, _, rest = body.partition("\n\n")
+    if note.startswith(("|", "```")):
+        note, rest = "", body
+    out = [f'## <a id="{entry.name}"></a>{entry.name}{header_mark(stale)}', "",
+           f"**Question.** {entry.question} **Reading.** {entry.reading} File "
+           f"[`benchmarks/results/{entry.file}`](../benchmarks/results/{entry.file}){plot}. {meta_line(meta)}"
+           f"{recipe}" + (f" {note}" if note else ""), ""]
+    return "\n".join(out + ([rest, ""] if rest else []))
+
+
+def render_detail(results: Path = RESULTS) -> str:
+    """docs/research/RESULTS_DETAIL.md's text: the tables of the research benchmarks (``detail`` entries)."""
+    parts = ["# Results: research benchmarks' tables", "",
+             "<!-- Generated by `python -m benchmarks.report` from benchmarks/results/. Do not edit by hand. -->", "",
+             "The tables of the research benchmarks (`benchmarks/research/`); what each asks, how it was measured "
+             "and whether its serving code is this tree's: [docs/RESULTS.md](../RESULTS.md).", ""]
+    for entry in present(results):
+        if entry.detail:
+            parts += [f"## {entry.name}", "", body_of(entry, load(entry, results), results), ""]
+    return "\n".join(parts).rstrip("\n") + "\n"
+
+
+def render(results: Path = RESULTS, tree: Optional[str] = None) -> str:
+    """docs/RESULTS.md's text from the canonical files in ``results``, marked against the serving code whose digest
+    is ``tree`` (default: this working tree's)."""
+    tree = serving_digest() if tree is None else tree
     entries = present(results)
     data = {b.name: load(b, results) for b in entries}
-    index = table(["benchmark", "question", "command", "canonical file"],
-                  [[f"[{b.name}](#{b.name})", b.question, f"`{b.command}`", f"`{b.file}`"] for b in entries])
+    stale = {b.name: freshness(data[b.name], tree) for b in entries}
+    index = table(["benchmark", "question", "code"],
+                  [[f"[{b.name}](#{b.name})", b.question, cell_mark(stale[b.name])] for b in entries])
     parts = [
         "# Results",
         "",
         "<!-- Generated by `python -m benchmarks.report` from benchmarks/results/. Do not edit by hand. -->",
         "",
-        "This file is generated by `python -m benchmarks.report` from the canonical results files in "
-        "`benchmarks/results/` (one per benchmark); do not edit it by hand: re-run a benchmark's command, then the "
-        "report. `python -m benchmarks.report --check` fails when this file differs from what the files give. Each "
-        "section names the hardware, date, git revision and command of its measurement. Ratios against `off` are "
-        "taken within one run; seconds move between runs of a shared machine.",
+        "Generated by `python -m benchmarks.report` from the canonical results files in `benchmarks/results/` (one "
+        "per benchmark): re-run a benchmark's command, then the report. `--check` fails when this file differs from "
+        "what the files give; `--check-fresh` when a headline row was measured on other serving code. Each section "
+        "names the hardware, date, revision, serving digest and command of its measurement. Ratios against `off` "
+        "are taken within one run; seconds move between runs of a shared machine.",
         "",
         "## Index",
         "",
@@ -1048,10 +590,10 @@ def render(results: Path = RESULTS) -> str:
         "",
         "Speed next to fidelity against `off` (exact prefill) wherever the same run measured it.",
         "",
-        headline_markdown(results),
+        headline_markdown(results, tree=tree),
         "",
     ]
-    parts += [section(b, data[b.name], results) for b in entries]
+    parts += [section(b, data[b.name], results, stale[b.name]) for b in entries]
     return "\n".join(parts).rstrip("\n") + "\n"
 
 
@@ -1067,39 +609,81 @@ def write_plots(results: Path = RESULTS, out_dir: Path = PLOTS) -> list[Path]:
     return written
 
 
-def check(doc: Path = DOC, results: Path = RESULTS, readme: Optional[Path] = README) -> tuple[bool, str]:
-    """Whether ``doc`` (and README's headline block) is what the results give; a short unified diff when not."""
-    pairs = [(doc, render(results))]
+def check(doc: Path = DOC, results: Path = RESULTS, readme: Optional[Path] = README,
+          tree: Optional[str] = None, detail: Optional[Path] = DETAIL) -> tuple[bool, str]:
+    """Whether ``doc`` (and README's headline block, and ``detail``) is what the results give: (ok, what to say).
+
+    Freshness marks are left out of the comparison: a change of the serving code turns results stale without
+    making the documents wrong about what the files hold (``--check-fresh`` fails on that). When only the marks
+    differ, ok is True and the message says so; otherwise the message is a short unified diff."""
+    tree = serving_digest() if tree is None else tree
+    pairs = [(doc, render(results, tree))]
     if readme is not None:
-        pairs.append((readme, readme_with_headline(readme.read_text(), results)))
+        pairs.append((readme, readme_with_headline(readme.read_text(), results, tree)))
+    if detail is not None:
+        pairs.append((detail, render_detail(results)))
     diff: list[str] = []
+    marks = []
     for path, want in pairs:
         have = path.read_text() if path.is_file() else ""
-        if have != want:
-            diff += list(difflib.unified_diff(have.splitlines(), want.splitlines(), str(path), "generated",
-                                              lineterm="", n=1))
-    if not diff:
-        return True, ""
-    return False, "\n".join(diff[:60]) + ("\n..." if len(diff) > 60 else "")
+        if have == want:
+            continue
+        if without_marks(have) == without_marks(want):
+            marks.append(str(path))
+            continue
+        diff += list(difflib.unified_diff(have.splitlines(), want.splitlines(), str(path), "generated",
+                                          lineterm="", n=1))
+    if diff:
+        return False, "\n".join(diff[:60]) + ("\n..." if len(diff) > 60 else "")
+    if marks:
+        return True, (f"note: the stale marks of {', '.join(marks)} are not this tree's (its serving code changed); "
+                      "python -m benchmarks.report updates them")
+    return True, ""
+
+
+def check_fresh(results: Path = RESULTS, tree: Optional[str] = None) -> tuple[bool, str]:
+    """Whether every headline row was measured on the serving code of this tree: (ok, what to say), naming each
+    stale row and the commands that measure it again."""
+    stale = stale_headline(results, tree)
+    if not stale:
+        return True, "every headline row was measured on this tree's serving code"
+    lines = [f"{len(stale)} headline row(s) measured on other serving code; measure them again:"]
+    for name, why, commands in stale:
+        lines.append(f"  {name} ({why}):")
+        lines += [f"    {c}" for c in commands]
+    return False, "\n".join(lines)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true",
-                    help="write nothing; exit 1 with a diff when docs/RESULTS.md differs from what the JSON gives")
+                    help="write nothing; exit 1 with a diff when docs/RESULTS.md differs from what the JSON gives "
+                         "(freshness marks aside)")
+    ap.add_argument("--check-fresh", action="store_true",
+                    help="write nothing; exit 1 naming each headline row measured on other serving code than this "
+                         "tree's, with the commands that measure it again")
     ap.add_argument("--no-plots", action="store_true", help="write docs/RESULTS.md only")
     ap.add_argument("--results", type=Path, default=RESULTS, help="folder of the canonical results files")
     ap.add_argument("--out", type=Path, default=DOC, help="the markdown file (default docs/RESULTS.md)")
     args = ap.parse_args(argv)
     try:
-        if args.check:
-            ok, diff = check(args.out, args.results, README if args.out == DOC else None)
-            if not ok:
-                print(f"{args.out} differs from what the results give; run python -m benchmarks.report\n{diff}",
-                      file=sys.stderr)
-                return 1
-            print(f"{args.out} is up to date")
-            return 0
+        if args.check or args.check_fresh:
+            status = 0
+            if args.check:
+                default = args.out == DOC
+                ok, message = check(args.out, args.results, README if default else None,
+                                    detail=DETAIL if default else None)
+                if not ok:
+                    print(f"{args.out} differs from what the results give; run python -m benchmarks.report\n"
+                          f"{message}", file=sys.stderr)
+                    status = 1
+                else:
+                    print(f"{args.out} is up to date" + (f"\n{message}" if message else ""))
+            if args.check_fresh:
+                ok, message = check_fresh(args.results)
+                print(message, file=sys.stdout if ok else sys.stderr)
+                status = status or (0 if ok else 1)
+            return status
         text = render(args.results)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)
@@ -1107,6 +691,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.out == DOC:
             README.write_text(readme_with_headline(README.read_text(), args.results))
             print(f"wrote the headline block of {README}")
+            DETAIL.parent.mkdir(parents=True, exist_ok=True)
+            DETAIL.write_text(render_detail(args.results))
+            print(f"wrote {DETAIL}")
         if not args.no_plots:
             for path in write_plots(args.results, PLOTS if args.out == DOC else args.out.parent / "results"):
                 print(f"wrote {path}")

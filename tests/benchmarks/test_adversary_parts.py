@@ -28,7 +28,7 @@ def test_guard_series_count_per_scope_label_sets_and_this_runs_agent_names():
     assert adversary_guard._guard_series(slots + "\n" + events, "ab12") == {"lines": 7, "scopes": 3, "agent_names": []}
 
 
-def test_the_report_section_lists_every_verdict():
+def test_the_report_section_counts_the_verdicts_and_names_each_failure():
     from benchmarks import report
 
     data = {"form": "short", "server_s": 61.0, "passed": False, "verdicts": {"no_5xx": True, "pin_bounds": False},
@@ -38,5 +38,5 @@ def test_the_report_section_lists_every_verdict():
                         "long_chats": {"sizes": {"1000": {"auto_status": 400, "auto_s": 0.2, "stock_status": 400,
                                                           "short_delay_s": 0.01}}}}}
     text = report.render_adversary(data)
-    assert "| `no_5xx` | pass |" in text and "| `pin_bounds` | FAIL |" in text and "1000 messages: 400" in text
+    assert "Verdicts: 1 of 2 pass; **FAIL**: `pin_bounds`." in text and "1000 messages: 400" in text
     assert report.BY_NAME["adversary"].optional

@@ -213,8 +213,10 @@ def test_parts_of_one_run_merge_into_the_whole_run_in_task_order(tmp_path):
     stopped = _part(RUN, {"retrieval": task, "gsm8k": task}, overhead=False)
     rest = _part(RUN + " --task humaneval --out-dir tmp/x", {"humaneval": task}, overhead=True,
                  date="2026-01-03T00:00:00")
+    rest["meta"]["serving_digest"] = stopped["meta"]["serving_digest"] = "d"
     merged = g.merge_parts([rest, stopped], "python -m benchmarks.guard --merge b a", g.parse_args)
     assert list(merged["tasks"]) == ["retrieval", "gsm8k", "humaneval"] and merged["complete"] is True
+    assert merged["meta"]["serving_digest"] == "d"  # the serving code every part measured
     assert merged["commands"] == [rest["command"], stopped["command"]] and len(merged["parts_meta"]) == 2
     assert merged["meta"]["command"] == "python -m benchmarks.guard --merge b a"
     assert merged["meta"]["date"] == "2026-01-03T00:00:00" and merged["meta"]["git_revision"] == "a" * 40
@@ -224,7 +226,7 @@ def test_parts_of_one_run_merge_into_the_whole_run_in_task_order(tmp_path):
     text = report.render_guard(merged)
     assert merged["parts_measured"] == [["humaneval", "overhead"], ["retrieval", "gsm8k"]]
     assert "joined with `--merge`" in text
-    assert f"- `{rest['command']}` (started " in text and " UTC): humaneval, overhead" in text
+    assert f"`{rest['command']}` (started " in text and " UTC): humaneval, overhead" in text
     without = g.merge_parts([stopped, _part(RUN + " --task humaneval --no-overhead", {"humaneval": task}, False)],
                             "m", g.parse_args)
     assert without["complete"] is False and "overhead" not in without and "guard_queue" not in without

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import report
+from benchmarks import demo, report
 from benchmarks.harness import run_meta
+from benchmarks.serving_digest import common_digest, dependency_pins, serving_digest
 
 RAW_PROFILE_SUFFIX = ".folded.txt"  # py-spy's raw stacks beside profile_*.json: git-ignored, never committed
 NO_PROCESS_WORDS = re.compile(r"\bsessions? \d+|\bs1\d\b|\bissues? #?\d+|\bissue-\d+|before this\s+change",
@@ -25,16 +26,21 @@ NO_PROCESS_WORDS = re.compile(r"\bsessions? \d+|\bs1\d\b|\bissues? #?\d+|\bissue
 
 
 def test_results_md_is_what_the_committed_json_gives():
-    have = report.DOC.read_text()
-    want = report.render()
-    assert have == want, "docs/RESULTS.md is stale: run python -m benchmarks.report"
-    assert report.headline_markdown() in have
+    # Freshness marks aside: a change of the serving code alone must not fail the suite (--check-fresh does).
+    ok, message = report.check()
+    assert ok, f"docs/RESULTS.md is out of date: run python -m benchmarks.report\n{message}"
+    assert report.without_marks(report.headline_markdown()) in report.without_marks(report.DOC.read_text())
 
 
 def test_readme_headline_block_is_what_the_committed_json_gives():
     have = report.README.read_text()
-    assert have == report.readme_with_headline(have), "README's headline block is stale: run python -m benchmarks.report"
-    assert report.headline_markdown(link="docs/RESULTS.md") in have
+    assert report.without_marks(have) == report.without_marks(report.readme_with_headline(have)), \
+        "README's headline block is out of date: run python -m benchmarks.report"
+    assert report.without_marks(report.headline_markdown(link="docs/RESULTS.md")) in report.without_marks(have)
+
+
+def test_the_generated_results_md_is_short():
+    assert len(report.DOC.read_text().splitlines()) <= 400
 
 
 def test_the_report_is_deterministic():
@@ -60,11 +66,18 @@ def test_the_report_holds_no_process_words():
     assert [line for line in text.splitlines() if NO_PROCESS_WORDS.search(line)] == []
 
 
-def _copy_of_results(tmp_path: Path, without: str = "") -> Path:
+def _copy_of_results(tmp_path: Path, without: str = "", digests: dict | None = None) -> Path:
+    """The canonical files, linked; those named in ``digests`` written with that ``serving_digest`` instead."""
     folder = tmp_path / "results"
-    folder.mkdir()
+    folder.mkdir(parents=True)
     for entry in report.present():
-        if entry.file != without:
+        if entry.file == without:
+            continue
+        if entry.name in (digests or {}):
+            data = json.loads((report.RESULTS / entry.file).read_text())
+            data["meta"]["serving_digest"] = digests[entry.name]
+            (folder / entry.file).write_text(json.dumps(data))
+        else:
             (folder / entry.file).symlink_to(report.RESULTS / entry.file)
     return folder
 
@@ -114,3 +127,142 @@ def test_run_meta_names_the_command_and_the_checkout():
     assert meta["command"] == "python -m benchmarks.serving --quick"
     assert {"machine", "date", "git_revision", "git_dirty"} <= meta.keys()
     datetime.fromisoformat(meta["date"])
+    assert meta["serving_digest"] == serving_digest()
+
+
+PYPROJECT = """[project]
+dependencies = [
+    "sglang==0.5.23",
+    "torch",  # a comment's "quotes" do not count
+]
+[project.optional-dependencies]
+test = ["pytest>=8"]
+"""
+
+
+def _tree(root: Path) -> Path:
+    for rel, text in (("sglang_kvshare/config.py", "A = 1\n"), ("sglang_kvshare/cache/pool.py", "B = 2\n"),
+                      ("kernels/rope.py", "C = 3\n"), ("pyproject.toml", PYPROJECT)):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+def test_the_serving_digest_covers_the_package_sources_and_the_dependency_pins(tmp_path):
+    root = _tree(tmp_path)
+    assert dependency_pins(PYPROJECT) == ["sglang==0.5.23", "torch"]
+    first = serving_digest(root)
+    assert re.fullmatch(r"[0-9a-f]{64}", first) and serving_digest(root) == first
+    (root / "sglang_kvshare" / "notes.md").write_text("not code")
+    (root / "benchmarks").mkdir()
+    (root / "benchmarks" / "x.py").write_text("not serving code")
+    (root / "pyproject.toml").write_text(PYPROJECT.replace('"pytest>=8"', '"pytest>=9"'))
+    assert serving_digest(root) == first, "only the serving sources and the dependency pins count"
+    (root / "sglang_kvshare" / "cache" / "pool.py").write_text("B = 3\n")
+    changed = serving_digest(root)
+    assert changed != first
+    (root / "kernels" / "rope.py").rename(root / "kernels" / "rope2.py")
+    assert serving_digest(root) != changed, "a renamed file is other code"
+    (root / "pyproject.toml").write_text(PYPROJECT.replace("sglang==0.5.23", "sglang==0.5.24"))
+    assert serving_digest(root) not in (first, changed)
+
+
+def test_freshness_compares_the_recorded_digest_with_the_tree():
+    assert report.freshness({"meta": {"serving_digest": "a"}}, "a") is None
+    assert report.freshness({"meta": {"serving_digest": "a"}}, "b") == report.CHANGED
+    assert report.freshness({"meta": {"command": "x"}}, "a") == report.NO_DIGEST
+
+
+def test_a_merged_file_is_fresh_only_when_every_part_shares_the_digest():
+    parts = [{"serving_digest": "a"}, {"serving_digest": "a"}]
+    assert common_digest(parts) == "a"
+    assert report.freshness({"meta": {"serving_digest": common_digest(parts)}, "parts_meta": parts}, "a") is None
+    parts[1] = {"serving_digest": "b"}
+    assert common_digest(parts) is None
+    merged = {"meta": {"serving_digest": common_digest(parts)}, "parts_meta": parts}
+    assert report.freshness(merged, "a") == report.PARTS_DIFFER
+    assert report.freshness({"meta": {"serving_digest": "a"}, "parts_meta": [{"serving_digest": "a"}, {}]},
+                            "a") == report.NO_DIGEST
+    # A guard run whose overhead came from another run: that run's code counts too.
+    guard = {"meta": {"serving_digest": "a"}, "overhead_source": {"meta": {"serving_digest": "b"}}}
+    assert report.freshness(guard, "a") == report.PARTS_DIFFER
+
+
+def test_a_merged_frontier_file_records_the_digest_its_parts_share(tmp_path, monkeypatch):
+    from benchmarks import frontier
+
+    written = []
+    monkeypatch.setattr(frontier, "save", lambda out, path: written.append(out))
+    for digests, want in ((("a", "a"), "a"), (("a", "b"), None), (("a", None), None)):
+        parts = [{"serving_digest": d} for d in digests]
+        frontier._save_combined({"parts_meta": parts, "arms": {}}, tmp_path / "m.json", ["--merge", "m.json"])
+        assert written[-1]["meta"]["serving_digest"] == want
+
+
+def test_stale_marks_stand_in_the_section_header_index_and_headline(tmp_path):
+    folder = _copy_of_results(tmp_path, digests={"chain_ttft": "d1", "stock_vs_off": "d1"})
+    fresh = report.render(folder, tree="d1")
+    assert '## <a id="chain_ttft"></a>chain_ttft\n' in fresh
+    chain_row = next(r for r in report.headline_rows(folder, tree="d1") if "chain_ttft" in r[-1])
+    assert chain_row[-2] == "fresh"
+    stale = report.render(folder, tree="d2")
+    assert f'## <a id="chain_ttft"></a>chain_ttft - **stale** ({report.CHANGED})\n' in stale
+    assert f"| [chain_ttft](#chain_ttft) | {report.BY_NAME['chain_ttft'].question} | **stale** (" in stale
+    assert f"**stale** ({report.CHANGED}) | [chain_ttft](#chain_ttft) |" in stale
+    assert f'## <a id="serving"></a>serving - **stale** ({report.NO_DIGEST})\n' in stale
+    assert report.without_marks(fresh) == report.without_marks(stale)
+
+
+def test_check_passes_when_only_the_marks_differ_and_check_fresh_fails_naming_the_commands(tmp_path, capsys):
+    tree = serving_digest()
+    folder = _copy_of_results(tmp_path, digests={"chain_ttft": tree, "stock_vs_off": tree})
+    doc = tmp_path / "RESULTS.md"
+    doc.write_text(report.render(folder, tree="another tree"))
+    assert report.main(["--check", "--out", str(doc), "--results", str(folder)]) == 0
+    assert "stale marks" in capsys.readouterr().out
+    assert report.main(["--check-fresh", "--results", str(folder)]) == 0
+    folder2 = _copy_of_results(tmp_path / "2", digests={"chain_ttft": "old", "stock_vs_off": tree})
+    assert report.main(["--check-fresh", "--results", str(folder2)]) == 1
+    err = capsys.readouterr().err
+    command = json.loads((report.RESULTS / "chain_ttft.json").read_text())["meta"]["command"]
+    assert f"chain_ttft ({report.CHANGED})" in err and command in err and "stock_vs_off" not in err
+
+
+def _demo_file(path: Path, digest: str) -> None:
+    rows = [{"question": 0, "agent": agent, "position": i, "prompt_tokens": 100, "prefill_tokens": 100 if i == 1 else 40,
+             "tokens_aligned": 0 if i == 1 else 50, "tokens_corrected": 0 if i == 1 else 10,
+             "tokens_recomputed": 0 if i == 1 else 9, "shared_tokens": 20 if i == 1 else 70, "ttft_s": 0.5 / i,
+             "latency_s": 1.0, "fallbacks": [], "answer": "4"} for i, agent in enumerate(demo.ROLES, start=1)]
+    settings = {"kvshare_mode": "fullshared", "recompute_ratio": 0.15, "tau": 0.3, "questions": 1,
+                "max_new_tokens": 8}
+    meta = {"command": "python -m benchmarks.demo --out benchmarks/results/demo.json", "machine": {"cpu_count": 2},
+            "date": "2026-01-01T00:00:00+00:00", "git_revision": "0" * 40, "serving_digest": digest}
+    path.write_text(json.dumps({"meta": meta, "settings": settings, "totals": demo.totals(rows, "fullshared", 0.15),
+                                "requests": rows}))
+
+
+def test_demo_totals_count_prompt_prefilled_and_reused_tokens():
+    rows = [{"position": p, "prompt_tokens": 10, "prefill_tokens": 4, "tokens_aligned": 5, "tokens_corrected": 1,
+             "shared_tokens": 8, "ttft_s": float(p)} for p in (1, 2, 3, 4)]
+    t = demo.totals(rows, "fullshared", 0.15)
+    assert (t["requests"], t["prompt_tokens"], t["prefill_tokens"], t["reused_tokens"]) == (4, 40, 16, 24)
+    assert t["reuse_ratio"] == 24 / 32 and t["ttft_s_mean_agent_1"] == 1.0 and t["ttft_s_mean_agents_2_4"] == 3.0
+
+
+def test_the_headline_renders_optional_rows_whose_file_exists_and_skips_them_silently_otherwise(tmp_path):
+    tree = "t"
+    folder = _copy_of_results(tmp_path, without="demo.json")
+    (folder / "frontier_heldout.json").unlink(missing_ok=True)
+    rows = report.headline_rows(folder, tree=tree)
+    assert [r[-1] for r in rows] == ["[chain_ttft](#chain_ttft)", "[stock_vs_off](#stock_vs_off)"]
+    _demo_file(folder / "demo.json", tree)
+    heldout = json.loads((report.RESULTS / "frontier_gsm8k.json").read_text())
+    heldout.update(roles="heldout", segment_tokens=512)
+    (folder / "frontier_heldout.json").write_text(json.dumps(heldout))
+    rows = report.headline_rows(folder, tree=tree)
+    assert [r[-1].split("]")[0][1:] for r in rows] == ["chain_ttft", "demo", "frontier_heldout", "stock_vs_off"]
+    demo_row = rows[1]
+    assert "400 prompt tokens, 220 prefilled, 180 reused" in demo_row[1] and demo_row[-2] == "fresh"
+    assert "held-out roles, 512-token segments" in rows[2][0]
+    text = report.render(folder, tree=tree)
+    assert '## <a id="demo"></a>demo\n' in text and '<a id="frontier_heldout"></a>frontier_heldout -' in text

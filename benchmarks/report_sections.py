@@ -1,0 +1,597 @@
+"""The sections of docs/RESULTS.md: number formats, one ``render_*`` per canonical results file, and the plots.
+
+Each renderer takes a results file's parsed JSON and returns its section's body (an opening note, then its key
+table), reading the JSON alone; ``benchmarks.report`` registers them (``REGISTRY``) and raises ``ReportError``
+naming the file when one cannot read what it expects.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+# ------------------------------------------------------------------ formatting
+def num(x: Any, fmt: str = ".2f", unit: str = "") -> str:
+    """``x`` formatted (``-`` for a missing value)."""
+    if x is None:
+        return "-"
+    if isinstance(x, float) and x != x:
+        return "-"
+    return f"{format(x, fmt)}{unit}"
+
+
+def spread(cell: Optional[dict], fmt: str = ".2f", unit: str = "", *, mid: str = "median",
+           lo: str = "min", hi: str = "max") -> str:
+    """``median (min-max)`` of a summary dict."""
+    if not cell or cell.get(mid) is None:
+        return "-"
+    return f"{num(cell[mid], fmt)}{unit} ({num(cell.get(lo), fmt)}-{num(cell.get(hi), fmt)})"
+
+
+def interval(ci: Optional[list], fmt: str = "+.3f") -> str:
+    return f"[{num(ci[0], fmt)}, {num(ci[1], fmt)}]" if ci else "-"
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def fallbacks(reasons: Optional[dict]) -> str:
+    """``reason count`` pairs, most frequent first (ties by name)."""
+    if not reasons:
+        return "-"
+    return ", ".join(f"{k} {v}" for k, v in sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
+def hardware(meta: dict) -> str:
+    m = meta.get("machine") or {}
+    if m.get("description"):
+        return m["description"]
+    cores = m.get("cpu_count")
+    gpu = m.get("gpu")
+    return f"{cores} CPU cores, " + (f"GPU {gpu}" if gpu else "no GPU")
+
+
+def date_of(meta: dict) -> str:
+    return str(meta.get("date", "-"))[:10]
+
+
+def meta_line(meta: dict) -> str:
+    """Where, when, from which code and with which command a file was measured."""
+    rev = meta.get("git_revision") or "-"
+    dirty = " (uncommitted changes)" if meta.get("git_dirty") else ""
+    digest = meta.get("serving_digest")
+    code = f"serving digest `{digest[:12]}`" if digest else "no serving digest"
+    how = (" Date and revision: the commit that recorded the file." if meta.get("backfilled") else "")
+    return (f"Measured on {hardware(meta)}, {date_of(meta)}, revision `{rev[:10]}`{dirty}, {code}, by "
+            f"`{meta.get('command', '-')}`.{how}")
+
+
+# ------------------------------------------------------------------ sections
+def render_chain(d: dict) -> str:
+    header = ["arm", "shared tokens", "reuse ratio (agents 2-4)", "TTFT agents 2-4", "exact-hit floor",
+              "reuse / floor", "speedup vs off", "agent 1 vs off", "assembly / dense prefill",
+              "dense probe while learning / off", "n"]
+    rows = []
+    for arm, per_len in d["arms"].items():
+        for length, c in per_len.items():
+            n = c["ttft_agents_2_4_s"]["n"]
+            probes = c.get("while_learning_vs_off", {}).get("n")
+            rows.append([f"`{arm}`", length, num(c["reuse_ratio"]), spread(c["ttft_agents_2_4_s"], ".2f", " s"),
+                         spread(c["floor_agents_2_4_s"], ".2f", " s"), spread(c["reuse_over_floor"]),
+                         spread(c.get("speedup_vs_off_agents_2_4")), spread(c.get("agent1_vs_off")),
+                         spread(c.get("assembly_over_dense_prefill"), ".3f"),
+                         spread(c.get("while_learning_vs_off")),
+                         f"{n} repeats" + (f", {probes} probes" if probes else "")])
+    return ("Median (min-max) over the repeats; each repeat is a new content. "
+            "`MODE:K` is `--kvshare-recompute-head K`, recomputed inside the one prefill forward (the sparse "
+            "extend); `@sparse-extend=false` stages each head (one more forward); `@recompute-ratio=r` recomputes "
+            "the first share r of each reused segment.\n\n" + table(header, rows))
+
+
+def render_stock_vs_off(d: dict) -> str:
+    t, tp = d["ttft"], d["throughput"]
+    rows = []
+    for label, cell, stock, off, fmt in (
+            (f"TTFT, {t['length']} tokens", t, t["stock_median_s"], t["off_median_s"], ".3f"),
+            (f"throughput, {tp['batch']} x ({tp['batch_length']} + {tp['output_tokens']}) tokens", tp,
+             tp["stock_median_tokens_per_s"], tp["off_median_tokens_per_s"], ".0f")):
+        v = cell["verdict"]
+        unit = " s" if label.startswith("TTFT") else " tok/s"
+        rows.append([label, num(stock, fmt, unit), num(off, fmt, unit),
+                     f"{num(v['median'], '.3f')} {interval(v['ci95'], '.3f')} ({num(v['min'], '.3f')}-"
+                     f"{num(v['max'], '.3f')})", str(v["n"]), f"{v['verdict']} {v['tolerance']:.0%}"])
+    idle = d.get("idle_cpu_share") or {}
+    return (table(["metric", "stock (median)", "`off` (median)",
+                   "paired ratio off / stock: median [95 % bootstrap interval] (min-max)", "pairs", "verdict"], rows)
+            + f"\n\nIdle CPU of each server while the other one was measured (cores): "
+              f"stock {num(idle.get('stock'), '.3f')}, `off` {num(idle.get('off'), '.3f')}.")
+
+
+def render_serving(d: dict) -> str:
+    s = d["settings"]
+    header = ["mode", "context", "rate (wf/s)", "TTFT p50", "TTFT p90", "e2e p50", "reuse ratio",
+              "speedup p50 vs off: median of repeats (each repeat)", "bound 1/(1-rho)", "n requests", "fallbacks"]
+    rows = []
+    for mode, info in d["modes"].items():
+        for length, per_rate in info["cells"].items():
+            for rate, c in per_rate.items():
+                per = c.get("speedup_p50_vs_off_per_repeat") or []
+                sp = (f"{statistics.median(per):.2f} ({', '.join(f'{x:.2f}' for x in per)})" if per else "-")
+                n = sum(r["n_requests"] for r in c["per_repeat"])
+                rows.append([f"`{mode}`", length, rate, num(c["ttft_p50"], ".2f", " s"),
+                             num(c["ttft_p90"], ".2f", " s"), num(c["e2e_p50"], ".2f", " s"), num(c["reuse_ratio"]), sp, num(c.get("bound")),
+                             str(n), ", ".join(c.get("fallbacks") or []) or "-"])
+    rss = ", ".join(f"`{m}` {info['peak_rss_mb'] / 1024:.2f} GB" for m, info in d["modes"].items())
+    return (f"{s['workflows']} workflows per cell and repeat, {s['repeats']} repeats, {s['output_tokens']} output "
+            f"tokens per agent, {s['warm']} warm-up workflows per length. Speedup: `off`'s TTFT p50 over the mode's, "
+            f"per repeat. p50/p90 pool every request of a cell.\n\n" + table(header, rows)
+            + f"\n\nPeak server memory (RSS, all processes): {rss}.")
+
+
+def render_workflow(d: dict) -> str:
+    agree = d.get("agreement_with_off", {})
+    header = ["mode", "accuracy", "agrees with `off`: final answer / identical final text", "reuse ratio",
+              "of which corrected", "dense-fallback rate", "mean TTFT agents 2-4", "median TTFT agents 2 / 3 / 4",
+              "mean TTFT agent 1", "wall", "n samples"]
+    rows, reasons = [], []
+    for mode, r in d["runs"].items():
+        a = agree.get(mode)
+        pos = r.get("ttft_s_by_position", {})
+        meds = " / ".join(num(pos.get(str(i), {}).get("p50")) for i in (2, 3, 4)) + " s"
+        rows.append([f"`{mode}`", num(r["accuracy"]),
+                     "1 / 1 (reference)" if mode == "off" else
+                     (f"{num(a['final_answer_agreement'])} / {num(a['identical_final_text'])}" if a else "-"),
+                     num(r.get("reuse_ratio")), num(r.get("shared_corrected_ratio")), num(r.get("dense_fallback_rate")),
+                     num(r["ttft_s_mean_agents_2_on"], ".2f", " s"), meds, num(r["ttft_s_mean_agent_1"], ".2f", " s"),
+                     num(r["wall_s"] / 60, ".1f", " min"), str(r["samples"])])
+        if r.get("fallback_reasons"):
+            reasons.append(f"`{mode}`: {fallbacks(r['fallback_reasons'])}")
+    note = f"\n\nRecorded with the run: {d['note']}" if d.get("note") else ""
+    return (f"{d['task']} `{d['topology']}` workflow, {d['agents']} agents, {d['samples']} samples, "
+            f"{d['max_tokens']} tokens per agent, {d['concurrency']} samples in flight.\n\n" + table(header, rows)
+            + ("\n\nShared-segment fallbacks: " + "; ".join(reasons) + "." if reasons else "") + note)
+
+
+def render_demo(d: dict) -> str:
+    s, t = d["settings"], d["totals"]
+    rows = []
+    for agent in dict.fromkeys(r["agent"] for r in d["requests"]):
+        mine = [r for r in d["requests"] if r["agent"] == agent]
+        shared = sum(r["shared_tokens"] for r in mine)
+        reused = sum(r["tokens_aligned"] + r["tokens_corrected"] for r in mine)
+        rows.append([f"{mine[0]['position']}: {agent}", str(len(mine)), str(sum(r["prompt_tokens"] for r in mine)),
+                     str(sum(r["prefill_tokens"] for r in mine)), str(reused), num(reused / shared if shared else None),
+                     num(statistics.fmean(r["ttft_s"] for r in mine), ".2f", " s")])
+    rows.append(["all", str(t["requests"]), str(t["prompt_tokens"]), str(t["prefill_tokens"]), str(t["reused_tokens"]),
+                 num(t["reuse_ratio"]), "-"])
+    return (f"Mode `{s['kvshare_mode']}`, recompute ratio {s['recompute_ratio']:g}, {s['questions']} GSM8K question{'' if s['questions'] == 1 else 's'}, "
+            f"{s['max_new_tokens']} tokens per answer, one request in flight.\n\n"
+            + table(["agent", "requests", "prompt tokens", "prefilled", "reused (aligned + corrected)",
+                     "reuse ratio of shared tokens", "mean TTFT"], rows))
+
+
+def render_frontier_heldout(d: dict) -> str:
+    return (f"Roles: `{d['roles']}`; shared segments of {d['segment_tokens']} tokens. " + render_frontier(d))
+
+
+def _ttft_cell(a: dict) -> str:
+    """Median (p10-p90); runs pooled over seeds keep one per run (medians do not pool)."""
+    spreads = [a["ttft_agents_2_4_s"]] if a.get("ttft_agents_2_4_s") else a.get("ttft_agents_2_4_s_per_run") or []
+    cells = [f"{num(t['median'], '.2f')} s ({num(t['p10'], '.2f')}-{num(t['p90'], '.2f')})" for t in spreads]
+    if not cells:
+        return "-"
+    return " / ".join(cells) + (" (per run)" if len(cells) > 1 else "")
+
+
+def frontier_rows(d: dict) -> tuple[list[str], list[list[str]]]:
+    arms = d["arms"]
+    base_kl = (arms.get("fullshared_k0") or {}).get("teacher_forced_kl")
+    agreement = "pass/fail agreement" if d["task"] == "humaneval" else "final-answer agreement"
+    header = ["arm", "reuse ratio", agreement, "vs random-mix line [95% CI]", "identical text",
+              "teacher-forced top-1 (vs line)", "teacher-forced KL (x fullshared K=0)", "TF reuse",
+              "accuracy (paired diff vs off [95% CI])", "TTFT agents 2-4 median (p10-p90)", "shared-segment fallbacks"]
+    rows = []
+    for name, a in arms.items():
+        kl = a.get("teacher_forced_kl")
+        ratio = f" ({kl / base_kl:.2f})" if kl is not None and base_kl else ""
+        paired = a.get("accuracy_vs_off_paired") or {}
+        gap = a.get("above_random_mix")
+        rows.append([f"`{name}`", num(a.get("reuse_ratio")), num(a.get("agreement_final"), ".3f"),
+                     f"{num(gap, '+.3f')} {interval(a.get('above_random_mix_ci95'))}" if name != "off" else "-",
+                     num(a.get("identical_text"), ".3f"),
+                     f"{num(a.get('teacher_forced_top1'), '.4f')} ({num(a.get('top1_above_random_mix'), '+.4f')})",
+                     f"{num(kl, '.5f')}{ratio}", num(a.get("teacher_forced_reuse_ratio")),
+                     f"{num(a.get('accuracy'), '.3f')} ({num(paired.get('mean'), '+.3f')} "
+                     f"{interval(paired.get('ci95'))})" if name != "off" else num(a.get("accuracy"), ".3f"),
+                     _ttft_cell(a),
+                     fallbacks(a.get("fallback_reasons"))])
+    return header, rows
+
+
+def render_frontier(d: dict) -> str:
+    header, rows = frontier_rows(d)
+    off = d["arms"]["off"]
+    parts = ""
+    seeds = ", ".join(map(str, d["seed"])) if d.get("pooled") else d["seed"]
+    if d.get("pooled"):
+        parts = ("\n\nPooled over runs on different seeds (different contents), each arm against its own run's "
+                 "`off`: agreement, accuracy and its paired interval over every item, teacher-forced metrics over "
+                 "every position; TTFT per run, in seed order. Paired accuracy difference per run: "
+                 + "; ".join(f"`{name}` " + ", ".join(
+                     f"seed {seed} {num(r.get('mean'), '+.3f')} {interval(r.get('ci95'))}"
+                     for seed, r in zip(d["seed"], a.get("accuracy_vs_off_paired_per_run") or []))
+                     for name, a in d["arms"].items() if name != "off")
+                 + ". Runs: " + "; ".join(f"`{c}`" for c in d["commands"]) + ".")
+    elif d.get("commands"):
+        parts = ("\n\nThe arms ran in parts, each with its own `off` server, joined with `--merge` (which refuses "
+                 "parts whose `off` answered differently); TTFT is compared with the first part's `off`. Parts: "
+                 + "; ".join(f"`{c}`" for c in d["commands"]) + ".")
+        if d.get("remeasured"):
+            parts += (" Measured again in a later part, which replaced the earlier measurement: "
+                      + ", ".join(f"`{a}`" for a in d["remeasured"]) + ".")
+    return (f"{d['samples']} samples ({d['scored_items']} scored items; {d.get('warmup_samples', 0)} unscored "
+            f"warm-up samples per server), {off.get('teacher_forced_positions')} teacher-forced positions per arm, "
+            f"{d['max_tokens']} tokens per answer, concurrency {d['concurrency']}, "
+            f"seed{'s' if d.get('pooled') else ''} {seeds}. "
+            f"Complete: {'yes' if d.get('complete') else 'no'}.\n\n" + table(header, rows) + parts)
+
+
+def _guard_row(name: str, t: dict) -> list[str]:
+    cal, det, ctl = t["calibration"], t["detection"], t["controlled"]
+    if t.get("best_global_k") is None:  # say how close the fixed heads came
+        fixed = [a["teacher_forced_top1"] for n, a in t["arms"].items() if n.startswith("fullshared_k")]
+        best = f"none meets it (best top-1 {num(max(fixed), '.4f')})" if fixed else "-"
+    else:
+        best = f"K={t['best_global_k']}: {num(t['best_global_k_reuse'])} / {num(t['best_global_k_top1'], '.4f')}"
+    kept = {True: "yes", False: "no", None: "-"}
+    moved = len(ctl.get("actions_in_warmup") or []) + len(ctl.get("actions_in_scored") or [])
+    return [name, f"{num(t['calibration_within_ci'])} ({cal['scopes_judged']} of {cal['scopes']} scopes judged, "
+                  f"{cal['approximated_requests']} requests)",
+            str(t["min_samples"]["chosen"]),
+            f"{num(t['controlled_reuse'])} / {num(t['controlled_top1'], '.4f')} ({moved} setting changes)",
+            " / ".join(num((t["arms"].get(a) or {}).get("ttft_agents_2_4_s", {}).get("median"), ".2f")
+                       for a in ("guarded", "fullshared_k0", "off")) + " s", best,
+            f"{num(t['detection_samples'], 'd')} ({det['victims_dense']} of {det['victims']} victim scopes dense; "
+            f"min_samples {det['min_samples']}, rate {det['verify_rate']:g})",
+            kept[det.get("others_kept_reuse")]]
+
+
+# What a guard.json that does not record its controller was measured with.
+OLD_GUARD_RULE = {"tighten": "one step per decision (straight to dense when missed by far); on the mean once "
+                             "3 x min_samples verified requests leave the interval straddling the target",
+                  "relax": "one step, the whole interval past the target by the margin, 2 x min_samples"}
+
+
+def render_guard(d: dict) -> str:
+    header = ["task", "truth inside the guard's 95 % interval (share of scopes)", "min_samples (warm data)",
+              "guarded: reuse / teacher-forced top-1", "TTFT agents 2-4 median: guarded / K=0 / `off`",
+              "best one global K: reuse / top-1", "perturbed slot caught after (verified samples)",
+              "other scopes kept reuse (not dense, still served reuse)"]
+    rows = [_guard_row(name, t) for name, t in d["tasks"].items()]
+    parts = [f"Verify rate {d['verify_rate']:g}, target `{d['target']}`, fixed heads "
+             f"{', '.join(map(str, d['heads']))}; samples per task: "
+             + ", ".join(f"{n} {t['samples']} scored from index {t.get('offset', d.get('offset', 0))} + "
+                         f"{t['warmup_samples']} warm-up, calibration "
+                         f"{t['sizes']['calibration']} + warm-up, guarded arm {t['sizes']['controlled_warmup']} "
+                         f"warm-up" for n, t in d["tasks"].items())
+             + f"; seed {d.get('seed', 0)}. "
+               f"Complete: {'yes' if d.get('complete') else 'no'}.", "", table(header, rows)]
+    ctl = d.get("controller") or OLD_GUARD_RULE
+    notes = [f"Controller: tightens {ctl['tighten']}; relaxes {ctl['relax']}."]
+    if d.get("commands"):
+        n = len(d["commands"])
+        notes.append("The run was measured in parts on the same revision, joined with `--merge` (which refuses "
+                     "parts that differ in arguments or code, or measure a task twice): " + "; ".join(
+                         f"`{c}` (started {str(m.get('date', '-'))[:16].replace('T', ' ')} UTC): {', '.join(w) or '-'}"
+                         for c, m, w in zip(d["commands"], d.get("parts_meta") or [{}] * n,
+                                            d.get("parts_measured") or [[]] * n)) + ".")
+    ov = d.get("overhead")
+    if ov:
+        cells = []
+        for key, label in (("ttft", "TTFT"), ("throughput", "throughput")):
+            v = ov[key]["verdict"]
+            cells.append(f"{label} {num(v['median'], '.3f')} {interval(v['ci95'], '.3f')} ({v['n']} pairs, "
+                         f"{v['verdict']} {v['tolerance']:.0%})")
+        notes += [f"Overhead, guard at {ov['verify_rate']:g} against 0 (guarded / plain, median [95 % bootstrap "
+                      f"interval]): {'; '.join(cells)}; {ov['verified_requests']} requests verified; waiting for "
+                      f"the guarded server's queue after its requests (its references, off the request path, and "
+                      f"the polls) took {num(ov['drain_s'], '.1f')} s in all."]
+        src, old = d.get("overhead_source"), d.get("overhead_replaced")
+        if src:
+            rev = str(src["meta"].get("git_revision") or "-")[:7]
+            text = (f"The overhead was measured again, on its own, by `{src['command']}` (revision {rev}, started "
+                    f"{str(src['meta'].get('date', '-'))[:16].replace('T', ' ')} UTC; the serving code is the tasks' "
+                    f"run's, checked with `git diff`)")
+            if old:
+                replaced = [f"{label} {num(old[key]['median'], '.3f')} {interval(old[key]['ci95'], '.3f')} "
+                            f"({old[key]['n']} pairs, {old[key]['verdict']})"
+                            for key, label in (("ttft", "TTFT"), ("throughput", "throughput"))]
+                text += "; the run's own overhead, which it replaced: " + "; ".join(replaced)
+            notes.append(text + ".")
+    q = d.get("guard_queue")
+    if q:
+        limits = q.get("limits") or {}
+        notes += [f"Guard queue: peak {q['peak_jobs']} jobs, {q['peak_approx_bytes']} bytes (approx.); limits "
+                      f"{limits.get('queue_jobs', '-')} jobs, {limits.get('scopes', '-')} scopes."]
+    return "\n".join(parts + ["", " ".join(notes)])
+
+
+FIDELITY_COLUMNS = ["arm", "mode", "tau", "rank", "head K", "KL mean", "KL p90", "top-1", "greedy 32 equal", "reuse",
+                    "fallback", "anchor memory", "n segments"]
+
+
+def _fidelity_row(label: str, r: dict) -> list[str]:
+    mib = r.get("anchor_bytes")
+    return [f"`{label}`", r["mode"], num(r.get("tau"), "g"), "full" if r.get("rank") is None else str(r["rank"]),
+            str(r.get("head") or 0), num(r["kl_mean"], ".4f"), num(r["kl_p90"], ".4f"), num(r["top1"], ".3f"),
+            num(r.get("greedy_match")), num(r["reuse_ratio"]), num(r["fallback_rate"]),
+            f"{mib / 2**20:.0f} MiB" if mib else "0", str(r.get("decisions", "-"))]
+
+
+def render_fidelity(d: dict) -> str:
+    rows = [_fidelity_row(m, d[m]) for m in d["modes"] if m in d]
+    rows += [_fidelity_row(k, r) for k, r in d.get("head_recompute", {}).items()]
+    more = len(d.get("sweep", {})) + len(d.get("selective_recompute", {}))
+    hf = d.get("head_frontier") or {}
+    target = ""
+    if hf:
+        target = (f"\n\nTarget KL <= {hf['target_kl']} at reuse >= {hf['min_reuse']}: "
+                  f"{'met' if hf['target_met'] else 'missed'}; the best arm there is `{hf['best_arm']}`, "
+                  f"KL {num(hf['best_kl_mean'], '.4f')} at reuse {num(hf['best_reuse'])}.")
+    return (f"{d['model']}; {d['n_eval_samples']} held-out contents x {d['consumers_per_sample']} consumers "
+            f"(pools warmed on {d['n_warm_samples']} other contents); sources {', '.join(d['sources'])}; "
+            f"segment lengths {', '.join(map(str, d['content_lengths']))} tokens. Every number is against NonShared "
+            f"(exact dense prefill, the reference `off` serves) over the consumer's suffix. Dense prefill cost "
+            f"{d['dense_prefill_seconds_per_token'] * 1e3:.1f} ms per token here."
+            + (f" The file holds {more} more arms (tau and rank sweeps, selective recompute) in the same form."
+               if more else "")
+            + "\n\n"
+            + table(FIDELITY_COLUMNS, rows) + target)
+
+
+def render_fidelity_variants(d: dict) -> str:
+    rows = []
+    for k, c in d["choice"].items():
+        rows.append([k, f"`{c['best_variant']}`", num(c["kl_mean"], ".5f"), num(c["fullshared_kl_mean"], ".5f"),
+                     num(c["ratio_to_random_mix_line"], ".3f"), num(c["win_rate_vs_fullshared"]),
+                     "yes" if c["beats_head_recompute_alone"] else "no"])
+    held = [[f"`{k}`", num(v["kl_mean"], ".5f"), num(v.get("kl_p90"), ".5f"), num(v.get("top1"), ".4f"),
+             num(v.get("greedy_match")), num(v["reuse_ratio"]), num(v.get("fallback_rate"))]
+            for k, v in d.get("heldout", {}).items()]
+    return (f"{d['n_warm']} warm and {d['n_heldout']} held-out contents, tau {d['tau']}, rank {d['rank']}. "
+            f"Rule: {d['win_rule']}.\n\nWarm study (leave one content out), the best variant per head length:\n\n"
+            + table(["head K", "best variant", "warm KL mean", "fullshared + head KL mean",
+                     "x the random-mix line", "lower KL than fullshared + head (share of instances)",
+                     "beats head recompute alone"], rows)
+            + "\n\nHeld-out check:\n\n"
+            + table(["arm", "KL mean", "KL p90", "top-1", "greedy 32 equal", "reuse", "fallback"], held))
+
+
+KERNEL_LABELS = {"align_only": "align only (gather, re-rotate, scatter)", "align_correct": "align + correct",
+                 "gate_sq_distances": "gate distances (all L rows)", "token_distances": "token distances"}
+
+
+def render_kernels(d: dict) -> str:
+    m = d["meta"]
+    rows_by = {(r["kernel"], r["L"]): r for r in d["rows"]}
+    rows = []
+    for (kernel, length), r in rows_by.items():
+        if kernel not in KERNEL_LABELS:
+            continue
+        unfused = rows_by.get((f"{kernel}_torch_unfused", length))
+        rows.append([KERNEL_LABELS[kernel], str(length),
+                     f"{r['seconds'] * 1e3:.1f} ({r['seconds_min'] * 1e3:.1f}-{r['seconds_max'] * 1e3:.1f}) ms",
+                     num(r["ratio_to_prefill"], ".3f"), f"{unfused['seconds'] * 1e3:.1f} ms" if unfused else "-",
+                     str(r["repeats"])])
+    prefill = ", ".join(f"{num(v['seconds'], '.2f')} s ({length} tokens)" for length, v in m["prefill"].items())
+    return (f"Device: {m['device']}; path of the fused rows: {m['fused_path']}. {m['note']} Shapes: "
+            f"{m['model_shapes']['layers']} layers, {m['model_shapes']['kv_heads']} KV heads x "
+            f"{m['model_shapes']['head_dim']}; {d['rows'][0]['anchors']} anchors of rank {d['rows'][0]['rank']}, "
+            f"{d['rows'][0]['dtype']} pool. Dense prefill of the same model on the same thread: {prefill}.\n\n"
+            + table(["op", "L", "time: median (min-max)", "/ dense prefill", "torch, unfused (every anchor "
+                     "reconstructed)", "repeats"], rows))
+
+
+def verdicts_line(verdicts: dict) -> str:
+    """How many verdicts passed, naming each one that failed or was not checked."""
+    passed = sum(1 for v in verdicts.values() if v is True)
+    failed = [f"`{k}`" for k, v in verdicts.items() if v is not True and v != "not checked"]
+    unchecked = [f"`{k}`" for k, v in verdicts.items() if v == "not checked"]
+    return (f"Verdicts: {passed} of {len(verdicts)} pass"
+            + (f"; **FAIL**: {', '.join(failed)}" if failed else "")
+            + (f"; not checked: {', '.join(unchecked)}" if unchecked else "") + ".")
+
+
+def passed_and_requests(d: dict) -> str:
+    """The verdict and the request totals of a soak-like run (``passed``, ``totals``)."""
+    t = d["totals"]
+    return (f"Passed: **{'yes' if d['passed'] else 'no'}**. Requests {t['requests']}: 2xx {t['ok_2xx']}, 4xx "
+            f"{t['client_4xx']}, 5xx {t['server_5xx']}, lost {t['lost']}")
+
+
+def render_soak(d: dict) -> str:
+    s = d["settings"]
+    rep = d["replay"]
+    return (f"Mode `{s['mode']}`, tau {s['tau']}, {s['clients']} clients for {s['minutes']} min, KV pool "
+            f"{s['max_total_tokens']} tokens, {s['slot_names']} slot names; wall {d['wall_s']} s. "
+            f"{passed_and_requests(d)}; faults injected "
+            f"{d['faults_injected_total']}; plain requests replayed against `off`: {rep['same']} of {rep['n']} "
+            f"identical. " + verdicts_line(d["verdicts"]))
+
+
+def render_adversary(d: dict) -> str:
+    flood = d["attacks"].get("name_flood") or {}
+    chats = (d["attacks"].get("long_chats") or {}).get("sizes") or {}
+    sizes = ", ".join(f"{n} messages: {c['auto_status']} in {num(c['auto_s'])} s (stock {c['stock_status']}), "
+                      f"short chat delayed {num(c['short_delay_s'])} s" for n, c in chats.items())
+    return (f"Form `{d['form']}`, {d['server_s']} s against the server. {passed_and_requests(d)}; "
+            f"{d['secrets']['count']} secrets looked for in {d['secrets']['answers_scanned']} answers, "
+            f"{len(d['secrets']['leaks'])} found; name flood {flood.get('flood_requests', '-')} agents, guard scope "
+            f"series {(flood.get('series') or {}).get('scopes', '-')} (cap {flood.get('series_cap', '-')}). "
+            f"Long chats: {sizes or '-'}. " + verdicts_line(d["verdicts"]))
+
+
+def render_langgraph(d: dict) -> str:
+    rows = []
+    for mode, r in d["summary"].items():
+        agents = ", ".join(f"{k} {num(v)}" for k, v in (r.get("agreement_text") or {}).items())
+        rows.append([f"`{mode}`", num(r["seconds"], ".1f", " s"), str(r["message_tokens"]),
+                     num(r.get("reuse_ratio_repeated")), num(r.get("agreement_final_number")), agents])
+    return (f"{len(d['questions'])} questions, {d['max_tokens']} tokens per answer, greedy.\n\n"
+            + table(["mode", "wall", "message tokens", "reuse of repeated message tokens",
+                     "final number equals `off`'s", "answer text equals `off`'s, per agent"], rows))
+
+
+def render_scaleout(d: dict) -> str:
+    rows = []
+    for arm, r in d["arms"].items():
+        spread = ", ".join(f"{w['shared_tokens_seen']}" for w in r["workers"])
+        rows.append([f"`{arm}`", num(r["reuse_ratio"]), num(r.get("reuse_gap_to_one_worker")),
+                     num(r.get("same_answers_as_one_worker")), spread, num(r["ttft_s_mean_agents_2_on"], ".2f", " s")])
+    return (f"GSM8K `refer` workflow, {d['samples']} samples (one workflow each), {d['agents']} agents, "
+            f"{d['max_tokens']} tokens per answer, mode `{d['mode']}`, {d['concurrency']} workflows in flight. "
+            f"Target: the affinity arms' reuse within {d['target_gap']} of `one_worker`'s.\n\n"
+            + table(["arm", "reuse", "gap to one worker", "final answers equal one worker's",
+                     "shared tokens seen per worker", "TTFT agents 2-4 (mean)"], rows))
+
+
+def render_tp_kvcmas(d: dict) -> str:
+    rows = []
+    for tp, r in d["sizes"].items():
+        vs = r.get("vs_tp1") or {}
+        digests = "-" if r.get("digests_equal") is None else ("equal" if r["digests_equal"] else "**differ**")
+        rows.append([tp, str(r["requests"]), num(r["reuse_ratio"]), str(r["tokens_corrected"]),
+                     num(r["top1_agents_2_4"], ".4f"), num(r["kl_agents_2_4"], ".5f"), num(vs.get("reuse_ratio")),
+                     num(vs.get("top1_difference"), "+.4f"),
+                     "-" if not vs else ("yes" if vs.get("agent1_greedy_identical") else "no"), digests])
+    soaks = [f"TP={tp}: {r['soak']['sent']} more requests over new contexts, {r['soak']['ok']} answered, "
+             f"{r['soak']['aborted']} aborted mid-answer, {r['soak']['failed']} failed, {r['soak']['mode_switches']} "
+             f"mode switches; rank digests {'equal' if r['soak']['digests_equal'] else '**differ**'} after it "
+             f"({r['soak']['tp_ranks'][0]['gate_decisions']} decisions each)."
+             for tp, r in d["sizes"].items() if r.get("soak")]
+    return (f"{d['chains']} chains of {d['agents']} agents over {d['length']} shared tokens, {d['max_tokens']} "
+            "answer tokens per agent; top-1 and KL of agents 2-4 against `off` at the same TP size.\n\n"
+            + table(["TP", "requests", "reuse", "tokens corrected", "top-1", "KL", "reuse / TP=1's",
+                     "top-1 - TP=1's", "agent 1 greedy = TP=1's", "rank digests"], rows)
+            + "".join(f"\n\nSoak, {line}" for line in soaks))
+
+
+def render_warm_start(d: dict) -> str:
+    rows = []
+    for arm in ("cold", "warm", "fullshared"):
+        r = d.get(arm)
+        if not r:
+            continue
+        served = ", ".join(f"{n} {how}" for how, n in sorted(r["served_as"].items(), key=lambda kv: -kv[1]))
+        t = r["b_ttft_s"]
+        total = sum(q["b_ttft_s"] for q in r["requests"])
+        rows.append([arm, str(r["anchors_loaded"]), served, num(r["reuse"]), num(r["corrected_share"]),
+                     f"{num(t['median'], '.3f')} ({num(t['min'], '.3f')}-{num(t['max'], '.3f')}) s",
+                     num(total, ".1f", " s"), num(r["b_over_a_ttft"]), num(r["top1"], ".4f"), num(r["kl"], ".5f"),
+                     str(r["positions"])])
+    saved = d["saved"]
+    return (f"{d['eval']} new documents of {d['length']} tokens, each read by agent `{d['agents'][0]}` (dense) and "
+            f"then by `{d['agents'][1]}` behind its own system prompt, on one fresh server per arm. The pool file "
+            f"came from a server that read {d['teach']} other documents with the same agents: "
+            f"{saved['anchors']} anchors of {saved['slots']} slot(s), {saved['bytes'] / 2**20:.0f} MiB. Top-1 and "
+            f"KL: B's own {d['max_tokens']}-token answer teacher-forced through an exact prefill of the same "
+            "prompt.\n\n"
+            + table(["arm", "anchors loaded", "B's document served as", "reuse", "corrected", "B TTFT, median (min-max)",
+                     "B TTFT, all requests", "B / A TTFT (median)", "top-1", "KL", "positions"], rows))
+
+
+def _phase(cell: dict, unit: float = 1e3, fmt: str = ".1f") -> str:
+    return (f"{format(cell['median_s'] * unit, fmt)} ({format(cell['min_s'] * unit, fmt)}-"
+            f"{format(cell['max_s'] * unit, fmt)})")
+
+
+def render_assembly_cost(d: dict) -> str:
+    rows = [[str(r["length"]), str(r["anchors"]), _phase(r["read"]), _phase(r["estimate"]), _phase(r["plan_args"]),
+             _phase(r["write"]), f"{r['corrected_total_s'] * 1e3:.1f}", _phase(r["align_only"])] for r in d["rows"]]
+    return (f"{d['torch_threads']} torch threads; pool of {d['shapes']['pool_rows']} rows, rank "
+            f"{d['shapes']['rank']}. Milliseconds, median (min-max).\n\n"
+            + table(["tokens", "anchors", "read", "estimate", "plan args", "write", "corrected total",
+                     "align only (fullshared)"], rows))
+
+
+def render_learn_cost(d: dict) -> str:
+    rows = [[str(r["length"]), r["method"], num(r["residual_over_svd"], ".5f"), _phase(r["with_base"], 1, ".3f"),
+             _phase(r["deltas_only"], 1, ".3f")] for r in d["rows"]]
+    return (f"{d['torch_threads']} torch threads; rank {d['shapes']['rank']}. Seconds, median (min-max).\n\n"
+            + table(["tokens", "method", "residual / exact SVD's", "with base (first observation of a content)",
+                     "deltas only (a known content)"], rows))
+
+
+def render_idle_thread(d: dict) -> str:
+    rows = []
+    for state, c in d["summary"].items():
+        ratio = d.get(f"{state}_over_before")
+        rows.append([f"`{state}`", f"{c['median_us']:.0f} ({c['min_us']:.0f}-{c['max_us']:.0f})",
+                     spread(ratio) if ratio else "1.00"])
+    return (f"Op: {d['op']}; side thread: {d['side_thread_work']}; {d['torch_threads']} torch threads, "
+            f"{len(d['repeats'])} repeats.\n\n"
+            + table(["state", "main thread op time, us: median (min-max)", "x `before`"], rows))
+
+
+def render_profile(d: dict) -> str:
+    threads = ", ".join(f"{k} {v:.2f}" for k, v in d["scheduler_threads_share"].items())
+    top = [[f"`{r['function']}`", f"{r['share_of_loop']:.3f}"] for r in d["event_loop_self_top"][:5]]
+    kv = [[f"`{r['function']}`", f"{r['share_of_loop']:.3f}"] for r in d["event_loop_inclusive_kvshare"][:5]]
+    return (f"Mode `{d['mode']}`, {d['length']} shared tokens, {d['chains']} chains, py-spy at {d['rate_hz']} Hz. "
+            f"{d['note']}. Scheduler samples {d['scheduler_samples']}; share by thread: {threads}.\n\n"
+            "Event loop, self time (top 5):\n\n" + table(["function", "share of loop"], top)
+            + "\n\nEvent loop, inclusive time of kvshare functions (top 5):\n\n" + table(["function", "share of loop"], kv))
+
+
+TEXT_TAIL = 4
+
+
+def render_text(d: dict) -> str:
+    """The last lines of a script's saved output (the whole of it is the linked file)."""
+    lines = d["text"].rstrip("\n").splitlines()
+    head = (f"The last {TEXT_TAIL} of the script's {len(lines)} output lines:" if len(lines) > TEXT_TAIL
+            else "The script's output:")
+    return head + "\n\n```\n" + "\n".join(lines[-TEXT_TAIL:]) + "\n```"
+
+
+# ------------------------------------------------------------------ plots
+def plot_from(module: str, function: str) -> Callable[[Any, Path], None]:
+    """A benchmark module's own plot function, imported only when plots are drawn (the imports are heavy)."""
+    def draw(data: Any, path: Path) -> None:
+        import importlib
+
+        getattr(importlib.import_module(module), function)(data, path)
+    return draw
+
+
+def plot_chain(d: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = sorted({int(length) for per_len in d["arms"].values() for length in per_len})
+    fig, axes = plt.subplots(1, len(lengths), figsize=(6 * len(lengths), 4.2), squeeze=False)
+    for ax, length in zip(axes[0], lengths):
+        arms = [a for a, per_len in d["arms"].items() if str(length) in per_len]
+        cells = [d["arms"][a][str(length)] for a in arms]
+        med = [c["ttft_agents_2_4_s"]["median"] for c in cells]
+        err = [[m - c["ttft_agents_2_4_s"]["min"] for m, c in zip(med, cells)],
+               [c["ttft_agents_2_4_s"]["max"] - m for m, c in zip(med, cells)]]
+        xs = list(range(len(arms)))
+        ax.bar(xs, med, yerr=err, capsize=3, color="tab:blue", alpha=0.8, label="TTFT agents 2-4 (median, min-max)")
+        ax.scatter(xs, [c["floor_agents_2_4_s"]["median"] for c in cells], marker="_", s=600, color="black",
+                   label="exact-hit floor", zorder=3)
+        ax.set_xticks(xs, arms, rotation=30, ha="right")
+        ax.set_ylabel("seconds")
+        ax.set_title(f"shared context {length} tokens")
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"4-agent chain, {hardware(d['meta'])}, {date_of(d['meta'])}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
