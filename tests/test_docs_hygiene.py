@@ -68,7 +68,10 @@ def _anchor(heading: str) -> str:
 
 
 def _anchors(path: Path) -> set[str]:
-    return {_anchor(line.lstrip("#")) for line in FENCE.sub("", path.read_text()).splitlines() if line.startswith("#")}
+    """Every heading's anchor, and every explicit ``<a id="...">`` (a generated heading that carries a mark)."""
+    text = FENCE.sub("", path.read_text())
+    return ({_anchor(line.lstrip("#")) for line in text.splitlines() if line.startswith("#")}
+            | set(re.findall(r'<a id="([^"]+)"></a>', text)))
 
 
 def _broken_links(path: Path) -> list[str]:
