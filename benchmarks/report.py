@@ -435,16 +435,14 @@ def _chain_headline(d: dict) -> tuple[str, str, str]:
 
 
 def _demo_headline(d: dict) -> tuple[str, str, str]:
-    t, s = d["totals"], d["settings"]
-    ttft = ""
-    if t.get("ttft_s_mean_agents_2_4") is not None:
-        ttft = (f"; mean TTFT agents 2-4 {t['ttft_s_mean_agents_2_4']:.2f} s (agent 1 "
-                f"{t['ttft_s_mean_agent_1']:.2f} s)")
-    return (f"Demo: 4-agent GSM8K team, `{s['kvshare_mode']}` recompute {s['recompute_ratio']:g}, "
-            f"{t['requests']} requests",
-            f"{t['prompt_tokens']} prompt tokens, {t['prefill_tokens']} prefilled, {t['reused_tokens']} reused: reuse "
-            f"ratio {t['reuse_ratio']:.2f} of {t['shared_tokens']} shared tokens{ttft}",
-            "not measured here (see the frontier rows)")
+    s, sm = d["settings"], d["summary"]
+    kv, off = d["arms"]["kvshare"]["totals"], d["arms"]["off"]["totals"]
+    return (f"Demo: 4-agent GSM8K team reading a {s['sheet_tokens']}-token shared sheet, the defaults against `off`",
+            f"agents 2-4 TTFT {kv['ttft_s_mean_agents_2_4']:.2f} s against `off`'s {off['ttft_s_mean_agents_2_4']:.2f} s "
+            f"({sm['ttft_speedup_agents_2_4']:.2f}x); reuse {kv['reuse_ratio']:.2f} of {kv['shared_tokens']} shared "
+            f"tokens",
+            f"judge's final number equal to `off`'s on {sm['judge_final_number_equal_to_off']} of "
+            f"{sm['judged_questions']} questions")
 
 
 def _stock_headline(d: dict) -> tuple[str, str, str]:

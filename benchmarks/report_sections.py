@@ -157,21 +157,22 @@ def render_workflow(d: dict) -> str:
 
 
 def render_demo(d: dict) -> str:
-    s, t = d["settings"], d["totals"]
+    s, sm = d["settings"], d["summary"]
     rows = []
-    for agent in dict.fromkeys(r["agent"] for r in d["requests"]):
-        mine = [r for r in d["requests"] if r["agent"] == agent]
-        shared = sum(r["shared_tokens"] for r in mine)
-        reused = sum(r["tokens_aligned"] + r["tokens_corrected"] for r in mine)
-        rows.append([f"{mine[0]['position']}: {agent}", str(len(mine)), str(sum(r["prompt_tokens"] for r in mine)),
-                     str(sum(r["prefill_tokens"] for r in mine)), str(reused), num(reused / shared if shared else None),
-                     num(statistics.fmean(r["ttft_s"] for r in mine), ".2f", " s")])
-    rows.append(["all", str(t["requests"]), str(t["prompt_tokens"]), str(t["prefill_tokens"]), str(t["reused_tokens"]),
-                 num(t["reuse_ratio"]), "-"])
-    return (f"Mode `{s['kvshare_mode']}`, recompute ratio {s['recompute_ratio']:g}, {s['questions']} GSM8K question{'' if s['questions'] == 1 else 's'}, "
-            f"{s['max_new_tokens']} tokens per answer, one request in flight.\n\n"
-            + table(["agent", "requests", "prompt tokens", "prefilled", "reused (aligned + corrected)",
-                     "reuse ratio of shared tokens", "mean TTFT"], rows))
+    for arm, a in d["arms"].items():
+        c, t = a["config"], a["totals"]
+        setting = "stock radix cache" if c.get("mode") == "off" else (
+            f"`{c.get('mode')}`, recompute {c.get('recompute_ratio')}, min {c.get('min_reuse_tokens')} tokens")
+        rows.append([f"`{arm}`", setting, str(t["requests"]), str(t["prompt_tokens"]), str(t["prefill_tokens"]),
+                     str(t["reused_tokens"]), num(t["reuse_ratio"]), num(t["ttft_s_mean_agent_1"], ".2f", " s"),
+                     num(t["ttft_s_mean_agents_2_4"], ".2f", " s"),
+                     ", ".join(f"{k} {v}" for k, v in sorted(t["fallback_requests_by_reason"].items())) or "-"])
+    return (f"{s['questions']} GSM8K question{'' if s['questions'] == 1 else 's'}, a {s['sheet_tokens']}-token shared "
+            f"reference sheet, {s['max_new_tokens']} tokens per answer, one request in flight, each arm on a fresh "
+            f"server. Agents 2-4's mean TTFT {sm['ttft_speedup_agents_2_4']:.2f}x `off`'s; the judge's final number "
+            f"equals `off`'s on {sm['judge_final_number_equal_to_off']} of {sm['judged_questions']} questions.\n\n"
+            + table(["arm", "setting", "requests", "prompt tokens", "prefilled", "reused", "reuse ratio",
+                     "TTFT agent 1", "TTFT agents 2-4", "requests with a fallback, by reason"], rows))
 
 
 def render_frontier_heldout(d: dict) -> str:

@@ -229,24 +229,32 @@ def test_check_passes_when_only_the_marks_differ_and_check_fresh_fails_naming_th
 
 
 def _demo_file(path: Path, digest: str) -> None:
-    rows = [{"question": 0, "agent": agent, "position": i, "prompt_tokens": 100, "prefill_tokens": 100 if i == 1 else 40,
-             "tokens_aligned": 0 if i == 1 else 50, "tokens_corrected": 0 if i == 1 else 10,
-             "tokens_recomputed": 0 if i == 1 else 9, "shared_tokens": 20 if i == 1 else 70, "ttft_s": 0.5 / i,
-             "latency_s": 1.0, "fallbacks": [], "answer": "4"} for i, agent in enumerate(demo.ROLES, start=1)]
-    settings = {"kvshare_mode": "fullshared", "recompute_ratio": 0.15, "tau": 0.3, "questions": 1,
-                "max_new_tokens": 8}
+    def rows(reused: int) -> list[dict]:
+        return [{"question": 0, "agent": agent, "position": i, "prompt_tokens": 100,
+                 "prefill_tokens": 100 if i == 1 else 100 - reused, "tokens_aligned": 0 if i == 1 else reused,
+                 "tokens_corrected": 0, "tokens_recomputed": 0, "shared_tokens": 70, "ttft_s": 0.5 if reused else 1.0,
+                 "latency_s": 1.0, "fallbacks": ["short_segment"] if i > 1 else [], "answer": "4"}
+                for i, agent in enumerate(demo.ROLES, start=1)]
+
+    arms = {"off": {"config": {"mode": "off"}, "totals": demo.totals(rows(0)), "requests": rows(0)},
+            "kvshare": {"config": {"mode": "fullshared", "recompute_ratio": 0.15, "min_reuse_tokens": 256},
+                        "totals": demo.totals(rows(60)), "requests": rows(60)}}
     meta = {"command": "python -m benchmarks.demo --out benchmarks/results/demo.json", "machine": {"cpu_count": 2},
             "date": "2026-01-01T00:00:00+00:00", "git_revision": "0" * 40, "serving_digest": digest}
-    path.write_text(json.dumps({"meta": meta, "settings": settings, "totals": demo.totals(rows, "fullshared", 0.15),
-                                "requests": rows}))
+    path.write_text(json.dumps({"meta": meta, "settings": {"questions": 1, "sheet_tokens": 1024, "max_new_tokens": 8},
+                                "arms": arms, "summary": {"ttft_speedup_agents_2_4": 1.4,
+                                                          "judge_final_number_equal_to_off": 1, "judged_questions": 1}}))
 
 
 def test_demo_totals_count_prompt_prefilled_and_reused_tokens():
     rows = [{"position": p, "prompt_tokens": 10, "prefill_tokens": 4, "tokens_aligned": 5, "tokens_corrected": 1,
-             "shared_tokens": 8, "ttft_s": float(p)} for p in (1, 2, 3, 4)]
-    t = demo.totals(rows, "fullshared", 0.15)
+             "shared_tokens": 8, "ttft_s": float(p), "fallbacks": ["short_segment"] if p > 2 else []}
+            for p in (1, 2, 3, 4)]
+    t = demo.totals(rows)
     assert (t["requests"], t["prompt_tokens"], t["prefill_tokens"], t["reused_tokens"]) == (4, 40, 16, 24)
     assert t["reuse_ratio"] == 24 / 32 and t["ttft_s_mean_agent_1"] == 1.0 and t["ttft_s_mean_agents_2_4"] == 3.0
+    assert t["fallback_requests_by_reason"] == {"short_segment": 2}
+    assert demo.last_number("The answer is 1,234.") == "1234" and demo.last_number("none") == ""
 
 
 def test_the_headline_renders_optional_rows_whose_file_exists_and_skips_them_silently_otherwise(tmp_path):
@@ -262,7 +270,7 @@ def test_the_headline_renders_optional_rows_whose_file_exists_and_skips_them_sil
     rows = report.headline_rows(folder, tree=tree)
     assert [r[-1].split("]")[0][1:] for r in rows] == ["chain_ttft", "demo", "frontier_heldout", "stock_vs_off"]
     demo_row = rows[1]
-    assert "400 prompt tokens, 220 prefilled, 180 reused" in demo_row[1] and demo_row[-2] == "fresh"
+    assert "(1.40x); reuse 0.64 of 280 shared tokens" in demo_row[1] and demo_row[-2] == "fresh"
     assert "held-out roles, 512-token segments" in rows[2][0]
     text = report.render(folder, tree=tree)
     assert '## <a id="demo"></a>demo\n' in text and '<a id="frontier_heldout"></a>frontier_heldout -' in text
