@@ -905,6 +905,10 @@ def run_task(name: str, args, tok, argv_used: Sequence[str]) -> dict:
         if args.reports:
             write_reports(Path(args.reports), name, arm.name, samples, run)
         out["arms"][arm.name] = summarize_arm(run, off, spec, samples, decode)
+        if arm.mode != "off" and "segment_tokens" not in out:  # what the length rule sees (an off server reports none)
+            lengths = [s["tokens"] for rows in run["raw"] for row in rows if row["position"] > 1
+                       for s in (row["report"] or {}).get("segments", []) if s.get("kind") == "shared"]
+            out["segment_tokens"] = fm.spread(lengths)
         out["scored_items"] = out["arms"]["off"]["scored_items"]
         add_line_gaps(out["arms"])
         save(out, path)
