@@ -26,8 +26,8 @@ be flat JSON values; a dict is accepted too)::
   scope, as they share SGLang's exact prefix cache. (An operator may widen the
   scope to the whole ``cache_salt`` with ``--kvshare-reuse-scope salt``.)
 * ``recompute_head`` (optional): at least this many first tokens of every
-  reused segment are prefilled in the request's own context (the server's own
-  ``--kvshare-recompute-head`` applies when larger).
+  reused segment are prefilled in the request's own context (the server's share,
+  ``--kvshare-recompute-ratio``, applies when it gives more rows).
 * ``reuse`` (optional, shared segments, default true): false means this
   request prefills the segment in its own context; its copy still serves later
   requests (what the automatic chat mode does for the last message).
@@ -102,7 +102,7 @@ class Annotation(BaseModel):
     shared segment of that slot can reuse the producer's KV."""
     recompute_head: Optional[int] = Field(default=None, ge=0, le=MAX_RECOMPUTE_HEAD)
     """Prefill at least this many first tokens of every reused segment in the request's own context (the
-    server's ``--kvshare-recompute-head`` when larger): a request may ask for more fidelity, never less. The
+    server's ``--kvshare-recompute-ratio`` share when it gives more): a request may ask for more fidelity, never less. The
     fidelity guard sets it for the scopes it tightens."""
     workflow: Optional[str] = Field(default=None, min_length=1, max_length=MAX_NAME_CHARS)
     """The reuse scope this request belongs to (one multi-agent workflow, or one user):
