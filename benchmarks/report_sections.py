@@ -175,8 +175,24 @@ def render_demo(d: dict) -> str:
                      "TTFT agent 1", "TTFT agents 2-4", "requests with a fallback, by reason"], rows))
 
 
-def render_frontier_heldout(d: dict) -> str:
-    return (f"Roles: `{d['roles']}`; shared segments of {d['segment_tokens']} tokens. " + render_frontier(d))
+def render_roles_study(d: dict) -> str:
+    rows = []
+    for task, f in d["tasks"].items():
+        seg = f["segment_tokens"]
+        for name, a in f["arms"].items():
+            gap = a.get("teacher_forced_line_gap_ci95") or {}
+            rows.append([task, f"{seg['median']:.0f} ({seg['p10']:.0f}-{seg['p90']:.0f})", f"`{name}`",
+                         num(a["reuse_ratio"]), num(a["teacher_forced_top1"], ".4f"),
+                         num(a.get("random_mix_top1_at_same_reuse"), ".4f"), interval(gap.get("top1_above")),
+                         num(a["teacher_forced_kl"], ".4f"), num(a.get("random_mix_kl_at_same_reuse"), ".4f"),
+                         interval(gap.get("kl_below"), "+.4f"), num(a["agreement_final"]),
+                         num(a["ttft_agents_2_4_s"]["median"], ".2f", " s"),
+                         ", ".join(f"{k} {v}" for k, v in sorted((a.get("fallback_reasons") or {}).items())) or "-"])
+    return (f"Roles: `{d['roles']}` (`benchmarks.workloads.role_set`), {next(iter(d['tasks'].values()))['samples']} "
+            "samples a task; parts: " + "; ".join(f"`{c}`" for c in d["meta"].get("parts", {}).values()) + "\n\n"
+            + table(["task", "segment tokens: median (p10-p90)", "arm", "reuse", "top-1", "line top-1",
+                     "top-1 above line (95 %)", "KL", "line KL", "KL below line (95 %)", "final answer = off's",
+                     "TTFT agents 2-4", "fallbacks"], rows))
 
 
 def _ttft_cell(a: dict) -> str:

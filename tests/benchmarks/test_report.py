@@ -260,17 +260,25 @@ def test_demo_totals_count_prompt_prefilled_and_reused_tokens():
 def test_the_headline_renders_optional_rows_whose_file_exists_and_skips_them_silently_otherwise(tmp_path):
     tree = "t"
     folder = _copy_of_results(tmp_path, without="demo.json")
-    (folder / "frontier_heldout.json").unlink(missing_ok=True)
+    for name in ("frontier_roles_heldout.json", "frontier_roles_dev.json"):
+        (folder / name).unlink(missing_ok=True)
     rows = report.headline_rows(folder, tree=tree)
     assert [r[-1] for r in rows] == ["[chain_ttft](#chain_ttft)", "[stock_vs_off](#stock_vs_off)"]
     _demo_file(folder / "demo.json", tree)
-    heldout = json.loads((report.RESULTS / "frontier_gsm8k.json").read_text())
-    heldout.update(roles="heldout", segment_tokens=512)
-    (folder / "frontier_heldout.json").write_text(json.dumps(heldout))
+    task = json.loads((report.RESULTS / "frontier_gsm8k.json").read_text())
+    task["arms"] = {"off": task["arms"]["off"], "fullshared_k0": task["arms"]["fullshared_k0"],
+                    "default": {**task["arms"]["fullshared_r0.15"], "random_mix_kl_at_same_reuse": 0.006,
+                                "teacher_forced_line_gap_ci95": {"top1_above": [-0.01, 0.02],
+                                                                 "kl_below": [0.001, 0.003]}}}
+    task["segment_tokens"] = {"n": 9, "median": 512, "p10": 400, "p90": 600}
+    heldout = {"meta": {**task["meta"], "serving_digest": tree, "parts": {"t": "python -m benchmarks.frontier"}},
+               "roles": "heldout", "tasks": {"retrieval_1k": task}}
+    (folder / "frontier_roles_heldout.json").write_text(json.dumps(heldout))
     rows = report.headline_rows(folder, tree=tree)
-    assert [r[-1].split("]")[0][1:] for r in rows] == ["chain_ttft", "demo", "frontier_heldout", "stock_vs_off"]
+    assert [r[-1].split("]")[0][1:] for r in rows] == ["chain_ttft", "demo", "frontier_roles_heldout", "stock_vs_off"]
     demo_row = rows[1]
     assert "(1.40x); reuse 0.64 of 280 shared tokens" in demo_row[1] and demo_row[-2] == "fresh"
-    assert "held-out roles, 512-token segments" in rows[2][0]
+    assert "held-out roles" in rows[2][0] and "retrieval_1k (512-token segments)" in rows[2][2]
+    assert "gap [-0.010, +0.020]" in rows[2][2] and rows[2][-2] == "fresh"
     text = report.render(folder, tree=tree)
-    assert '## <a id="demo"></a>demo\n' in text and '<a id="frontier_heldout"></a>frontier_heldout -' in text
+    assert '## <a id="demo"></a>demo\n' in text and '<a id="frontier_roles_heldout"></a>frontier_roles_heldout\n' in text

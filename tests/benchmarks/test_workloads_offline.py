@@ -80,3 +80,14 @@ def test_a_frontier_program_on_a_split_reads_only_that_splits_roles_and_a_longer
     program = gsm.program(gsm.load(1, 0)[0], lambda text: [ord(c) for c in text], 8)
     agents = [next(program).agent] + [program.send([1, 2]).agent for _ in range(3)]
     assert len(set(agents)) == 4 and "final" not in agents
+
+
+def test_the_roles_study_reads_each_part_where_the_frontier_writes_it(tmp_path):
+    from benchmarks import frontier, roles_study
+
+    for split in ("dev", "heldout"):
+        for task in roles_study.TASKS:
+            args = frontier.parse_args(roles_study.part_argv(task, split, tmp_path, 16))
+            written = tmp_path / f"frontier_{args.task}{args.tag}.json"
+            assert roles_study.part_path(tmp_path, task, split) == written and args.roles == split
+            assert "default" in args.arms or split == "dev"
