@@ -437,8 +437,13 @@ def _chain_headline(d: dict) -> tuple[str, str, str]:
         if arm in ("off", "stock") or ":" in arm or "@" in arm:
             continue
         for length, cell in per_len.items():
+            dense = ""
+            if "chain_reuse" in cell and arm.startswith("kvcmas"):  # a fresh kvcmas server prefills while it learns
+                dense = (f" ({cell['contents_dense']} of its first {len(cell['chain_reuse'])} contents prefilled "
+                         f"densely while its pools learned)")
             figs.append(f"`{arm}` {int(length) / 1024:g}K: {cell['speedup_vs_off_agents_2_4']['median']:.2f}x "
-                        f"`off`, {cell['reuse_over_floor']['median']:.2f}x the exact hit")
+                        f"`off`, {cell['reuse_over_floor']['median']:.2f}x the exact hit, reuse "
+                        f"{cell['reuse_ratio']:.2f}{dense}")
     repeats = {c["ttft_agents_2_4_s"]["n"] for per_len in d["arms"].values() for c in per_len.values()}
     return (f"4-agent chain, agents 2-4 TTFT (median of {'/'.join(map(str, sorted(repeats)))} repeats)",
             "; ".join(figs), "not measured here (speed only; see the frontier rows)")
