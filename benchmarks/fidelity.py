@@ -36,6 +36,7 @@ import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -44,13 +45,15 @@ from devtools.data import gsm8k_path
 from sglang_kvshare.correction import (CorrectionPlan, FullShared, RopeSpec, SegmentCache, factor_nbytes, factorize,
                                        materialize, to_canonical)
 
-from . import selection
 from .baselines import make_estimator
 from .harness import RESULTS, SCRATCH, run_meta
-from .common import KV, load_model, partial_recompute, prefill, set_threads, suffix_eval
-from .fidelity_head import (HEAD_KS, HEAD_MODES, PlanVariant, coarse_errors, coarse_summary, head_frontier,
-                            head_label, plot_heads, splice_head)
+from .common import KV, load_model, partial_recompute, prefill, recompute_rows, set_threads, suffix_eval
 
+HEAD_KS = [4, 8, 16, 32]  # head recompute arms (K = 0 is the plain mode's own arm)
+HEAD_MODES = ["fullshared", "kvcmas"]
+SELECT_POLICIES = ("head", "random", "kv_deviation", "query_aware", "head_query", "head_kv_deviation", "correction")
+COARSE_BUCKETS = [(0, 4), (4, 16), (16, 64), (64, 100000)]  # token positions of the per-position error evidence
+PlanVariant = Callable[[CorrectionPlan], CorrectionPlan]  # keys only, first rows, ... (research.fidelity_variants)
 MAIN_MODES = ["fullshared", "kvcomm", "kvcmas", "kvcmas_fullrank", "kvcmas_nonchained", "cacheblend"]
 GSM8K = gsm8k_path()  # data/gsm8k in the repository; a clear error if it is missing
 
@@ -218,8 +221,8 @@ class Arm:
     inst_accepted: list = field(default_factory=list)
     inst_where: list = field(default_factory=list)  # (slot, consumer, segment tokens)
     head: int = 0  # head recompute: rows [0, head) of every reused segment prefilled densely
-    variant: PlanVariant | None = None  # plan transform (keys only, first rows, layers), see fidelity_head
-    select: tuple[str, float] | None = None  # (policy, share of rows recomputed) on the aligned segment, see selection
+    variant: PlanVariant | None = None  # a plan transform (research.fidelity_variants)
+    select: tuple[str, float] | None = None  # (row policy, share of rows recomputed)
     err_coarse: list = field(default_factory=list)
 
 
@@ -275,7 +278,7 @@ def make_arms(spec: RopeSpec, tau: float, rank: int, gate_len: int, sweep_taus, 
                 cfg = _anchor_cfg(mode, tau, rank, gate_len) if mode in ANCHOR_MODES else {}
                 est = make_estimator(mode, spec, **cfg)
                 conf = getattr(est, "config", None)
-                arms.append(Arm(head_label(mode, k), mode, getattr(conf, "tau", None), getattr(conf, "rank", None),
+                arms.append(Arm(f"{mode}+head{k}", mode, getattr(conf, "tau", None), getattr(conf, "rank", None),
                                 True, est, head=k))
     for policy in select_policies:  # selective recompute inside the reused segment, one forward
         mode = "kvcmas" if policy == "correction" else "fullshared"  # ours reads kvcmas's predicted correction
@@ -366,8 +369,7 @@ def serve_chain(model, arm: Arm, slot, key, ids, exact, ref, prefix_kv, phase, t
             plan = arm.variant(plan)
         if res.accepted:  # the served K/V through the ops layer the server writes with
             served = KV(*materialize(source.k, source.v, source.start_pos, target.start_pos, plan, arm.est.spec))
-            # head recompute: the plan's rows are segment-relative; rows >= head keep the corrected K/V
-            served = KV(*splice_head(served.k, served.v, target.k, target.v, arm.head))
+            served = splice(served, target, head_rows(len(ids), arm.head))  # the rest keep the corrected K/V
         if arm.mode == "oracle":
             kv, accepted, reused = served, True, len(ids)
         elif arm.select is not None and res.accepted:  # a kvcmas gate's refusal is prefilled densely (below)
@@ -375,7 +377,7 @@ def serve_chain(model, arm: Arm, slot, key, ids, exact, ref, prefix_kv, phase, t
                        if arm.select[0] == "correction" else None)
             blended, chosen = select_and_recompute(model, arm.select, prefix_kv[name], ids, served,
                                                    (tails or {}).get(name, []), seed=zlib.crc32(f"{key}|{name}".encode()),
-                                                   aligned=aligned)
+                                                   exact=target, aligned=aligned)
             kv, accepted, reused = blended, True, len(ids) - len(chosen)
         elif arm.mode == "cacheblend":
             blended, chosen = partial_recompute(model, prefix_kv[name], ids, served,
@@ -409,30 +411,44 @@ def serve_chain(model, arm: Arm, slot, key, ids, exact, ref, prefix_kv, phase, t
     return out
 
 
+def head_rows(n: int, head: int = 0, ratio: float = 0.0) -> list[int]:
+    """The rows a server recomputes of an ``n``-row reused segment under ``--kvshare-recompute-head head`` and
+    ``--kvshare-recompute-ratio ratio``: its own rule and row policy (``HEAD``, the first rows)."""
+    from sglang_kvshare.cache.recompute import HEAD, RecomputeRule
+    from sglang_kvshare.protocol import Segment
+
+    if n <= 0 or (head <= 0 and ratio <= 0):
+        return []
+    seg = Segment(kind="shared", start=0, end=n, slot="s")
+    rule = RecomputeRule(head, ratio, policy=HEAD)
+    return sorted(rule.policy.choose(seg, rule.rows(seg), None))
+
+
+def splice(served: KV, exact: SegmentCache | KV, rows: list[int]) -> KV:
+    """``served`` with ``rows`` from the consumer's dense prefill. Why exact rows stand for recomputed ones: a head
+    recomputed behind the consumer's prefix attends only to the prefix and to itself, so causal attention makes it
+    the exact cache's head (``tests/benchmarks/test_fidelity_head.py`` checks it on a real forward)."""
+    if not rows:
+        return served
+    k, v = served.k.clone(), served.v.clone()
+    k[:, rows], v[:, rows] = exact.k[:, rows], exact.v[:, rows]
+    return KV(k, v)
+
+
 def select_and_recompute(model, select: tuple[str, float], prefix: KV, ids: list[int], reused: KV, tail: list[int],
-                         seed: int, aligned: KV | None = None) -> tuple[KV, torch.Tensor]:
-    """Choose rows of the reused segment by ``select`` = (policy, ratio) and recompute them (``selection``).
-    ``aligned``: the segment re-aligned without correction (the ``correction`` policy compares ``reused`` with it)."""
+                         seed: int, exact: SegmentCache, aligned: KV | None = None) -> tuple[KV, torch.Tensor]:
+    """Rows of the reused segment chosen by ``select`` = (policy, ratio), recomputed: ``head`` as served; the
+    others offline only (``research.row_policies``). ``aligned``: the segment re-aligned without correction."""
     policy, ratio = select
+    if policy == "head":
+        rows = head_rows(len(ids), 0, ratio)
+        return splice(reused, exact, rows), torch.tensor(rows, dtype=torch.long)
     if policy == "kv_deviation":  # CacheBlend: its own forward (every row through the first layers)
         return partial_recompute(model, prefix, ids, reused, 1, ratio, "k")
-    if policy == "head":
-        chosen = selection.select_head(len(ids), ratio)
-    elif policy == "random":
-        chosen = selection.select_random(len(ids), ratio, seed)
-    elif policy == "query_aware":
-        chosen = selection.select_query_aware(model, prefix, reused, tail, ratio)
-    elif policy == "head_query":
-        chosen = selection.select_head_then_query(model, prefix, reused, tail, ratio)
-    elif policy == "head_kv_deviation":
-        chosen = selection.select_head_then_kv_deviation(model, prefix, ids, reused, ratio)
-    elif policy == "correction":
-        if aligned is None:
-            raise ValueError("the correction policy needs the aligned segment beside the corrected one")
-        chosen = selection.select_by_correction(aligned, reused, ratio)
-    else:
-        raise ValueError(f"unknown selection policy {policy!r}; one of {selection.POLICIES}")
-    return selection.recompute_rows(model, prefix, ids, reused, chosen), chosen
+    from benchmarks.research import row_policies
+
+    chosen = row_policies.choose(policy, model, prefix, ids, reused, tail, ratio, seed, aligned)
+    return recompute_rows(model, prefix, ids, reused, chosen), chosen
 
 
 def _oracle_plan(arm: Arm, source: SegmentCache, target: SegmentCache) -> CorrectionPlan:
@@ -502,6 +518,47 @@ def _record_errors(arm: Arm, kv: KV, target: SegmentCache) -> None:
         row.append([numk.item(), num.item()])
     arm.err_pos.append(row)
     arm.err_coarse.append(coarse_errors(kv.k, kv.v, target.k, target.v))
+
+
+def coarse_errors(k: torch.Tensor, v: torch.Tensor, exact_k: torch.Tensor, exact_v: torch.Tensor) -> list:
+    """Relative K / V error of a served segment per coarse position bucket (None past its length)."""
+    dk, dv = (k - exact_k).float(), (v - exact_v).float()
+    return [None if lo >= k.shape[1] else
+            [(dk[:, lo:hi].norm() / exact_k[:, lo:hi].float().norm()).item(),
+             (dv[:, lo:hi].norm() / exact_v[:, lo:hi].float().norm()).item()] for lo, hi in COARSE_BUCKETS]
+
+
+def coarse_summary(rows: list) -> dict:
+    out = {}
+    for b, (lo, hi) in enumerate(COARSE_BUCKETS):
+        vals = [r[b] for r in rows if r[b] is not None]
+        if vals:
+            out[f"{lo}-{hi}" if hi < 100000 else f"{lo}+"] = {"k": _mean([x[0] for x in vals]),
+                                                               "v": _mean([x[1] for x in vals])}
+    return out
+
+
+def head_frontier(result: dict, min_reuse: float = 0.85, target_kl: float = 0.003) -> dict:
+    """Per head mode the (K, reuse, KL) curve, the best arm at reuse >= ``min_reuse`` and the target verdict."""
+    rows = {**{m: result[m] for m in HEAD_MODES if m in result}, **result.get("head_recompute", {})}
+    curves = {}
+    for mode in HEAD_MODES:
+        pts = sorted((r.get("head", 0), label) for label, r in rows.items() if r["mode"] == mode
+                     and (label == mode or label.startswith(mode + "+head")))
+        curves[mode] = [{"K": k, "label": label, **{f: rows[label][f] for f in ("reuse_ratio", "kl_mean", "kl_p90",
+                                                                                 "top1", "greedy_match")}}
+                        for k, label in pts]
+    ok = [(r["kl_mean"], label) for label, r in rows.items() if r["reuse_ratio"] >= min_reuse]
+    best = min(ok)[1] if ok else None
+    out = {"curves": curves, "min_reuse": min_reuse, "target_kl": target_kl, "best_arm": best}
+    if best is not None:
+        b = rows[best]
+        out.update(best_kl_mean=b["kl_mean"], best_reuse=b["reuse_ratio"], target_met=b["kl_mean"] <= target_kl,
+                   best_rel_err_by_position=b.get("rel_err_by_position_coarse"),
+                   best_rel_err_k_per_layer=b.get("rel_err_k_per_layer"),
+                   best_rel_err_v_per_layer=b.get("rel_err_v_per_layer"),
+                   fullshared_rel_err_by_position=result.get("fullshared", {}).get("rel_err_by_position_coarse"))
+    return out
 
 
 ANSWER_TOKENS = 8  # --score answer: positions scored by default (the live retrieval frontier's max_tokens)
@@ -702,7 +759,11 @@ def plot(result: dict, path: Path) -> None:
     xs = [i / 20 for i in range(1, 21)]
     ax.plot(xs, [max(x * fs, 1e-6) for x in xs], ls="--", color="C0", lw=0.8,
             label="fullshared + dense prefill on a random (1 - reuse)")
-    plot_heads(ax, result)
+    for mode, color in (("fullshared", "C6"), ("kvcmas", "C7")):  # head recompute, K = 0 .. 32
+        pts = head_frontier(result)["curves"][mode]
+        if len(pts) >= 2:
+            ax.plot([p["reuse_ratio"] for p in pts], [max(p["kl_mean"], 1e-6) for p in pts], color=color, marker="o",
+                    ms=4, lw=1.2, label=f"{mode} + head recompute K")
     by_policy: dict[str, list] = {}
     for r in result.get("selective_recompute", {}).values():
         by_policy.setdefault(r["policy"], []).append((r["reuse_ratio"], max(r["kl_mean"], 1e-6)))
@@ -754,7 +815,7 @@ def main(argv=None) -> None:
     ap.add_argument("--sweep-ranks", type=int, nargs="*", default=None)
     ap.add_argument("--head-ks", type=int, nargs="*", default=HEAD_KS,
                     help="head recompute arms: first K tokens of each reused segment prefilled densely")
-    ap.add_argument("--select-policies", nargs="*", default=list(selection.POLICIES),
+    ap.add_argument("--select-policies", nargs="*", default=list(SELECT_POLICIES),
                     help="selective recompute arms: rows chosen by these policies inside the aligned segment")
     ap.add_argument("--select-ratios", type=float, nargs="*", default=None,
                     help="shares of the segment's rows recomputed (default 0.1 0.15 0.2 0.3; quick 0.15)")

@@ -3,7 +3,7 @@
 Question: once the first K tokens of each reused segment are prefilled densely
 (head recompute), does any form of the anchor correction still lower the KL
 of FullShared + the same head? Candidates, all plan transforms served through
-``materialize`` (``benchmarks.fidelity_head``): the full kvcmas plan, keys
+``materialize`` (below): the full kvcmas plan, keys
 only, the first N rows only (N = 4, 16, 64), keys on the first 16 rows, and a
 per-layer choice (correct K / V only in the layers where the correction lowers
 the cache error on the warm set).
@@ -39,18 +39,57 @@ import json
 import random
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
+from typing import Iterable
 
 import torch
 from tqdm import tqdm
 
 from benchmarks.baselines import make_estimator
-from sglang_kvshare.correction import FullShared, RopeSpec, SegmentCache, materialize
+from sglang_kvshare.correction import CorrectionPlan, Factors, FullShared, RopeSpec, SegmentCache, materialize
 
 from benchmarks import fidelity as F
 from benchmarks.common import load_model, prefill, set_threads
-from benchmarks.fidelity_head import compose, first_rows, keys_only, layers_only
 from benchmarks.harness import RESULTS, SCRATCH, run_meta
+
+
+# ------------------------------------------------------------ plan variants: CorrectionPlan -> CorrectionPlan
+def keys_only(plan: CorrectionPlan) -> CorrectionPlan:
+    """Correct keys, leave values aligned (zero value weights: the kernel adds nothing to V)."""
+    return replace(plan, weights_v=torch.zeros_like(plan.weights_v))
+
+
+def first_rows(n: int) -> F.PlanVariant:
+    """Correct only rows ``[0, n)`` of the segment; the rest aligned."""
+    def apply(plan: CorrectionPlan) -> CorrectionPlan:
+        c = min(plan.covered, n)
+        return replace(plan, weights_k=plan.weights_k[:c], weights_v=plan.weights_v[:c], covered=c)
+    return apply
+
+
+def _mask_layers(f: Factors, keep: torch.Tensor) -> Factors:
+    """The same stack with the layers not in ``keep`` (bool [layers]) zeroed."""
+    if f.full is not None:
+        return Factors(None, None, f.full * keep[:, None, None].to(f.full.dtype), f.head_shape)
+    return Factors(f.a * keep[:, None, None].to(f.a.dtype), f.b, None, f.head_shape)
+
+
+def layers_only(layers_k: Iterable[int], layers_v: Iterable[int], num_layers: int) -> F.PlanVariant:
+    """Correct keys only in ``layers_k`` and values only in ``layers_v``; other layers aligned."""
+    mk, mv = torch.zeros(num_layers, dtype=torch.bool), torch.zeros(num_layers, dtype=torch.bool)
+    mk[list(layers_k)], mv[list(layers_v)] = True, True
+    return lambda plan: replace(plan, deltas_k=[_mask_layers(f, mk) for f in plan.deltas_k],
+                                deltas_v=[_mask_layers(f, mv) for f in plan.deltas_v])
+
+
+def compose(*variants: F.PlanVariant) -> F.PlanVariant:
+    def apply(plan: CorrectionPlan) -> CorrectionPlan:
+        for fn in variants:
+            plan = fn(plan)
+        return plan
+    return apply
+
 
 ROW_EDGES = [0, 8, 32, 100000]
 """Row buckets of the per-layer error sums (head K in {0, 8, 32} sums the buckets from K on)."""
