@@ -40,7 +40,6 @@ import random
 import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 from typing import Iterable
 
 import torch
