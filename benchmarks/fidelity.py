@@ -375,8 +375,8 @@ def serve_chain(model, arm: Arm, slot, key, ids, exact, ref, prefix_kv, phase, t
             aligned = (KV(*materialize(source.k, source.v, source.start_pos, target.start_pos, None, arm.est.spec))
                        if arm.select[0] == "correction" else None)
             blended, chosen = select_and_recompute(model, arm.select, prefix_kv[name], ids, served,
-                                                   (tails or {}).get(name, []), seed=zlib.crc32(f"{key}|{name}".encode()),
-                                                   exact=target, aligned=aligned)
+                                                   (tails or {}).get(name, []), zlib.crc32(f"{key}|{name}".encode()),
+                                                   target, aligned)
             kv, accepted, reused = blended, True, len(ids) - len(chosen)
         elif arm.mode == "cacheblend":
             blended, chosen = partial_recompute(model, prefix_kv[name], ids, served,

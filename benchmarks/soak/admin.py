@@ -5,18 +5,16 @@ from __future__ import annotations
 
 import time
 
-from benchmarks.soak.client import estimated_tokens
-from benchmarks.soak.traffic import ADMIN_CALLS, SUFFIX, Client, system_part
+from benchmarks.soak.client import SUFFIX, Client, estimated_tokens, system_part
 from sglang_kvshare.frontend.builder import build_request, private_part
 
 
+ADMIN_CALLS = ("mode_off_and_back", "reset", "no_key", "tau", "reset_slot", "pools", "mode_switch", "bad_config")
+
 def admin_op(c: Client) -> None:
     """The admin calls in turn (shared counter), so even a short run makes each of them."""
-    with c.s.counter_lock:
-        choice = ADMIN_CALLS[c.s.next_admin % len(ADMIN_CALLS)]
-        c.s.next_admin += 1
-    with c.s.rec.lock:
-        c.s.rec.faults[f"admin_{choice}"] += 1
+    choice = ADMIN_CALLS[c.s.turn("admin") % len(ADMIN_CALLS)]
+    c.s.rec.fault(f"admin_{choice}")
     with c.s.admin_lock:
         if choice in ("reset", "reset_slot") and c.s.monitor is not None:
             # A reset may zero the counters: read them first, so no count is lost.
@@ -26,8 +24,8 @@ def admin_op(c: Client) -> None:
         elif choice == "reset_slot":
             known = c.rng.random() < 0.5
             c.admin("/kvshare/pools/query/reset" if known else
-                              f"/kvshare/pools/never-{c.rng.getrandbits(32):x}/reset",
-                              expect=200 if known else 404)
+                    f"/kvshare/pools/never-{c.rng.getrandbits(32):x}/reset",
+                    expect=200 if known else 404)
         elif choice == "tau":
             c.admin("/kvshare/config", {"tau": c.rng.choice([0.3, 0.7, c.s.tau])})
             time.sleep(1.0)
@@ -43,7 +41,7 @@ def admin_op(c: Client) -> None:
             c.admin("/kvshare/config", {"mode": c.s.mode, "tau": c.s.tau})
         elif choice == "bad_config":
             c.admin("/kvshare/config", c.rng.choice([{"tau": 2}, {"mode": "kvcomm"}, {}]),
-                              expect=422)
+                    expect=422)
         elif choice == "no_key":
             if c.s.endpoint.admin_key:
                 c.admin("/kvshare/reset", key=False, expect=401)
@@ -88,8 +86,7 @@ def reset_probe(c: Client) -> None:
     probe = {"variant": variant, "assembled_tokens": estimated_tokens(first.report) if first.status == 200 else 0,
              "estimate_hit_before": hit_before, "armed": hit_before > 0, "estimate_hit_after": hit_after,
              "after_report": {k: after.report.get(k) for k in keys} if after.status == 200 else None}
-    with c.s.rec.lock:
-        c.s.rec.reset_probes.append(probe)
+    c.s.rec.keep("reset_probes", probe)
     if hit_before > 0 and hit_after:
         c.s.rec.find("no_estimates_after_reset", probe)
 

@@ -3,18 +3,73 @@ probes across users, salts and workflows, and bursts of decodes that over-commit
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import Counter
 from typing import Optional
 
-from benchmarks.soak.client import REQUEST_TIMEOUT_S, Outcome, chat_report, error_message
+from benchmarks.soak.client import (REQUEST_TIMEOUT_S, SUFFIX, TEAM, Client, Outcome, chat_report, error_message,
+                                    system_part)
 from benchmarks.soak.faults import ChatCase, chat_hostile, cross_scope_signs, source_found
-from benchmarks.soak.traffic import (BURST_PROMPT, CHAT_MAX_TOKENS, CHAT_ROLES, CHAT_TENANTS, CHAT_VARIANTS,
-                                     HOSTILE_PER_OP, LONG_CHAT_MESSAGES, SCOPE_VARIANTS, SUFFIX,
-                                     TEAM, Client, burst_lengths, chat_system, system_part, tenant_fields,
-                                     with_workflow)
 from sglang_kvshare.frontend.builder import build_request, private_part
+
+
+# The chat tenants: two OpenAI users and two cache salts, each with its own system prompts, all reading
+# the same documents. A tenant is a reuse scope: (cache_salt, workflow), the workflow being the user.
+CHAT_TENANTS = {
+    "alice": {"user": "alice", "who": "Alice's study group"},
+    "bob": {"user": "bob", "who": "Bob's tutoring service"},
+    "salt-x": {"cache_salt": "chat-x", "who": "school X"},
+    "salt-y": {"cache_salt": "chat-y", "who": "school Y"},
+}
+CHAT_ROLES = {"planner": "You plan how to solve the problem, step by step.",
+              "checker": "You check every number in the problem and say which ones matter.",
+              "writer": "You write the final answer in one sentence."}
+# op_chat's variants in turn (shared counter): (mode, streamed, 40-message conversation)
+CHAT_VARIANTS = (("auto", False, False), ("explicit", True, False), ("auto", True, True), ("opt_out", False, False),
+                 ("explicit", False, True), ("auto", True, False), ("opt_out", True, False), ("auto", False, True))
+LONG_CHAT_MESSAGES = 40
+CHAT_MAX_TOKENS = 8
+HOSTILE_PER_OP = 8
+SCOPE_VARIANTS = ("user", "salt", "workflow")
+# Retraction bursts: N concurrent decodes of about BURST_PROMPT prompt tokens (plus system prompt and
+# template), 3 in 4 decoding BURST_LONG tokens and the others BURST_SHORT (min = max new tokens, so EOS ends
+# none early; ignore_eos would make SGLang reserve every remaining token). SGLang admits a new request against
+# the running ones' remaining tokens times its new-token ratio (0.7 after idle) and tries again only when one
+# finishes: when a short one does, queued ones fill that estimate, the long ones then outgrow it and the
+# scheduler retracts ("KV cache pool is full. Retract requests."). Sized for the 3072-token pool: 15 to 30 s
+# here beside the other client; whether it retracts depends on that client's traffic, so it is counted,
+# not required.
+BURST_PROMPT, BURST_LONG, BURST_SHORT = 90, 48, 4
+
+
+def burst_lengths(n: int) -> list[int]:
+    """New tokens of a burst's requests, in the order they are sent (see ``BURST_PROMPT``)."""
+    return [BURST_SHORT if i % 4 == 1 else BURST_LONG for i in range(n)]
+
+
+def chat_system(tenant: str, role: str) -> str:
+    return f"You work for {CHAT_TENANTS[tenant]['who']}. {CHAT_ROLES[role]}"
+
+
+def tenant_fields(tenant: str) -> dict:
+    return {k: v for k, v in CHAT_TENANTS[tenant].items() if k in ("user", "cache_salt")}
+
+
+def chat_body(tenant: str, role: str, doc: str, *, ack: Optional[str] = "Noted.", ask: str = "Answer briefly.",
+              **fields) -> dict:
+    """A greedy chat of ``tenant``'s agent ``role`` reading ``doc`` (``ack``: the assistant's turn after it)."""
+    messages = [{"role": "system", "content": chat_system(tenant, role)},
+                {"role": "user", "content": f"Context:\n{doc}"},
+                *([{"role": "assistant", "content": ack}] if ack else []), {"role": "user", "content": ask}]
+    return {"model": "default", "messages": messages, "temperature": 0.0, **tenant_fields(tenant), **fields}
+
+
+def with_workflow(custom_params: dict, workflow: str) -> dict:
+    """``custom_params`` of ``build_request`` with the annotation's ``workflow`` set."""
+    ann = json.loads(custom_params["kvshare"])
+    return {"kvshare": json.dumps({**ann, "workflow": workflow})}
 
 
 def _answer_text(out: Outcome) -> str:
@@ -79,10 +134,7 @@ def _chat_opt_out(c: Client, tenant: str, stream: bool) -> None:
         body = dict(c.rng.choice(recent))
     else:
         role = c.rng.choice(list(CHAT_ROLES))
-        body = {"model": "default", "max_tokens": CHAT_MAX_TOKENS, "temperature": 0.0, **tenant_fields(tenant),
-                "messages": [{"role": "system", "content": chat_system(tenant, role)},
-                             {"role": "user", "content": f"Context:\n{c.s.working_text(c.rng)}"},
-                             {"role": "user", "content": "Answer briefly."}]}
+        body = chat_body(tenant, role, c.s.working_text(c.rng), ack=None, max_tokens=CHAT_MAX_TOKENS)
     body.update(stream=stream, kvshare=False)
     c.chat("chat", body, report=False)
 
@@ -105,9 +157,8 @@ def hostile_chats(c: Client) -> None:
                "stream_errors": out.body["errors"][:3] if streamed else [], "report": rep is not None}
         if out.status != 200 and case.auto:
             row["body"] = body  # replayed on the off reference: does stock SGLang answer the same?
-        with c.s.rec.lock:
-            c.s.rec.hostile.append(row)
-            c.s.rec.faults[f"chat_{case.kind}"] += 1
+        c.s.rec.keep("hostile", row)
+        c.s.rec.fault(f"chat_{case.kind}")
 
 
 def scope_probe(c: Client) -> None:
@@ -130,12 +181,8 @@ def scope_probe(c: Client) -> None:
             scopes = [pair[0], pair[0], pair[1]]
             reps = []
             for tenant, role in zip(scopes, c.rng.sample(list(CHAT_ROLES), 3)):
-                messages = [{"role": "system", "content": chat_system(tenant, role)},
-                            {"role": "user", "content": f"Context:\n{doc}"},
-                            {"role": "assistant", "content": f"Noted (case {nonce})."},
-                            {"role": "user", "content": f"Answer briefly (case {nonce})."}]
-                body = {"model": "default", "messages": messages, "max_tokens": 2, "temperature": 0.0,
-                        **tenant_fields(tenant)}
+                body = chat_body(tenant, role, doc, ack=f"Noted (case {nonce}).", ask=f"Answer briefly (case {nonce}).",
+                                 max_tokens=2)
                 if explicit:
                     body["kvshare"] = {"agent": f"{role}@{tenant}", "shared": [{"message": 1, "slot": "query"}]}
                 out = c.chat("scope_probe", body, report=True)
@@ -148,8 +195,7 @@ def scope_probe(c: Client) -> None:
              "reused_tokens": signs["reused_tokens"], "found": signs["found"],
              "tokens_aligned": int(reps[2].get("tokens_aligned") or 0),
              "tokens_corrected": int(reps[2].get("tokens_corrected") or 0)}
-    with c.s.rec.lock:
-        c.s.rec.scope_probes.append(probe)
+    c.s.rec.keep("scope_probes", probe)
     if signs["reused_tokens"] or signs["found"]:
         c.s.rec.find("zero_cross_scope_reuse", probe)
 
@@ -166,9 +212,8 @@ def _workflow_probe(c: Client, doc: str, nonce: str, workflows: list[str]) -> li
         out = c.s.endpoint.generate("scope_probe", ids, custom_params=with_workflow(cp, wf), max_new_tokens=2)
         if out.status == 200:
             c.s.rec.annotated(out)
-        elif out.status and out.status < 500:
-            c.s.rec.find("valid_requests_served", {"request": "scope_probe", "status": out.status,
-                                                      "body": str(out.body)[:300]})
+        else:
+            c.s.rec.refused(out, request="scope_probe")
         reps.append(out.report if out.status == 200 else None)
     return reps
 
@@ -206,18 +251,12 @@ def _burst(c: Client) -> None:
                 got = out.body.get("meta_info", {}).get("completion_tokens")
                 if kind == "annotated":
                     c.s.rec.annotated(out)
-            elif out.status and out.status < 500:
-                c.s.rec.find("valid_requests_served", {"request": "retract_burst", "status": out.status,
-                                                          "body": str(out.body)[:300]})
+            else:
+                c.s.rec.refused(out, request="retract_burst")
         else:
             tenant = list(CHAT_TENANTS)[i % len(CHAT_TENANTS)]
             role = list(CHAT_ROLES)[i % len(CHAT_ROLES)]
-            body = {"model": "default", "max_tokens": m, "min_tokens": m, "temperature": 0.0,
-                    "stream": kind == "chat_stream", **tenant_fields(tenant),
-                    "messages": [{"role": "system", "content": chat_system(tenant, role)},
-                                 {"role": "user", "content": f"Context:\n{doc}"},
-                                 {"role": "assistant", "content": "Noted."},
-                                 {"role": "user", "content": "Answer briefly."}]}
+            body = chat_body(tenant, role, doc, max_tokens=m, min_tokens=m, stream=kind == "chat_stream")
             if body["stream"]:
                 body["stream_options"] = {"include_usage": True}
             out = c.chat("retract_burst", body, report=True)
@@ -237,11 +276,10 @@ def _burst(c: Client) -> None:
     short = [r for r in rows if r.get("status") == 200 and r.get("completion_tokens") != r.get("max_new_tokens")]
     for r in short:
         c.s.rec.find("nothing_lost", {"request": "retract_burst", "cut_short": r})
-    with c.s.rec.lock:
-        c.s.rec.bursts.append({"requests": n, "seconds": round(time.monotonic() - t0, 1),
-                                  "answered_200": sum(r.get("status") == 200 for r in rows),
-                                  "complete": sum(r.get("status") == 200 and r not in short for r in rows),
-                                  "by_kind": dict(Counter(r.get("kind") for r in rows))})
+    c.s.rec.keep("bursts", {"requests": n, "seconds": round(time.monotonic() - t0, 1),
+                            "answered_200": sum(r.get("status") == 200 for r in rows),
+                            "complete": sum(r.get("status") == 200 and r not in short for r in rows),
+                            "by_kind": dict(Counter(r.get("kind") for r in rows))})
 
 
 OPS = {"chat": chat, "chat_hostile": hostile_chats, "scope_probe": scope_probe, "retract_burst": retract_burst}

@@ -3,15 +3,21 @@ server-state readers (bounds, allocator, log), and the verdicts and JSON summary
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections import Counter
 from typing import Any, Optional
 
 from benchmarks.harness import machine, run_meta
-from benchmarks.soak.client import Endpoint, Outcome, Recorder
+from benchmarks.soak.client import NEAR_TIE, Endpoint, Outcome, Recorder
 from benchmarks.soak.faults import foreign_sources
-from benchmarks.soak.traffic import ESTIMATE_TAGS, METRICS_PREFIX, NEAR_TIE, RETRACT_LOG, RETRACTED_METRIC
+
+RETRACT_LOG = re.compile(r"KV cache pool is full\. Retract requests\. #retracted_reqs: (\d+)")
+RETRACTED_METRIC = "sglang:num_retracted_requests_total"
+METRICS_PREFIX = "sglang_kvshare_"
+ESTIMATE_TAGS = ("leak_probe", "leak_probe_off", "plain_after_estimate")  # plain prompts assembled before
+
 
 class Monitor:
     """Polls ``/kvshare/stats`` every ``period`` s (answers, bounds, the plain-estimate counter), the chat
@@ -161,49 +167,42 @@ def scan_log(text: str) -> dict:
 
 
 def verdicts(res: dict, replay_rows: list[dict]) -> dict:
+    """Each check: True, False, or "not checked" (the server cannot answer it yet: a missing field)."""
     rec: Recorder = res["rec"]
     mon: Monitor = res["monitor"]
-    tot = rec.totals()
-    malformed = rec.malformed
-    log_found = res["server_log"]["found"]
-    salt_reuse = [p for p in rec.salt_probes if p["aligned"] or p["corrected"]]
+    tot, m, bounds, found = rec.totals(), rec.malformed, res["bounds"], rec.finding_counts
+    c = verdict_counts(res)
     real = [r for r in replay_rows if r.get("same") is False and not r.get("near_tie")]
-    counter_vals = mon.plain_from_estimates
-    bounds = res["bounds"]
-    v = {
-        "no_crash": res["alive"] and res["health"] == 200 and not log_found,
+
+    def unless(missing: Any, ok: bool) -> Any:
+        return "not checked" if missing else ok
+
+    return {
+        "no_crash": res["alive"] and res["health"] == 200 and not res["server_log"]["found"],
         "no_5xx": tot["server_5xx"] == 0,
-        "nothing_lost": (tot["lost"] == 0 and res["clients_stuck_at_end"] == 0
-                         and rec.finding_counts["nothing_lost"] == 0),
-        "malformed_get_4xx": malformed["sent"] > 0 and malformed["got_4xx"] == malformed["sent"],
-        "valid_requests_served": rec.finding_counts["valid_requests_served"] == 0,
+        "nothing_lost": tot["lost"] == 0 and res["clients_stuck_at_end"] == 0 and found["nothing_lost"] == 0,
+        "malformed_get_4xx": m["sent"] > 0 and m["got_4xx"] == m["sent"],
+        "valid_requests_served": found["valid_requests_served"] == 0,
         "allocator_restored": res["allocator"]["end_ok"] and res["allocator"]["free_plus_evictable_same_as_start"],
-        "kvshare_within_bounds": ("not checked" if not bounds["checked"] and mon.limit_keys is None
-                                  else not bounds["over"] and not mon.over_limit),
-        "zero_cross_salt_reuse": bool(rec.salt_probes) and not salt_reuse,
-        "plain_exact_structural": ("not checked" if not counter_vals else max(counter_vals) == 0),
+        "kvshare_within_bounds": unless(not bounds["checked"] and mon.limit_keys is None,
+                                        not bounds["over"] and not mon.over_limit),
+        "zero_cross_salt_reuse": bool(rec.salt_probes) and not any(p["aligned"] or p["corrected"]
+                                                                   for p in rec.salt_probes),
+        "plain_exact_structural": unless(not mon.plain_from_estimates, max(mon.plain_from_estimates or [0]) == 0),
         "plain_exact_by_output": bool(replay_rows) and not real and all(r.get("same") is not None
-                                                                         for r in replay_rows),
-        "harness_ok": rec.finding_counts["harness_errors"] == 0,
-    }
-    counts = verdict_counts(res)
-    v.update({
-        "zero_cross_scope_reuse": ("not checked" if not rec.scope_probes
-                                   else counts["zero_cross_scope_reuse"]["reused_tokens"] == 0
-                                   and counts["zero_cross_scope_reuse"]["found_a_foreign_copy"] == 0),
-        "zero_foreign_agent_names": ("not checked" if not rec.chat_reports
-                                     else counts["zero_foreign_agent_names"]["foreign"] == 0
-                                     and counts["zero_foreign_agent_names"]["unknown"] == 0),
-        "chat_hostile_answered": ("not checked" if not rec.hostile
-                                  else counts["chat_hostile_answered"]["not_ok"] == 0),
-        "chat_reports_carried": ("not checked" if not rec.chat_reports
-                                 else rec.finding_counts["chat_reports_carried"] == 0),
+                                                                        for r in replay_rows),
+        "harness_ok": found["harness_errors"] == 0,
+        "zero_cross_scope_reuse": unless(not rec.scope_probes, c["zero_cross_scope_reuse"]["reused_tokens"] == 0
+                                         and c["zero_cross_scope_reuse"]["found_a_foreign_copy"] == 0),
+        "zero_foreign_agent_names": unless(not rec.chat_reports, c["zero_foreign_agent_names"]["foreign"] == 0
+                                           and c["zero_foreign_agent_names"]["unknown"] == 0),
+        "chat_hostile_answered": unless(not rec.hostile, c["chat_hostile_answered"]["not_ok"] == 0),
+        "chat_reports_carried": unless(not rec.chat_reports, found["chat_reports_carried"] == 0),
         "memory_within_bounds": memory_verdict(mon),
-        "no_estimates_after_reset": ("not checked" if not counts["no_estimates_after_reset"]["armed"]
-                                     else counts["no_estimates_after_reset"]["hit_after_reset"] == 0),
-        "metrics_served": ("not checked" if not mon.metrics_polls else mon.metrics_ok == mon.metrics_polls),
-    })
-    return v
+        "no_estimates_after_reset": unless(not c["no_estimates_after_reset"]["armed"],
+                                           c["no_estimates_after_reset"]["hit_after_reset"] == 0),
+        "metrics_served": unless(not mon.metrics_polls, mon.metrics_ok == mon.metrics_polls),
+    }
 
 
 def memory_verdict(mon: Monitor) -> Any:
@@ -254,7 +253,7 @@ def verdict_counts(res: dict) -> dict:
             "found_a_foreign_copy": sum(bool(p["found"]) for p in probes),
             "generate_salt_probes": len(rec.salt_probes), "examples": probes[:6]},
         "zero_foreign_agent_names": {k: agents[k] for k in ("reports", "scopes", "named_sources", "foreign", "unknown",
-                                                             "examples")},
+                                                            "examples")},
         "chat_hostile_answered": {
             "sent": len(hostile), "kinds": len({h["kind"] for h in hostile}),
             "ok_200": sum(h["status"] == 200 and hostile_ok(h) for h in hostile),

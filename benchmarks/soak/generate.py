@@ -7,9 +7,9 @@ import json
 import threading
 import time
 
-from benchmarks.soak.client import REQUEST_TIMEOUT_S, Outcome, estimated_tokens, generate_body
+from benchmarks.soak.client import (REQUEST_TIMEOUT_S, SALTS, SUFFIX, TEAM, Client, Outcome, estimated_tokens,
+                                    generate_body, system_part)
 from benchmarks.soak.faults import Case, adversarial_name, catalogue, expected_status, fuzzed, many_slots
-from benchmarks.soak.traffic import SALTS, SUFFIX, TEAM, Client, system_part
 from sglang_kvshare.protocol import MAX_NAME_CHARS
 
 
@@ -81,8 +81,7 @@ def salt_probe(c: Client) -> None:
     probe = {"salts": [first, second], "agents": ["solver", reader], "aligned": int(rep.get("tokens_aligned", 0) or 0),
              "corrected": int(rep.get("tokens_corrected", 0) or 0), "shared_resolved_by": shared_by,
              "has_report": bool(rep)}
-    with c.s.rec.lock:
-        c.s.rec.salt_probes.append(probe)
+    c.s.rec.keep("salt_probes", probe)
     if reused:
         c.s.rec.find("zero_cross_salt_reuse", probe)
 
@@ -90,7 +89,7 @@ def salt_probe(c: Client) -> None:
 def slot_flood(c: Client) -> None:
     """A valid request with up to 63 shared segments, each under a new hostile slot name,
     from an agent with a hostile name."""
-    k = min(c.s.max_segments - 1, max(1, c.s.slot_name_target - c.s.next_name))
+    k = min(c.s.max_segments - 1, max(1, c.s.slot_name_target - c.s.turns["name"]))
     agent = adversarial_name(c.rng, c.rng.choice([5, MAX_NAME_CHARS]))
     head = c.s.tokenizer(system_part("judge"), add_special_tokens=False).input_ids
     body_ids = c.s.tokenizer(c.s.working_text(c.rng), add_special_tokens=False).input_ids
@@ -103,10 +102,8 @@ def slot_flood(c: Client) -> None:
         c.s.rec.faults["slot_flood_requests"] += 1
         c.s.rec.slot_names.update(names)
     out = c.s.endpoint.generate("slot_flood", ids, custom_params={"kvshare": raw}, max_new_tokens=1,
-                                   salt=c.rng.choice((None, *SALTS)))
-    if out.status and out.status != 200 and out.status < 500:
-        c.s.rec.find("valid_requests_served", {"request": "slot_flood", "status": out.status,
-                                                  "body": str(out.body)[:300]})
+                                salt=c.rng.choice((None, *SALTS)))
+    c.s.rec.refused(out, request="slot_flood")
 
 
 def _send_case(c: Client, label: str, case: Case, ids: list[int]) -> None:
@@ -123,10 +120,10 @@ def _send_case(c: Client, label: str, case: Case, ids: list[int]) -> None:
             m["valid_got_200"] += int(out.status == 200)
     if expected == 400 and not 400 <= out.status < 500:
         c.s.rec.find("malformed_get_4xx", {"kind": case.kind, "raw": str(case.raw)[:200],
-                                              "status": out.status, "body": str(out.body)[:200]})
+                                           "status": out.status, "body": str(out.body)[:200]})
     elif expected == 200 and out.status != 200:
         c.s.rec.find("valid_requests_served", {"kind": case.kind, "raw": str(case.raw)[:200],
-                                                  "status": out.status, "body": str(out.body)[:200]})
+                                               "status": out.status, "body": str(out.body)[:200]})
 
 
 def _long_prompt(c: Client) -> list[int]:
@@ -150,11 +147,10 @@ def bad_sampling(c: Client) -> None:
     """Bad parameters SGLang itself validates (not kvshare): it answers 4xx."""
     ids = _long_prompt(c)[:40]
     kind, sampling = c.rng.choice([("negative_max_new_tokens", {"max_new_tokens": -1}),
-                                      ("negative_temperature", {"temperature": -1.0}),
-                                      ("top_p_zero", {"top_p": 0.0})])
+                                   ("negative_temperature", {"temperature": -1.0}),
+                                   ("top_p_zero", {"top_p": 0.0})])
     out = c.s.endpoint.generate("bad_sampling", ids, sampling=sampling)
-    with c.s.rec.lock:
-        c.s.rec.faults[kind] += 1
+    c.s.rec.fault(kind)
     if not 400 <= out.status < 500:
         c.s.rec.find("bad_sampling_get_4xx", {"kind": kind, "status": out.status, "body": str(out.body)[:200]})
 
@@ -166,8 +162,7 @@ def abort(c: Client) -> None:
     chunks = c.rng.choice([0, 1, 3])
     body = generate_body(ids, custom_params=cp if c.rng.random() < 0.7 else None, max_new_tokens=64,
                          salt=c.rng.choice((None, *SALTS)))
-    with c.s.rec.lock:
-        c.s.rec.faults[f"abort_after_{chunks}_chunks"] += 1
+    c.s.rec.fault(f"abort_after_{chunks}_chunks")
     c.s.endpoint.stream_and_close("abort", body, chunks)
 
 
@@ -179,8 +174,7 @@ def rid_reuse(c: Client) -> None:
     ids_a, cp_a = c.s.request("coder", text_a)
     ids_b, cp_b = c.s.request("judge", text_b)
     variant = c.rng.choice(["after_completion", "after_abort", "concurrent"])
-    with c.s.rec.lock:
-        c.s.rec.faults[f"rid_reuse_{variant}"] += 1
+    c.s.rec.fault(f"rid_reuse_{variant}")
     ep = c.s.endpoint
     if variant == "after_completion":
         ep.generate("rid_reuse", ids_a, custom_params=cp_a, rid=rid)
@@ -210,7 +204,7 @@ def _expect_rid(c: Client, out: Outcome, variant: str) -> None:
     ok = out.status == 200 or (out.status == 400 and "Duplicate request ID" in str(out.body))
     if not ok and out.status < 500 and out.status:
         c.s.rec.find("rid_reuse_answered", {"variant": variant, "status": out.status,
-                                               "body": str(out.body)[:200]})
+                                            "body": str(out.body)[:200]})
 
 
 OPS = {"team": team, "plain": plain, "leak_probe": leak_probe, "salt_probe": salt_probe, "slot_flood": slot_flood,

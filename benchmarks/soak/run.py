@@ -18,9 +18,8 @@ from tqdm import tqdm
 from benchmarks.harness import RESULTS, write_json
 from benchmarks.soak import admin, chat, generate
 from benchmarks.soak.checks import Monitor, check_bounds, flush, pool_ok, retractions, scan_log, summarize, wait_idle
-from benchmarks.soak.client import REQUEST_TIMEOUT_S, Endpoint, Outcome, Recorder, output_tokens
-from benchmarks.soak.traffic import (EARLY, NEAR_TIE, PLAIN_TOKENS, SALTS, TEAM, TRAFFIC, Client,
-                                     Shared, system_part)
+from benchmarks.soak.client import (EARLY, NEAR_TIE, PLAIN_TOKENS, REQUEST_TIMEOUT_S, SALTS, TEAM, TRAFFIC, Client,
+                                    Endpoint, Outcome, Recorder, Shared, output_tokens, system_part)
 from devtools.server_process import ServerProcess
 from sglang_kvshare.frontend.builder import build_request, private_part
 
@@ -62,20 +61,14 @@ def run_soak(args, tokenizer, model_path: str, texts: list[str], launched: Optio
             launch["kvshare_args"], launch["extra_args"]):
         raise ValueError(f"the launched server's arguments {launched.kvshare_args} {launched.extra_args} "
                          f"are not the soak's {launch}")
-    result: dict = {}
     with (nullcontext(launched) if launched is not None else ServerProcess(model_path=model_path, **launch)) as server:
         ep = Endpoint(server.url, key, rec)
         log_start = len(server.log_text())  # a launched server may have served others before
-        started = time.monotonic()
-        s = Shared(tokenizer, texts, ep, args.mode, args.tau, args.slot_names, deadline=0.0, started=started,
+        s = Shared(tokenizer, texts, ep, args.mode, args.tau, args.slot_names, deadline=0.0, started=time.monotonic(),
                    burst_size=args.retract_burst)
-        t0 = time.monotonic()
         warm_up(s, args.warm_rounds)
-        idle = wait_idle(ep, 120)
-        start_stats = idle or ep.stats() or {}
-        result["warmup_s"] = round(time.monotonic() - t0, 1)
-        result["start"] = {"kv_pool_tokens": start_stats.get("kv_pool_tokens"),
-                           "limits": start_stats.get("limits"), "usage": start_stats.get("usage")}
+        start_stats = wait_idle(ep, 120) or ep.stats() or {}
+        warmup_s = round(time.monotonic() - s.started, 1)
         s.started = time.monotonic()
         s.deadline = s.started + args.minutes * 60
         kinds = [k for k in TRAFFIC if k not in EARLY]
@@ -85,8 +78,7 @@ def run_soak(args, tokenizer, model_path: str, texts: list[str], launched: Optio
                    for i in range(args.clients)]
         if args.clients > 1:
             clients[1 % args.clients].tour.insert(0, "salt_probe")
-        monitor = Monitor(ep)
-        s.monitor = monitor
+        monitor = s.monitor = Monitor(ep)
         monitor.observe_metrics(ep.call("metrics", "GET", "/metrics"))  # the retraction counter before the load
         monitor.thread.start()
         threads = [threading.Thread(target=c.run, daemon=True) for c in clients]
@@ -101,9 +93,7 @@ def run_soak(args, tokenizer, model_path: str, texts: list[str], launched: Optio
                 bar.set_postfix(req=tot["requests"], c4xx=tot["client_4xx"], c5xx=tot["server_5xx"],
                                 lost=tot["lost"], refresh=False)
                 bar.refresh()
-        stuck = sum(t.is_alive() for t in threads)
-        result["clients_stuck_at_end"] = stuck
-        result["load_s"] = round(time.monotonic() - s.started, 1)
+        stuck, load_s = sum(t.is_alive() for t in threads), round(time.monotonic() - s.started, 1)
         monitor.stop.set()
         monitor.thread.join(10)
 
@@ -118,26 +108,23 @@ def run_soak(args, tokenizer, model_path: str, texts: list[str], launched: Optio
         monitor.observe_metrics(ep.call("metrics", "GET", "/metrics"))
         alive = server.proc.poll() is None
         health = ep.call("health", "GET", "/health_generate", record=False).status if alive else 0
-        log = server.log_text()
-        result["server_log"] = scan_log(log)
-        result["server_log_path"] = str(server.log_path)
-        result["retraction_log"] = retractions(log[log_start:])
+        log, log_path = server.log_text(), str(server.log_path)
 
-    start_pool, end_pool = result["start"]["kv_pool_tokens"], end_stats.get("kv_pool_tokens")
-    bounds = check_bounds(end_stats) if end_stats else {"checked": False, "missing": ["stats"], "over": {}}
-    result.update(
-        rec=rec, monitor=monitor, alive=alive, health=health, flush_status=flush_status,
+    start_pool, end_pool = start_stats.get("kv_pool_tokens"), end_stats.get("kv_pool_tokens")
+    both = bool(start_pool and end_pool)
+    return dict(
+        warmup_s=warmup_s, load_s=load_s, clients_stuck_at_end=stuck, rec=rec, monitor=monitor, alive=alive,
+        health=health, flush_status=flush_status, server_log=scan_log(log), server_log_path=log_path,
+        retraction_log=retractions(log[log_start:]),
+        start={k: start_stats.get(k) for k in ("kv_pool_tokens", "limits", "usage")},
         end={"kv_pool_tokens": end_pool, "limits": end_stats.get("limits"), "usage": end_stats.get("usage"),
              "counters": end_stats.get("counters"), "before_flush_kv_pool_tokens": before_flush.get("kv_pool_tokens")},
-        allocator={"start_ok": bool(start_pool) and pool_ok(start_pool),
-                   "end_ok": bool(end_pool) and pool_ok(end_pool),
-                   "free_plus_evictable_same_as_start": bool(start_pool and end_pool) and (
-                       start_pool["available"] + start_pool["evictable"]
-                       == end_pool["available"] + end_pool["evictable"]),
-                   "total_same": bool(start_pool and end_pool) and start_pool["total"] == end_pool["total"]},
-        bounds=bounds, slot_names=len(rec.slot_names), clients=clients)
-    return result
-
+        allocator={"start_ok": bool(start_pool) and pool_ok(start_pool), "end_ok": bool(end_pool) and pool_ok(end_pool),
+                   "free_plus_evictable_same_as_start": both and (start_pool["available"] + start_pool["evictable"]
+                                                                  == end_pool["available"] + end_pool["evictable"]),
+                   "total_same": both and start_pool["total"] == end_pool["total"]},
+        bounds=check_bounds(end_stats) if end_stats else {"checked": False, "missing": ["stats"], "over": {}},
+        slot_names=len(rec.slot_names), clients=clients)
 
 def pick_replay(plain: list[dict], n: int, seed: int) -> list[dict]:
     """Up to ``n`` plain requests: leak probes first, then those served most from cache."""
@@ -157,11 +144,10 @@ def compare(sample: dict, off_body: dict) -> dict:
     if got == ref:
         return row
     first = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
-    tops = (off_body.get("meta_info", {}).get("output_top_logprobs") or [])
-    gap = None
-    if first < len(tops) and tops[first] and len(tops[first]) >= 2:
-        vals = sorted((float(t[0]) for t in tops[first] if t[0] is not None), reverse=True)
-        gap = vals[0] - vals[1] if len(vals) >= 2 else None
+    tops = off_body.get("meta_info", {}).get("output_top_logprobs") or []
+    vals = sorted((float(t[0]) for t in (tops[first] if first < len(tops) else None) or [] if t[0] is not None),
+                  reverse=True)
+    gap = vals[0] - vals[1] if len(vals) >= 2 else None
     row.update(first_diff=first, off_top2_gap=gap, near_tie=gap is not None and gap < NEAR_TIE,
                soak_tokens=got[:first + 3], off_tokens=ref[:first + 3])
     return row
@@ -174,17 +160,14 @@ def reference_server(model_path: str, max_total_tokens: int) -> ServerProcess:
 
 
 def replay(url: str, samples: list[dict]) -> list[dict]:
-    rows = []
-    rec = Recorder()
-    ep = Endpoint(url, None, rec)
+    """Each sample alone on the ``off`` server's cold cache (flushed: no prefix of another replay), compared."""
+    ep, rows = Endpoint(url, None, Recorder()), []
     for sample in tqdm(samples, desc="replay in mode off", unit="req"):
-        flush(ep, attempts=3)  # alone on a cold cache: no prefix of another replay
+        flush(ep, attempts=3)
         out = ep.generate("replay", sample["input_ids"], salt=sample["salt"], max_new_tokens=PLAIN_TOKENS,
                           logprobs=True)
-        if out.status != 200:
-            rows.append({"tag": sample["tag"], "error": out.status, "same": None})
-            continue
-        rows.append(compare(sample, out.body))
+        rows.append(compare(sample, out.body) if out.status == 200 else
+                    {"tag": sample["tag"], "error": out.status, "same": None})
     return rows
 
 
@@ -242,21 +225,22 @@ def main(argv=None, *, launched: Optional[ServerProcess] = None, admin_key: Opti
     # NOTE: the off reference starts now, beside the soak's own server (a start is mostly
     # single-threaded imports), and idles (--sleep-on-idle) until the replay: about half a
     # server start saved. Launched from this thread, which outlives it (see ServerProcess.launch).
-    reference = None if args.reference_url else reference_server(model_path, args.max_total_tokens)
+    url = args.reference_url
+    reference = None if url else reference_server(model_path, args.max_total_tokens)
     if reference is not None and args.replay > 0:
         reference.launch()
     try:
         res = run_soak(args, tokenizer, model_path, texts, launched, admin_key)
-        samples = pick_replay(res["rec"].plain, args.replay, args.seed)
-        rows = []
+        samples, rows = pick_replay(res["rec"].plain, args.replay, args.seed), []
         refused = [h for h in res["rec"].hostile if h.get("body") is not None]
         if samples or refused:
             if reference is not None:
                 if args.replay == 0:
                     reference.launch()
                 reference.wait_ready()
-            rows = replay(args.reference_url or reference.url, samples) if samples else []
-            stock_statuses(args.reference_url or reference.url, refused)
+                url = reference.url
+            rows = replay(url, samples)
+            stock_statuses(url, refused)
     finally:
         if reference is not None:
             reference.stop()
