@@ -211,11 +211,8 @@ class Arm:
     entropies: list[float] = field(default_factory=list)
     est_seconds: float = 0.0
     est_tokens: int = 0
-    per_slot: dict = field(default_factory=dict)
-    per_hop_kl: dict = field(default_factory=dict)
     err_k_layer: list = field(default_factory=list)
     err_v_layer: list = field(default_factory=list)
-    err_pos: list = field(default_factory=list)
     inst_kl: list = field(default_factory=list)  # per (sample, consumer): mean KL over the suffix
     inst_accepted: list = field(default_factory=list)
     inst_where: list = field(default_factory=list)  # (slot, consumer, segment tokens)
@@ -223,9 +220,6 @@ class Arm:
     variant: PlanVariant | None = None  # a plan transform (research.fidelity_variants)
     select: tuple[str, float] | None = None  # (row policy, share of rows recomputed)
     err_coarse: list = field(default_factory=list)
-
-
-POS_BUCKETS = [(0, 4), (4, 16), (16, 64), (64, 256), (256, 100000)]
 
 
 ANCHOR_MODES = ["kvcomm", "kvcmas", "kvcmas_fullrank", "kvcmas_nonchained"]
@@ -245,47 +239,28 @@ def make_arms(spec: RopeSpec, tau: float, rank: int, gate_len: int, sweep_taus, 
     (accept whenever two anchors exist: the correction's own quality at full
     reuse), a tau grid for kvcmas and kvcomm, a rank grid for kvcmas at tau=1,
     and fullshared / kvcmas with head recompute of each K in ``head_ks``."""
-    arms = []
-    for mode in MAIN_MODES:
-        cfg = _anchor_cfg(mode, tau, rank, gate_len) if mode in ANCHOR_MODES else {}
-        est = make_estimator(mode, spec, **cfg)
+    def arm(label: str, mode: str, t: float = tau, r: int = rank, greedy: bool = True, **kw) -> Arm:
+        est = make_estimator(mode, spec, **(_anchor_cfg(mode, t, r, gate_len) if mode in ANCHOR_MODES else {}))
         conf = getattr(est, "config", None)
-        arms.append(Arm(mode, mode, getattr(conf, "tau", None), getattr(conf, "rank", None), True, est))
+        return Arm(label, mode, getattr(conf, "tau", None), getattr(conf, "rank", None), greedy, est, **kw)
 
-    def add(mode, t, r, greedy):
-        est = make_estimator(mode, spec, **_anchor_cfg(mode, t, r, gate_len))
-        label = f"{mode}@tau={t}" + ("" if r == rank or mode in ("kvcomm", "kvcmas_fullrank") else f",rank={r}")
-        arms.append(Arm(label, mode, t, est.config.rank, greedy, est))
+    def swept(mode: str, t: float, r: int, greedy: bool) -> Arm:
+        return arm(f"{mode}@tau={t}" + ("" if r == rank or mode in ("kvcomm", "kvcmas_fullrank") else f",rank={r}"),
+                   mode, t, r, greedy)
 
-    for mode in ANCHOR_MODES:
-        if tau != 1.0:
-            add(mode, 1.0, rank, True)
+    arms = [arm(mode, mode) for mode in MAIN_MODES]
+    arms += [swept(mode, 1.0, rank, True) for mode in ANCHOR_MODES if tau != 1.0]
     # Not a mode: the content's own exact delta at rank r (needs the target;
     # the ceiling any anchor estimate could reach at that rank).
     arms.append(Arm(f"oracle_rank{rank}", "oracle", None, rank, True, FullShared(spec)))
     # NOTE: the grid is kvcmas only: kvcomm anchors are full-dimension fp32
     # (about 230 KB per token per anchor here), a grid of them does not fit in RAM.
-    for t in sweep_taus:
-        if t not in (tau, 1.0):
-            add("kvcmas", t, rank, False)
-    for r in sweep_ranks:
-        if r != rank:
-            add("kvcmas", 1.0, r, False)
-    for mode in HEAD_MODES:
-        for k in head_ks:
-            if k > 0:
-                cfg = _anchor_cfg(mode, tau, rank, gate_len) if mode in ANCHOR_MODES else {}
-                est = make_estimator(mode, spec, **cfg)
-                conf = getattr(est, "config", None)
-                arms.append(Arm(f"{mode}+head{k}", mode, getattr(conf, "tau", None), getattr(conf, "rank", None),
-                                True, est, head=k))
-    for policy in select_policies:  # selective recompute inside the reused segment, one forward
-        mode = "kvcmas" if policy == "correction" else "fullshared"  # ours reads kvcmas's predicted correction
-        for r in select_ratios:
-            est = make_estimator(mode, spec, **(_anchor_cfg(mode, tau, rank, gate_len) if mode == "kvcmas" else {}))
-            conf = getattr(est, "config", None)
-            arms.append(Arm(f"select_{policy}_r{r:g}", mode, getattr(conf, "tau", None), getattr(conf, "rank", None),
-                            True, est, select=(policy, r)))
+    arms += [swept("kvcmas", t, rank, False) for t in sweep_taus if t not in (tau, 1.0)]
+    arms += [swept("kvcmas", 1.0, r, False) for r in sweep_ranks if r != rank]
+    arms += [arm(f"{mode}+head{k}", mode, head=k) for mode in HEAD_MODES for k in head_ks if k > 0]
+    # selective recompute inside the reused segment; ours reads kvcmas's predicted correction
+    arms += [arm(f"select_{p}_r{r:g}", "kvcmas" if p == "correction" else "fullshared", select=(p, r))
+             for p in select_policies for r in select_ratios]
     return arms
 
 
@@ -356,8 +331,6 @@ def serve_chain(model, arm: Arm, slot, key, ids, exact, ref, prefix_kv, phase, t
         policy = arm.est.source_policy
         source = prev if policy == "previous" else ref if policy == "reference" else first
         if phase == "warm":  # dense observation of every edge
-            if arm.label == "kvcmas_nonchained" and name == CHAIN[1]:
-                _DIAG.setdefault(slot, []).append(_delta_head(arm.est.spec, source, target))
             arm.est.observe(slot, source, target, content_key=key)
             prev = target
             continue
@@ -396,11 +369,6 @@ def serve_chain(model, arm: Arm, slot, key, ids, exact, ref, prefix_kv, phase, t
         arm.fallbacks += 0 if accepted else 1
         arm.accepted_tokens += reused
         arm.consumer_tokens += len(ids)
-        s = arm.per_slot.setdefault(slot, {"accepted_tokens": 0, "tokens": 0, "fallbacks": 0, "decisions": 0})
-        s["accepted_tokens"] += reused
-        s["tokens"] += len(ids)
-        s["fallbacks"] += 0 if accepted else 1
-        s["decisions"] += 1
         if not accepted and arm.mode != "cacheblend":
             arm.est.observe(slot, source, target, content_key=key)
         out[name] = (kv, accepted)
@@ -459,47 +427,6 @@ def _oracle_plan(arm: Arm, source: SegmentCache, target: SegmentCache) -> Correc
                           source.length)
 
 
-_DIAG: dict[str, list] = {}
-DIAG_TOKENS = 256
-
-
-def _delta_head(spec, source: SegmentCache, target: SegmentCache):
-    """Exact delta (K canonical, V) of the first DIAG_TOKENS tokens, for the warm-set diagnostic."""
-    n = min(DIAG_TOKENS, source.length)
-    dk = to_canonical(target.k[:, :n], target.start_pos, spec) - to_canonical(source.k[:, :n], source.start_pos, spec)
-    return dk.clone(), (target.v[:, :n] - source.v[:, :n]).clone()
-
-
-def delta_predictability() -> dict:
-    """Warm set only, edge a0 -> a1: how much of a content's exact delta the mean
-    delta of the *other* contents of the slot explains, per position bucket and
-    layer group: ``1 - ||D_x - mean_{y != x} D_y||^2 / ||D_x||^2`` (1 = fully
-    shared across contents, 0 = no help, < 0 = adding it hurts)."""
-    out = {}
-    for slot, items in _DIAG.items():
-        if len(items) < 2:
-            continue
-        n = min(d[0].shape[1] for d in items)
-        res = {}
-        for which, idx in (("k", 0), ("v", 1)):
-            stack = torch.stack([d[idx][:, :n] for d in items]).float()  # [X, nl, n, H, hd]
-            total = stack.sum(0)
-            loo = (total[None] - stack) / (len(items) - 1)
-            err = (stack - loo).pow(2)
-            ref = stack.pow(2)
-            by_pos = {}
-            for lo, hi in POS_BUCKETS:
-                if lo < n:
-                    by_pos[f"{lo}-{hi}"] = 1 - (err[:, :, lo:hi].sum() / ref[:, :, lo:hi].sum()).item()
-            nl = stack.shape[1]
-            by_layer = {f"{a}-{b}": 1 - (err[:, a:b].sum() / ref[:, a:b].sum()).item()
-                        for a, b in ((0, nl // 3), (nl // 3, 2 * nl // 3), (2 * nl // 3, nl))}
-            res[which] = {"by_position": by_pos, "by_layer_group": by_layer,
-                          "all": 1 - (err.sum() / ref.sum()).item()}
-        out[slot] = {"contents": len(items), "tokens": n, **res}
-    return out
-
-
 def _record_errors(arm: Arm, kv: KV, target: SegmentCache) -> None:
     """Relative error of the served cache per layer and per token-position bucket."""
     dk, dv = (kv.k - target.k).float(), (kv.v - target.v).float()
@@ -507,15 +434,6 @@ def _record_errors(arm: Arm, kv: KV, target: SegmentCache) -> None:
     nv = target.v.float().flatten(1).norm(dim=1)
     arm.err_k_layer.append((dk.flatten(1).norm(dim=1) / nk).tolist())
     arm.err_v_layer.append((dv.flatten(1).norm(dim=1) / nv).tolist())
-    row = []
-    for lo, hi in POS_BUCKETS:
-        if lo >= kv.length:
-            row.append(None)
-            continue
-        num = dv[:, lo:hi].norm() / target.v[:, lo:hi].float().norm()
-        numk = dk[:, lo:hi].norm() / target.k[:, lo:hi].float().norm()
-        row.append([numk.item(), num.item()])
-    arm.err_pos.append(row)
     arm.err_coarse.append(coarse_errors(kv.k, kv.v, target.k, target.v))
 
 
@@ -595,12 +513,9 @@ def evaluate(model, arms, served, exact, prefix_kv, parts, slot, seg_len, greedy
             arm.top1 += top.tolist()
             if served[arm.label][name][1]:
                 arm.kl_accepted += kl.tolist()
-            arm.per_hop_kl.setdefault(name, []).append(kl.mean().item())
             arm.inst_kl.append(kl.mean().item())
             arm.inst_accepted.append(bool(served[arm.label][name][1]))
             arm.inst_where.append([slot, name, seg_len])
-            ps = arm.per_slot[slot]
-            ps.setdefault("kl", []).extend(kl.tolist())
             if arm.greedy and greedy is not None:
                 same = bool(torch.equal(greedy[0], greedy[i]))
                 arm.greedy_same.append(float(same))
@@ -683,10 +598,6 @@ def summarize(args, arms, spec, model, dense_spt, n_eval, n_warm, wall, path) ->
             "anchors": {slot: len(anchors) for slot, anchors in est.describe().items()},
             "estimate_seconds_per_token": arm.est_seconds / max(arm.est_tokens, 1),
             "estimate_time_vs_dense_prefill": (arm.est_seconds / max(arm.est_tokens, 1)) / dense_spt,
-            "per_slot": {s: {"reuse_ratio": v["accepted_tokens"] / max(v["tokens"], 1),
-                             "fallback_rate": v["fallbacks"] / max(v["decisions"], 1),
-                             "kl_mean": _mean(v.get("kl", []))} for s, v in arm.per_slot.items()},
-            "per_hop_kl_mean": {h: _mean(v) for h, v in arm.per_hop_kl.items()},
         }
         if arm.mode == "kvcomm":
             row["extra_prefill"] = "one reference prefill of every content (context-free)"
@@ -694,12 +605,6 @@ def summarize(args, arms, spec, model, dense_spt, n_eval, n_warm, wall, path) ->
             ek, ev = torch.tensor(arm.err_k_layer), torch.tensor(arm.err_v_layer)
             row["rel_err_k_per_layer"] = ek.mean(0).tolist()
             row["rel_err_v_per_layer"] = ev.mean(0).tolist()
-            buckets = {}
-            for b, (lo, hi) in enumerate(POS_BUCKETS):
-                vals = [r[b] for r in arm.err_pos if r[b] is not None]
-                if vals:
-                    buckets[f"{lo}-{hi}"] = {"k": _mean([x[0] for x in vals]), "v": _mean([x[1] for x in vals])}
-            row["rel_err_by_position"] = buckets
             row["rel_err_by_position_coarse"] = coarse_summary(arm.err_coarse)
         if arm.label in MAIN_MODES:
             out[arm.label] = row
@@ -710,7 +615,6 @@ def summarize(args, arms, spec, model, dense_spt, n_eval, n_warm, wall, path) ->
             out.setdefault("selective_recompute", {})[arm.label] = row
         else:
             out.setdefault("sweep", {})[arm.label] = row
-    out["delta_predictability_warm"] = delta_predictability()
     out["head_ks"] = [0] + [k for k in args.head_ks if k > 0]
     out["head_frontier"] = head_frontier(out)
     # Anchor memory at equal V for 2K-token segments (SmolLM2 dims, fp32 / fp16 equal ratio).
