@@ -463,7 +463,7 @@ def per_agent(jobs: Sequence[tuple[str, int]], rows: Sequence[dict]) -> dict[str
     Why: the workflow's mean hides an agent far from it (a judge reading every other answer), and a controller
     that keeps a target per agent is judged agent by agent; the per-answer values, paired across arms by sample,
     give the spread between answers that an estimate built from a sample of them has to live with
-    (``benchmarks.guard_sim`` replays a controller on them).
+    (``benchmarks.research.guard_sim`` replays a controller on them).
     """
     grouped: dict[str, list[tuple[int, dict]]] = {}
     for (agent, sample), row in zip(jobs, rows):
