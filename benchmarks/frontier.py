@@ -105,7 +105,7 @@ def default_arms(heads: Sequence[int], mix: Sequence[float], noise_floor: bool =
     if noise_floor:
         # A second off server, same samples and the same request history: bit-identical on this
         # CPU server. It does not show the float32 floor of another history (a kvshare server
-        # evicts other rows), see benchmarks/research/diagnose_dense_consumers.py.
+        # evicts other rows), see benchmarks/results/diagnose_dense_consumers.txt.
         arms.append(Arm("off_repeat", "off"))
     return arms
 

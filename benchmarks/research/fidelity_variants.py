@@ -24,9 +24,8 @@ Protocol (no held-out content is looked at before the choice):
    prefill + new anchor) for FullShared + head K, kvcmas + head K and the
    chosen variant + head K.
 
-Also measured: how often ``long_enough`` (an anchor must be at least as long as
-the segment's comparison length) leaves a pool with fewer than two eligible
-anchors, on these contents and on single GSM8K questions.
+The short-content study that chose the served ``min_anchor_len`` (anchors compared on their common prefix) is
+recorded in ``benchmarks/results/fidelity_variants.json`` (``short_contents``, ``long_enough_blocking``).
 
     python -m benchmarks.research.fidelity_variants            # writes benchmarks/results/fidelity_variants.json
     python -m benchmarks.research.fidelity_variants --quick --out v.json
@@ -199,110 +198,6 @@ def line_ratio(row: dict, base: dict) -> float:
     return row["kl_mean"] / (base["kl_mean"] * row["reuse_ratio"] / base["reuse_ratio"])
 
 
-def blocking_stats(tok, contents, gate_len: int, capacity: int, seed: int) -> dict:
-    """How often ``long_enough`` leaves < 2 eligible anchors (pool = the slot's last ``capacity`` contents)."""
-    def rate(lengths_seq, warmup):
-        blocked = prefix_ok = n = 0
-        for seq in lengths_seq:
-            for i in range(warmup, len(seq)):
-                pool = seq[max(0, i - capacity):i]
-                k_len = min(seq[i], gate_len)
-                n += 1
-                blocked += sum(a >= k_len for a in pool) < 2
-                prefix_ok += sum(a >= 16 for a in pool) < 2
-        return {"decisions": n, "blocked_rate": blocked / max(n, 1), "blocked_rate_common_prefix": prefix_ok / max(n, 1)}
-
-    by_slot: dict = {}
-    for slot, _, ids in contents:
-        by_slot.setdefault(slot, []).append(len(ids))
-    harness = rate(list(by_slot.values()), 2)
-    rows = [json.loads(line) for line in F.GSM8K.read_text().splitlines() if line.strip()]
-    lens = [len(tok(r["question"], add_special_tokens=False)["input_ids"]) for r in rows]
-    rng = random.Random(seed)
-    seqs = [[lens[rng.randrange(len(lens))] for _ in range(24)] for _ in range(200)]
-    gsm = rate(seqs, 8)
-    return {"harness_contents": harness, "gsm8k_single_questions_8_warm_then_16": gsm,
-            "gsm8k_question_tokens_p10_p50_p90": [sorted(lens)[int(q * (len(lens) - 1))] for q in (0.1, 0.5, 0.9)],
-            "gate_len": gate_len, "capacity": capacity,
-            "common_prefix_rule": "eligible = anchors of >= 16 tokens holding the edge; compare on the common prefix"}
-
-
-def _questions(tok, seed: int, split: str, n: int) -> list:
-    """Single GSM8K questions of one split of ``fidelity.build_contents`` (the same document split)."""
-    docs = F._source_texts("gsm8k")
-    order = list(range(len(docs)))
-    random.Random(seed).shuffle(order)
-    half = len(order) // 2
-    idx = order[:half] if split == "warm" else order[half:]
-    return [("gsm8k_q", f"gsm8k_q:{split}:{i}", tok(docs[j], add_special_tokens=False)["input_ids"])
-            for i, j in enumerate(idx[:n])]
-
-
-SHORT_ARMS = ("fullshared", "kvcmas", "kvcmas_prefix")
-
-
-def _short_arms(spec, args, heads, greedy):
-    arms = []
-    for name in SHORT_ARMS:
-        for k in heads:
-            mode = "fullshared" if name == "fullshared" else "kvcmas"
-            arms.append(F.Arm(f"{name}@K{k}", mode, None, None, greedy,
-                              FullShared(spec) if mode == "fullshared" else None, head=k))
-    return arms
-
-
-def _short_pool(spec, args, arm, preps, keys):
-    extra = {"min_anchor_len": args.min_anchor_len} if arm.label.startswith("kvcmas_prefix") else {}
-    return _pool(spec, args, preps, keys, **extra)
-
-
-def short_study(model, tok, spec, parts, prefix_kv, args) -> dict:
-    """Single GSM8K questions (shorter than the gate length, of varying length) as one slot: today's
-    ``long_enough`` rule against the common-prefix rule (``min_anchor_len``), with and without head recompute.
-    Warm: leave one question out (pool = the other warm questions). Held-out: pool = every warm question."""
-    proto = _kvcmas(spec, args)
-    warm = _questions(tok, args.seed, "warm", args.short_n)
-    held = _questions(tok, args.seed, "eval", args.short_n)
-    exact_w, preps = {}, {}
-    for slot, key, ids in tqdm(warm, desc="short warm prefill", file=sys.stderr):
-        exact_w[key] = _exact(model, ids, prefix_kv)
-        preps[key] = _prepare(proto, slot, key, exact_w[key])
-    arms = _short_arms(spec, args, args.heads, greedy=False)
-    for slot, key, ids in tqdm(warm, desc="short warm study", file=sys.stderr):
-        others = [k for _, k, _ in warm if k != key]
-        for arm in arms:
-            if arm.mode == "kvcmas":
-                arm.est = _short_pool(spec, args, arm, preps, others)
-        served = {a.label: F.serve_chain(model, a, slot, key, ids, exact_w[key], None, prefix_kv, "eval") for a in arms}
-        F.evaluate(model, arms, served, exact_w[key], prefix_kv, parts, slot, len(ids), 0)
-    rows = {a.label: _row(a) for a in arms}
-    choice = {}
-    for k in args.heads:
-        fs, pre, strict = rows[f"fullshared@K{k}"], rows[f"kvcmas_prefix@K{k}"], rows[f"kvcmas@K{k}"]
-        win = _wins(pre, fs)
-        choice[f"K{k}"] = {"kvcmas_prefix_kl": pre["kl_mean"], "fullshared_kl": fs["kl_mean"],
-                           "kvcmas_strict_kl": strict["kl_mean"], "win_rate_vs_fullshared": win,
-                           "reuse_prefix": pre["reuse_ratio"], "reuse_strict": strict["reuse_ratio"],
-                           "reuse_fullshared": fs["reuse_ratio"],
-                           "line_ratio_prefix": line_ratio(pre, fs), "line_ratio_strict": line_ratio(strict, fs),
-                           "beats_head_recompute_alone": line_ratio(pre, fs) < WIN_FACTOR and win > 0.5}
-    out = {"n_warm": len(warm), "n_heldout": len(held), "min_anchor_len": args.min_anchor_len,
-           "question_tokens": [len(i) for _, _, i in warm], "warm": rows, "choice": choice}
-    del exact_w
-    if args.no_heldout:
-        return out
-    check = _short_arms(spec, args, args.heads, greedy=True)
-    for arm in check:
-        if arm.mode == "kvcmas":
-            arm.est = _short_pool(spec, args, arm, preps, [k for _, k, _ in warm])
-    for slot, key, ids in tqdm(held, desc="short held-out check", file=sys.stderr):
-        exact = _exact(model, ids, prefix_kv)
-        served = {a.label: F.serve_chain(model, a, slot, key, ids, exact, None, prefix_kv, "eval") for a in check}
-        F.evaluate(model, check, served, exact, prefix_kv, parts, slot, len(ids), args.greedy_tokens)
-    out["heldout"] = {a.label: _row(a) for a in check}
-    return out
-
-
 def run(args) -> dict:
     set_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -324,9 +219,7 @@ def run(args) -> dict:
     out = {"meta": run_meta(command.strip()), "command": command, "quick": args.quick,
            "heads": args.heads, "tau": args.tau, "rank": args.rank, "gate_len": args.gate_len,
            "n_warm": len(warm), "n_heldout": len(held), "win_rule": f"mean KL < {WIN_FACTOR} x the random-mix line through "
-           "fullshared@K at the variant's reuse, and lower KL on > 50 % of the warm instances it served",
-           "long_enough_blocking": blocking_stats(tok, warm + held, args.gate_len, 10, args.seed)}
-    out["short_contents"] = short_study(model, tok, spec, parts, prefix_kv, args)
+           "fullshared@K at the variant's reuse, and lower KL on > 50 % of the warm instances it served"}
 
     # ---- 1. warm study: leave one content out, every variant and head K
     proto = _kvcmas(spec, args)
@@ -412,23 +305,16 @@ def main(argv=None) -> None:
     F.add_study_args(ap, "fidelity_variants", "2 warm + 1 held-out content per source, 256 tokens")
     ap.add_argument("--heads", type=int, nargs="+", default=[0, 8, 32], choices=ROW_EDGES[:-1])
     ap.add_argument("--no-heldout", action="store_true", help="warm study and choice only")
-    ap.add_argument("--short-n", type=int, default=None, help="GSM8K questions per split in the short study")
-    ap.add_argument("--min-anchor-len", type=int, default=16, help="common-prefix rule of the short study")
     args = ap.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     # NOTE: the same contents as benchmarks.fidelity (same seeds, counts and lengths)
     args.warm, args.eval, args.lengths = (2, 1, [256]) if args.quick else (4, 3, [256, 512, 768, 384])
-    if args.short_n is None:
-        args.short_n = 4 if args.quick else 16
     out = args.out or (SCRATCH / "fidelity_variants_quick.json" if args.quick else RESULTS / "fidelity_variants.json")
     result = run(args)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}", file=sys.stderr)
-    print(json.dumps({"choice": result["choice"], "blocking": result["long_enough_blocking"],
-                      "short": {"choice": result["short_contents"]["choice"],
-                                "heldout": {k: {m: v[m] for m in ("kl_mean", "reuse_ratio", "fallback_rate")}
-                                            for k, v in result["short_contents"].get("heldout", {}).items()}},
+    print(json.dumps({"choice": result["choice"],
                       "warm": {k: round(v["kl_mean"], 5) for k, v in result["warm"]["rows"].items()},
                       "heldout": {k: {m: v[m] for m in ("kl_mean", "reuse_ratio", "top1", "greedy_match")}
                                   for k, v in result.get("heldout", {}).items()}}, indent=1))
