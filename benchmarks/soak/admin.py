@@ -30,18 +30,13 @@ def admin_op(c: Client) -> None:
             c.admin("/kvshare/config", {"tau": c.rng.choice([0.3, 0.7, c.s.tau])})
             time.sleep(1.0)
             c.admin("/kvshare/config", {"tau": c.s.tau})
-        elif choice == "mode_off_and_back":
-            c.admin("/kvshare/config", {"mode": "off"})
-            time.sleep(c.rng.uniform(0.5, 3.0))
-            c.admin("/kvshare/config", {"mode": c.s.mode, "tau": c.s.tau})
-        elif choice == "mode_switch":
+        elif choice in ("mode_off_and_back", "mode_switch"):
             other = "fullshared" if c.s.mode == "kvcmas" else "kvcmas"
-            c.admin("/kvshare/config", {"mode": other})
+            c.admin("/kvshare/config", {"mode": "off" if choice == "mode_off_and_back" else other})
             time.sleep(c.rng.uniform(0.5, 3.0))
             c.admin("/kvshare/config", {"mode": c.s.mode, "tau": c.s.tau})
         elif choice == "bad_config":
-            c.admin("/kvshare/config", c.rng.choice([{"tau": 2}, {"mode": "kvcomm"}, {}]),
-                    expect=422)
+            c.admin("/kvshare/config", c.rng.choice([{"tau": 2}, {"mode": "kvcomm"}, {}]), expect=422)
         elif choice == "no_key":
             if c.s.endpoint.admin_key:
                 c.admin("/kvshare/reset", key=False, expect=401)

@@ -75,10 +75,8 @@ def with_workflow(custom_params: dict, workflow: str) -> dict:
 def _answer_text(out: Outcome) -> str:
     if out.status != 200 or not isinstance(out.body, dict):
         return ""
-    if out.body.get("stream"):
-        return str(out.body.get("text") or "")
-    choices = out.body.get("choices") or [{}]
-    return str(((choices[0] or {}).get("message") or {}).get("content") or "")
+    message = ((out.body.get("choices") or [{}])[0] or {}).get("message") or {}
+    return str((out.body.get("text") if out.body.get("stream") else message.get("content")) or "")
 
 
 def _history(c: Client, n: int) -> list[dict]:

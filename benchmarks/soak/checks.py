@@ -25,10 +25,7 @@ class Monitor:
     ``metrics_every`` polls."""
 
     def __init__(self, endpoint: Endpoint, period: float = 2.0, chat_every: int = 3, metrics_every: int = 5) -> None:
-        self.endpoint = endpoint
-        self.period = period
-        self.chat_every = chat_every
-        self.metrics_every = metrics_every
+        self.endpoint, self.period, self.chat_every, self.metrics_every = endpoint, period, chat_every, metrics_every
         self.stop = threading.Event()
         self.polls = 0
         self.over_limit: dict[str, dict] = {}
@@ -210,20 +207,18 @@ def memory_verdict(mon: Monitor) -> Any:
     ``memory_bound_bytes``; the chat answer memory within its byte (and answer) bound."""
     if not mon.workspace_polls and not mon.chat_polls:
         return "not checked"
-    return not mon.over_limit and not mon.over_memory_bound and not mon.chat_over and mon.workspace_polls > 0 \
-        and mon.chat_polls > 0
+    return (not (mon.over_limit or mon.over_memory_bound or mon.chat_over)
+            and mon.workspace_polls > 0 and mon.chat_polls > 0)
 
 
 def hostile_ok(row: dict) -> bool:
     """A hostile chat: no 5xx; answered (a 200 without an error chunk) when stock answers it, or a 4xx
     whose message names the fix; a 4xx on one stock SGLang answers the same way is fine too."""
     status = row["status"]
-    if not status or status >= 500:
-        return False
     if status == 200:
         return not row["refuse"] and not row["stream_errors"]
     if not 400 <= status < 500:
-        return False
+        return False  # no answer, a 5xx, or another status
     if row["fix"] is None:
         return row.get("stock_status") == status
     return str(row["fix"]).lower() in row["message"].lower()
@@ -233,15 +228,10 @@ def verdict_counts(res: dict) -> dict:
     """Per new verdict, the counts behind it (also written to the JSON)."""
     rec: Recorder = res["rec"]
     mon: Monitor = res["monitor"]
-    probes = rec.scope_probes
-    resets = rec.reset_probes
-    hostile = rec.hostile
+    probes, resets, hostile, tot = rec.scope_probes, rec.reset_probes, rec.hostile, rec.totals()
     agents = foreign_sources(rec.chat_reports)
-    tot = rec.totals()
-    chat_labels = ("chat", "chat_hostile", "scope_probe", "retract_burst")
-    chat_status: Counter = Counter()
-    for label in chat_labels:
-        chat_status.update(rec.statuses.get(label, Counter()))
+    chat_status = sum((rec.statuses.get(label, Counter()) for label in ("chat", "chat_hostile", "scope_probe",
+                                                                          "retract_burst")), Counter())
     return {
         "zero_cross_scope_reuse": {
             "probes": len(probes), "by_variant": dict(Counter(p["variant"] for p in probes)),

@@ -81,7 +81,6 @@ class Recorder:
         self.fallbacks: Counter = Counter()
         self.slot_names: set[str] = set()
         self.admin: Counter = Counter()
-        # the chat side
         self.chat: Counter = Counter()  # chat requests by variant (mode, streamed, long, tenant)
         self.chat_reports: list[dict] = []  # {"scope", "agent", "sources", "label"} per chat report
         self.hostile: list[dict] = []  # one row per hostile chat sent

@@ -75,14 +75,12 @@ def salt_probe(c: Client) -> None:
     if out.status != 200:
         return
     rep = out.report
-    reused = int(rep.get("tokens_aligned", 0) or 0) + int(rep.get("tokens_corrected", 0) or 0)
-    segs = rep.get("segments") or []
-    shared_by = [s.get("resolved_by") for s in segs if s.get("kind", "shared") == "shared"] if segs else []
     probe = {"salts": [first, second], "agents": ["solver", reader], "aligned": int(rep.get("tokens_aligned", 0) or 0),
-             "corrected": int(rep.get("tokens_corrected", 0) or 0), "shared_resolved_by": shared_by,
-             "has_report": bool(rep)}
+             "corrected": int(rep.get("tokens_corrected", 0) or 0), "has_report": bool(rep),
+             "shared_resolved_by": [s.get("resolved_by") for s in rep.get("segments") or []
+                                    if s.get("kind", "shared") == "shared"]}
     c.s.rec.keep("salt_probes", probe)
-    if reused:
+    if estimated_tokens(rep):
         c.s.rec.find("zero_cross_salt_reuse", probe)
 
 
@@ -111,13 +109,9 @@ def _send_case(c: Client, label: str, case: Case, ids: list[int]) -> None:
     out = c.s.endpoint.generate(label, ids, custom_params=case.custom_params(), max_new_tokens=2)
     with c.s.rec.lock:
         c.s.rec.faults[case.kind] += 1
-        m = c.s.rec.malformed
-        if expected == 400:
-            m["sent"] += 1
-            m["got_4xx"] += int(400 <= out.status < 500)
-        else:
-            m["valid_after_fuzz"] += 1
-            m["valid_got_200"] += int(out.status == 200)
+        m, bad = c.s.rec.malformed, expected == 400
+        m["sent" if bad else "valid_after_fuzz"] += 1
+        m["got_4xx" if bad else "valid_got_200"] += int(400 <= out.status < 500 if bad else out.status == 200)
     if expected == 400 and not 400 <= out.status < 500:
         c.s.rec.find("malformed_get_4xx", {"kind": case.kind, "raw": str(case.raw)[:200],
                                            "status": out.status, "body": str(out.body)[:200]})
@@ -157,8 +151,7 @@ def bad_sampling(c: Client) -> None:
 
 def abort(c: Client) -> None:
     """An annotated (or plain) stream closed after 0 to 3 chunks."""
-    agent = c.rng.choice(TEAM)
-    ids, cp = c.s.request(agent, c.s.working_text(c.rng))
+    ids, cp = c.s.request(c.rng.choice(TEAM), c.s.working_text(c.rng))
     chunks = c.rng.choice([0, 1, 3])
     body = generate_body(ids, custom_params=cp if c.rng.random() < 0.7 else None, max_new_tokens=64,
                          salt=c.rng.choice((None, *SALTS)))
@@ -170,9 +163,8 @@ def rid_reuse(c: Client) -> None:
     """The same client-chosen rid twice: after completion, after an abort (then a plain request with the
     aborted prompt), or two at once."""
     rid = f"soak-{c.i}-{c.rng.getrandbits(40):x}"
-    text_a, text_b = c.s.working_text(c.rng), c.s.fresh_text()
-    ids_a, cp_a = c.s.request("coder", text_a)
-    ids_b, cp_b = c.s.request("judge", text_b)
+    ids_a, cp_a = c.s.request("coder", c.s.working_text(c.rng))
+    ids_b, cp_b = c.s.request("judge", c.s.fresh_text())
     variant = c.rng.choice(["after_completion", "after_abort", "concurrent"])
     c.s.rec.fault(f"rid_reuse_{variant}")
     ep = c.s.endpoint
@@ -182,7 +174,7 @@ def rid_reuse(c: Client) -> None:
     elif variant == "after_abort":
         ep.stream_and_close("rid_reuse", generate_body(ids_a, custom_params=cp_a, max_new_tokens=64, rid=rid),
                             c.rng.choice([0, 1]))
-        for attempt in range(8):  # SGLang answers 400 "Duplicate request ID" until the abort is processed
+        for _ in range(8):  # SGLang answers 400 "Duplicate request ID" until the abort is processed
             out = ep.generate("rid_reuse", ids_b, custom_params=cp_b, rid=rid)
             if out.status != 400:
                 break
@@ -202,9 +194,8 @@ def rid_reuse(c: Client) -> None:
 
 def _expect_rid(c: Client, out: Outcome, variant: str) -> None:
     ok = out.status == 200 or (out.status == 400 and "Duplicate request ID" in str(out.body))
-    if not ok and out.status < 500 and out.status:
-        c.s.rec.find("rid_reuse_answered", {"variant": variant, "status": out.status,
-                                            "body": str(out.body)[:200]})
+    if not ok and 0 < out.status < 500:
+        c.s.rec.find("rid_reuse_answered", {"variant": variant, "status": out.status, "body": str(out.body)[:200]})
 
 
 OPS = {"team": team, "plain": plain, "leak_probe": leak_probe, "salt_probe": salt_probe, "slot_flood": slot_flood,
