@@ -263,20 +263,8 @@ def make_arms(spec: RopeSpec, tau: float, rank: int, gate_len: int, sweep_taus, 
 
 
 # ---------------------------------------------------------------- the run
-def run(args, out_path: Path | None = None, arms_fn=None) -> dict:
-    """The whole study; ``arms_fn(spec) -> list[Arm]`` replaces the default arms (fidelity_variants)."""
-    set_threads(args.threads)
-    torch.manual_seed(args.seed)
-    t_start = time.perf_counter()
-    model, tok, path = load_model(args.model)
-    spec = RopeSpec.from_hf_config(model.config)
-    parts = {a.name: agent_token_parts(tok, a) for a in AGENTS}
-    prefix_kv = {name: prefill(model, pre)[0] for name, (pre, _) in parts.items()}
-    arms = (arms_fn(spec) if arms_fn is not None else
-            make_arms(spec, args.tau, args.rank, args.gate_len, args.sweep_taus, args.sweep_ranks, args.head_ks,
-                      getattr(args, "select_policies", ()), getattr(args, "select_ratios", ())))
-    if getattr(args, "only", None):  # NOTE: a subset of arms (fullshared is always kept: other rows compare to it)
-        arms = [a for a in arms if a.label in set(args.only) | {"fullshared"}]
+def contents(tok, args) -> tuple[list, list]:
+    """(warm, held-out) contents of every source, ``(slot, key, ids)`` each, shuffled with ``args.seed``."""
     warm, held = [], []
     for i, source in enumerate(args.sources):
         w, e = build_contents(tok, source, args.lengths, args.warm, args.eval, args.seed + i)
@@ -285,6 +273,23 @@ def run(args, out_path: Path | None = None, arms_fn=None) -> dict:
     rng = random.Random(args.seed)
     rng.shuffle(warm)
     rng.shuffle(held)
+    return warm, held
+
+
+def run(args, out_path: Path | None = None) -> dict:
+    """The whole study: every arm served online over the warm, then the held-out contents."""
+    set_threads(args.threads)
+    torch.manual_seed(args.seed)
+    t_start = time.perf_counter()
+    model, tok, path = load_model(args.model)
+    spec = RopeSpec.from_hf_config(model.config)
+    parts = {a.name: agent_token_parts(tok, a) for a in AGENTS}
+    prefix_kv = {name: prefill(model, pre)[0] for name, (pre, _) in parts.items()}
+    arms = make_arms(spec, args.tau, args.rank, args.gate_len, args.sweep_taus, args.sweep_ranks, args.head_ks,
+                     args.select_policies, args.select_ratios)
+    if args.only:  # NOTE: a subset of arms (fullshared is always kept: other rows compare to it)
+        arms = [a for a in arms if a.label in set(args.only) | {"fullshared"}]
+    warm, held = contents(tok, args)
     dense_secs, dense_tokens = 0.0, 0
     need_ref = any(a.est.source_policy == "reference" for a in arms)
     done = 0
@@ -544,30 +549,13 @@ def summarize(args, arms, spec, model, dense_spt, n_eval, n_warm, wall, path) ->
     nl, d = cfg.num_hidden_layers, cfg.num_key_value_heads * cfg.head_dim
     item = 4
     command = "python -m benchmarks.fidelity " + " ".join(getattr(args, "argv", sys.argv[1:]))
-    out = {
-        "meta": run_meta(command.strip()),
-        "model": "SmolLM2-135M-Instruct",
-        "model_path": path,
-        "command": command,
-        "quick": bool(args.quick),
-        "seed": args.seed,
-        "tau": args.tau,
-        "rank": args.rank,
-        "gate_len": args.gate_len,
-        "n_eval_samples": n_eval,
-        "n_warm_samples": n_warm,
-        "consumers_per_sample": len(CHAIN) - 1,
-        "chain": CHAIN,
-        "sources": args.sources,
-        "content_lengths": args.lengths,
-        "greedy_tokens": args.greedy_tokens,
-        "dense_prefill_seconds_per_token": dense_spt,
-        "wall_seconds": wall,
-        "threads": args.threads,
-        "modes": MAIN_MODES,
-        "instances": next(a for a in arms if a.label == "fullshared").inst_where,
-    }
     fs = next(a for a in arms if a.label == "fullshared")
+    out = {"meta": run_meta(command.strip()), "model": "SmolLM2-135M-Instruct", "model_path": path, "command": command,
+           "quick": bool(args.quick), "seed": args.seed, "tau": args.tau, "rank": args.rank, "gate_len": args.gate_len,
+           "n_eval_samples": n_eval, "n_warm_samples": n_warm, "consumers_per_sample": len(CHAIN) - 1, "chain": CHAIN,
+           "sources": args.sources, "content_lengths": args.lengths, "greedy_tokens": args.greedy_tokens,
+           "dense_prefill_seconds_per_token": dense_spt, "wall_seconds": wall, "threads": args.threads,
+           "modes": MAIN_MODES, "instances": fs.inst_where}
     for arm in arms:
         est = arm.est
         acc = [i for i, a in enumerate(arm.inst_accepted) if a]

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import time
 from dataclasses import replace
@@ -207,14 +206,7 @@ def run(args) -> dict:
     nl = model.config.num_hidden_layers
     parts = {a.name: F.agent_token_parts(tok, a) for a in F.AGENTS}
     prefix_kv = {name: prefill(model, pre)[0] for name, (pre, _) in parts.items()}
-    warm, held = [], []
-    for i, source in enumerate(args.sources):
-        w, e = F.build_contents(tok, source, args.lengths, args.warm, args.eval, args.seed + i)
-        warm += [(source, k, ids) for k, ids in w]
-        held += [(source, k, ids) for k, ids in e]
-    rng = random.Random(args.seed)
-    rng.shuffle(warm)
-    rng.shuffle(held)
+    warm, held = F.contents(tok, args)
     command = "python -m benchmarks.research.fidelity_variants " + " ".join(getattr(args, "argv", sys.argv[1:]))
     out = {"meta": run_meta(command.strip()), "command": command, "quick": args.quick,
            "heads": args.heads, "tau": args.tau, "rank": args.rank, "gate_len": args.gate_len,
