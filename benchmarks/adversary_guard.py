@@ -13,7 +13,7 @@ import requests
 
 from benchmarks.adversary_client import Run, approximated, scope_of
 from benchmarks.soak import Outcome, generate_body
-from benchmarks.soak_faults import many_slots
+from benchmarks.soak.faults import many_slots
 
 SEVERAL = 8  # concurrent flood requests
 FIXED_LABELS = ("bound", "event", "reason")  # guard metric labels drawn from a fixed set

@@ -12,7 +12,7 @@ from typing import Optional
 
 from benchmarks.adversary_client import Run, approximated
 from benchmarks.soak import Outcome
-from benchmarks.soak_faults import cross_scope_signs
+from benchmarks.soak.faults import cross_scope_signs
 
 LONG_CHAT_S, SHORT_DELAY_S = 2.0, 0.2  # the issue's bounds
 CONTEXT_TOKENS = 8192  # SmolLM2's context: every long chat is built past twice this

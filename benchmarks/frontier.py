@@ -61,8 +61,8 @@ import requests
 from tqdm import tqdm
 
 from benchmarks import frontier_metrics as fm
+from benchmarks import runs
 from benchmarks.harness import RESULTS, machine, run_meta, stream_generate, write_json
-from benchmarks.serving_digest import common_digest
 from benchmarks.workloads.role_set import draw
 from sglang_kvshare.protocol import Segment
 from sglang_kvshare.frontend.builder import BuiltRequest, Piece, assemble
@@ -120,7 +120,7 @@ def default_arms(heads: Sequence[int], mix: Sequence[float], noise_floor: bool =
     if noise_floor:
         # A second off server, same samples and the same request history: bit-identical on this
         # CPU server. It does not show the float32 floor of another history (a kvshare server
-        # evicts other rows), see benchmarks/research/diagnose_dense_consumers.py.
+        # evicts other rows), see benchmarks/results/diagnose_dense_consumers.txt.
         arms.append(Arm("off_repeat", "off"))
     return arms
 
@@ -495,7 +495,7 @@ def per_agent(jobs: Sequence[tuple[str, int]], rows: Sequence[dict]) -> dict[str
     Why: the workflow's mean hides an agent far from it (a judge reading every other answer), and a controller
     that keeps a target per agent is judged agent by agent; the per-answer values, paired across arms by sample,
     give the spread between answers that an estimate built from a sample of them has to live with
-    (``benchmarks.guard_sim`` replays a controller on them).
+    (``benchmarks.research.guard_sim`` replays a controller on them).
     """
     grouped: dict[str, list[tuple[int, dict]]] = {}
     for (agent, sample), row in zip(jobs, rows):
@@ -542,57 +542,6 @@ def _forwards_per_request(raw: list[list[dict]]) -> Optional[float]:
     return fm.statistics.fmean(counts) if counts else None
 
 
-def on_mix_line(name: str, a: dict) -> bool:
-    """The random-mix line's points: off (p=1), the mix sweep, fullshared K=0 (p=0)."""
-    return name == "off" or a["random_mix_p"] is not None or (
-        a["mode"] == "fullshared" and a["recompute_head"] == 0 and not a.get("recompute_ratio"))
-
-
-def random_mix_line(arms: dict) -> list[tuple[float, float, str]]:
-    """(reuse, agreement, arm) points of the random-mix baseline: off (p=1), the mix sweep, fullshared K=0 (p=0)."""
-    pts = []
-    for name, a in arms.items():
-        if on_mix_line(name, a):
-            pts.append((a["reuse_ratio"] or 0.0, a["agreement_final"], name))
-    return sorted(pts)
-
-
-def add_line_gaps(arms: dict) -> None:
-    """Each arm's gap to the random-mix line: agreement and teacher-forced top-1, and the agreement gap's
-    95 % interval (``above_random_mix_ci95``, items resampled jointly for all arms) when items are recorded."""
-    pts = [(x, y) for x, y, _ in random_mix_line(arms)]
-    tpts = [(a["reuse_ratio"] or 0.0, a["teacher_forced_top1"]) for name, a in arms.items() if on_mix_line(name, a)]
-    for a in arms.values():
-        line = fm.interpolate(pts, a["reuse_ratio"] or 0.0)
-        a["random_mix_agreement_at_same_reuse"] = line
-        a["above_random_mix"] = None if line is None else a["agreement_final"] - line
-        tline = fm.interpolate(tpts, a["reuse_ratio"] or 0.0) if all(y is not None for _, y in tpts) else None
-        a["random_mix_top1_at_same_reuse"] = tline
-        a["top1_above_random_mix"] = None if tline is None or a["teacher_forced_top1"] is None \
-            else a["teacher_forced_top1"] - tline
-        kpts = [(x["reuse_ratio"] or 0.0, x.get("teacher_forced_kl")) for name, x in arms.items() if on_mix_line(name, x)]
-        kline = fm.interpolate(kpts, a["reuse_ratio"] or 0.0) if all(y is not None for _, y in kpts) else None
-        a["random_mix_kl_at_same_reuse"] = kline
-        a["kl_below_random_mix"] = None if kline is None or a.get("teacher_forced_kl") is None \
-            else kline - a["teacher_forced_kl"]
-    if all("teacher_forced_per_sample" in a for a in arms.values()):
-        tf_ci = fm.tf_line_gap_intervals({name: a["teacher_forced_per_sample"] for name, a in arms.items()},
-                                         {name: a["reuse_ratio"] or 0.0 for name, a in arms.items()},
-                                         [name for name, a in arms.items() if on_mix_line(name, a)])
-        for name, a in arms.items():
-            a["teacher_forced_line_gap_ci95"] = tf_ci[name]
-    off = arms.get("off")
-    if off is None or "per_item" not in off or any("per_item" not in a for a in arms.values()):
-        return
-    ref = [it["answer"] for it in off["per_item"]]
-    agree = {name: [1.0 if it["answer"] == r else 0.0 for it, r in zip(a["per_item"], ref)]
-             for name, a in arms.items()}
-    reuse = {name: a["reuse_ratio"] or 0.0 for name, a in arms.items()}
-    ci = fm.line_gap_intervals(agree, reuse, [name for name, a in arms.items() if on_mix_line(name, a)])
-    for name, a in arms.items():
-        a["above_random_mix_ci95"] = ci[name]
-
-
 def planned_arms(command: str) -> set[str]:
     """The names of the arms a run's recorded command runs, ``off`` included.
 
@@ -603,147 +552,6 @@ def planned_arms(command: str) -> set[str]:
     words = shlex.split(command)
     args = parse_args(words[words.index("benchmarks.frontier") + 1:])
     return {arm.name for arm in selected_arms(args)}
-
-
-def merge_runs(runs: Sequence[dict], remeasured: Sequence[str] = ()) -> dict:
-    """One results dict holding the arms of several finished runs of the same samples.
-
-    Why: one run of every arm takes hours on this CPU, so the arms of a task are
-    run in parts, each part with its own ``off``. Parts are comparable only if
-    they scored the same items and ``off`` answered them alike: then every
-    arm's agreement, teacher-forced metrics and paired accuracy were taken
-    against the same reference, and one random-mix line serves all of them.
-    Raises ValueError when a part differs. The first part's ``off`` (and any
-    arm's first occurrence, except the arms named in ``remeasured``: their
-    last, a later part that measured them again after a fix) is kept; ``commands`` lists every part's command and
-    ``parts_meta`` every part's ``meta`` (when it was measured, from which code;
-    a part that is itself a merge brings its own lists); the caller sets
-    ``meta`` to the merge's own.
-    """
-    if not runs:
-        raise ValueError("nothing to merge")
-    if any("off" not in run["arms"] for run in runs):
-        raise ValueError("every run to merge needs its off arm (the reference its arms were measured against)")
-    first = runs[0]
-    ref = [it["answer"] for it in first["arms"]["off"]["per_item"]]
-    for run in runs[1:]:
-        for key in ("task", "samples", "seed", "max_tokens"):
-            if run.get(key) != first.get(key):
-                raise ValueError(f"runs differ in {key}: {first.get(key)!r} vs {run.get(key)!r}")
-        off = run["arms"]["off"]
-        if [it["answer"] for it in off["per_item"]] != ref:
-            raise ValueError("off answered differently in two runs: their arms are not measured against the "
-                             "same reference and cannot share one line")
-        if off.get("teacher_forced_positions") != first["arms"]["off"].get("teacher_forced_positions"):
-            raise ValueError("off's continuations differ between runs (teacher-forced positions)")
-    merged = {k: v for k, v in first.items() if k not in ("meta", "command", "arms")}
-    # A part may itself be a merge: its own parts are carried over, in order.
-    merged["commands"] = [c for run in runs for c in (run["commands"] if "commands" in run else [run["command"]])]
-    merged["parts_meta"] = [m for run in runs for m in (run["parts_meta"] if "parts_meta" in run else [run.get("meta")])]
-    merged["arms"] = {}
-    for run in runs:
-        # Seconds move between runs of a shared machine: an arm keeps the off TTFT of the run it was measured
-        # in (a part that is itself a merge no longer knows it for the arms of its later parts).
-        own_off = None if "commands" in run else (run["arms"]["off"].get("ttft_agents_2_4_s") or {}).get("median")
-        for name, arm in run["arms"].items():
-            if own_off is not None and name != "off":
-                arm = {**arm, "off_ttft_agents_2_4_median_same_run": own_off}
-            if name in remeasured and name != "off":
-                merged["arms"][name] = arm
-            else:
-                merged["arms"].setdefault(name, arm)
-    if "off" in remeasured:
-        raise ValueError("--remeasured names off: off is every part's reference and cannot be re-measured")
-    unknown = sorted(set(remeasured) - set(merged["arms"]))
-    if unknown:
-        raise ValueError(f"--remeasured names {unknown}, which no run to merge has")
-    merged["remeasured"] = sorted(set(remeasured).union(*(run.get("remeasured", ()) for run in runs)))
-    # A part stopped before its last arm is made whole by a later part that ran the missing arms.
-    merged["complete"] = all(run.get("complete") or ("command" in run and planned_arms(run["command"])
-                                                     <= set(merged["arms"])) for run in runs)
-    add_line_gaps(merged["arms"])
-    return merged
-
-
-# Fields of an arm that are sums over runs, and those kept from the first run (the arm's definition).
-_SUMMED = ("shared_tokens", "shared_tokens_reused", "tokens_head_recomputed", "teacher_forced_positions",
-           "scored_items", "run_s")
-_DEFINITION = ("arm", "mode", "recompute_head", "random_mix_p", "policy", "recompute_ratio")
-
-
-def pool_runs(runs: Sequence[dict]) -> dict:
-    """One results dict over runs of the same arms on different samples (other seeds): more paired items for the
-    same settings.
-
-    Why: an accuracy difference of a point needs more lookups than one run of reasonable length holds on a CPU, and
-    a run on a fresh seed adds items without reading any twice. Every figure that is a mean over items or positions
-    is recomputed over the union: agreement and the paired accuracy difference from the recorded per-item answers
-    (each run's arm against its own run's ``off``), teacher-forced top-1 and KL weighted by positions, reuse from
-    the token counts. Medians do not pool: TTFT stays per run (``ttft_agents_2_4_s_per_run``), and the figures a
-    run does not record per item (teacher-forced reuse, reuse over all requests) are left out. Raises ValueError
-    when the runs differ in task, answer length or arms, share a seed, or one is itself pooled.
-    """
-    if len(runs) < 2:
-        raise ValueError("pooling needs at least two runs")
-    if any(run.get("pooled") for run in runs):
-        raise ValueError("a results file is itself pooled: pool the runs' own files (its commands name them)")
-    first = runs[0]
-    seeds = [run.get("seed") for run in runs]
-    if len(set(seeds)) != len(seeds):
-        raise ValueError(f"runs share a seed ({seeds}): pooled runs must score different samples")
-    for run in runs[1:]:
-        for key in ("task", "max_tokens", "top_k"):
-            if run.get(key) != first.get(key):
-                raise ValueError(f"runs differ in {key}: {first.get(key)!r} vs {run.get(key)!r}")
-        if list(run["arms"]) != list(first["arms"]):
-            raise ValueError(f"runs differ in arms: {list(first['arms'])} vs {list(run['arms'])}")
-    if "off" not in first["arms"]:
-        raise ValueError("every run to pool needs its off arm (the reference its arms were measured against)")
-    # Each run's arms were measured against that run's off: the pooled reference is the runs' offs in order.
-    ref = [it for run in runs for it in run["arms"]["off"]["per_item"]]
-    acc_off = [1.0 if it["correct"] else 0.0 for it in ref]
-    arms: dict[str, dict] = {}
-    for name in first["arms"]:
-        parts = [run["arms"][name] for run in runs]
-        for key in _DEFINITION:
-            if len({json.dumps(p.get(key)) for p in parts}) > 1:
-                raise ValueError(f"arm {name} differs in {key} between runs")
-        pooled_arm = {key: parts[0].get(key) for key in _DEFINITION}
-        pooled_arm.update({key: sum(p.get(key) or 0 for p in parts) for key in _SUMMED})
-        shared, reused = pooled_arm["shared_tokens"], pooled_arm["shared_tokens_reused"]
-        pooled_arm["reuse_ratio"] = 0.0 if parts[0]["mode"] == "off" else (reused / shared if shared else None)
-        reasons: dict[str, int] = {}
-        for p in parts:
-            for reason, count in (p.get("fallback_reasons") or {}).items():
-                reasons[reason] = reasons.get(reason, 0) + count
-        pooled_arm["fallback_reasons"] = reasons
-        items = [it for p in parts for it in p["per_item"]]
-        pooled_arm["agreement_final"] = fm.statistics.fmean(
-            1.0 if a["answer"] == b["answer"] else 0.0 for a, b in zip(items, ref))
-        pooled_arm["identical_text"] = (sum(p["identical_text"] * p["scored_items"] for p in parts)
-                                        / pooled_arm["scored_items"])
-        positions = pooled_arm["teacher_forced_positions"]
-        for key in ("teacher_forced_top1", "teacher_forced_kl"):
-            pooled_arm[key] = (sum(p[key] * p["teacher_forced_positions"] for p in parts) / positions
-                               if positions else None)
-        forwards = [(p.get("forwards_per_request"), p["scored_items"]) for p in parts]
-        pooled_arm["forwards_per_request"] = (sum(f * n for f, n in forwards) / sum(n for _, n in forwards)
-                                              if all(f is not None for f, _ in forwards) else None)
-        acc = [1.0 if it["correct"] else 0.0 for it in items]
-        pooled_arm["accuracy"] = fm.statistics.fmean(acc)
-        pooled_arm["accuracy_vs_off_paired"] = fm.paired_bootstrap(acc, acc_off)
-        pooled_arm["accuracy_vs_off_paired_per_run"] = [p.get("accuracy_vs_off_paired") for p in parts]
-        pooled_arm["ttft_agents_2_4_s"] = None
-        pooled_arm["ttft_agents_2_4_s_per_run"] = [p["ttft_agents_2_4_s"] for p in parts]
-        pooled_arm["per_item"] = items
-        arms[name] = pooled_arm
-    pooled = {k: v for k, v in first.items() if k not in ("meta", "command", "arms", "commands", "parts_meta")}
-    pooled.update({"seed": seeds, "pooled": True, "samples": sum(run["samples"] for run in runs),
-                   "scored_items": sum(run["scored_items"] for run in runs),
-                   "commands": [run.get("command") for run in runs], "parts_meta": [run.get("meta") for run in runs],
-                   "complete": all(run.get("complete") for run in runs), "arms": arms})
-    add_line_gaps(pooled["arms"])
-    return pooled
 
 
 # ------------------------------------------------------------------ plot
@@ -767,7 +575,7 @@ def plot(out: dict, path: Path) -> None:
 
     arms = out["arms"]
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
-    line = random_mix_line(arms)
+    line = fm.random_mix_line(arms)
     colors = {"off": "black", "fullshared": "tab:red", "kvcmas": "tab:blue"}
     for ax, key, label in ((axes[0], "agreement_final", "final-answer agreement with off"),
                            (axes[1], "teacher_forced_top1", "teacher-forced top-1 agreement with off")):
@@ -910,7 +718,7 @@ def run_task(name: str, args, tok, argv_used: Sequence[str]) -> dict:
                        for s in (row["report"] or {}).get("segments", []) if s.get("kind") == "shared"]
             out["segment_tokens"] = fm.spread(lengths)
         out["scored_items"] = out["arms"]["off"]["scored_items"]
-        add_line_gaps(out["arms"])
+        fm.add_line_gaps(out["arms"])
         save(out, path)
         a = out["arms"][arm.name]
         print(f"[{name}] {arm.name}: reuse {a['reuse_ratio']} agreement {a['agreement_final']:.3f} "
@@ -934,44 +742,25 @@ def write_reports(path: Path, task: str, arm: str, samples, run: dict) -> None:
                                             "position": row["position"], "pass": kind, "report": rep}) + "\n")
 
 
-def _save_combined(combined: dict, out_path: Path, argv) -> None:
-    """A file combined from finished runs (``--merge``, ``--pool``), its own ``meta`` first: this command, and the
-    serving digest its parts share (None when they differ: no one serving code measured the whole)."""
-    argv_used = sys.argv[1:] if argv is None else list(argv)
-    meta = run_meta("python -m benchmarks.frontier " + " ".join(shlex.quote(a) for a in argv_used))
-    meta["serving_digest"] = common_digest(combined["parts_meta"])
-    save({"meta": meta, **combined}, out_path)
-
-
 def main(argv=None, *, arm_server: Optional[ArmServer] = None) -> int:
     """``arm_server`` replaces the fresh server per arm (the test suite passes its shared servers)."""
     args = parse_args(argv)
-    if args.merge:
-        if len(args.merge) < 3:
-            raise SystemExit("--merge needs OUT and at least two results files")
-        try:
-            merged = merge_runs([json.loads(Path(p).read_text()) for p in args.merge[1:]],
-                                [a.strip() for a in (args.remeasured or "").split(",") if a.strip()])
-        except ValueError as exc:
-            raise SystemExit(f"--merge: {exc}") from None
-        _save_combined(merged, Path(args.merge[0]), argv)
-        print(f"{args.merge[0]}: {len(merged['arms'])} arms from {len(args.merge) - 1} runs", file=sys.stderr)
-        return 0
-    if args.pool:
-        if len(args.pool) < 3:
-            raise SystemExit("--pool needs OUT and at least two results files")
-        try:
-            pooled = pool_runs([json.loads(Path(p).read_text()) for p in args.pool[1:]])
-        except ValueError as exc:
-            raise SystemExit(f"--pool: {exc}") from None
-        _save_combined(pooled, Path(args.pool[0]), argv)
-        print(f"{args.pool[0]}: {len(pooled['arms'])} arms pooled over {len(args.pool) - 1} runs", file=sys.stderr)
-        return 0
+    joined = args.merge or args.pool
+    if joined:
+        if len(joined) < 3:
+            raise SystemExit("--merge / --pool need OUT and at least two results files")
+        remeasured = [a.strip() for a in (args.remeasured or "").split(",") if a.strip()]
+        build = ((lambda parts: runs.merge_arms(parts, remeasured, planned_arms)) if args.merge else runs.pool_arms)
+        words = sys.argv[1:] if argv is None else argv
+        command = "python -m benchmarks.frontier " + " ".join(shlex.quote(a) for a in words)
+        return runs.join("merge" if args.merge else "pool", joined[1:], build,
+                         lambda out: save({"meta": runs.joined_meta(command, out["parts_meta"]), **out},
+                                          Path(joined[0])))
     if args.rescore:
         for name in args.rescore:
             path = Path(name)
             out = json.loads(path.read_text())
-            add_line_gaps(out["arms"])
+            fm.add_line_gaps(out["arms"])
             save(out, path)
             print(f"{path}: line gaps recomputed", file=sys.stderr)
         return 0

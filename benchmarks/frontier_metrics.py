@@ -221,3 +221,54 @@ def spread(values: Sequence[float]) -> dict:
         return vals[min(len(vals) - 1, int(round(f * (len(vals) - 1))))]
 
     return {"n": len(vals), "median": statistics.median(vals), "p10": q(0.1), "p90": q(0.9)}
+
+
+def on_mix_line(name: str, a: dict) -> bool:
+    """The random-mix line's points: off (p=1), the mix sweep, fullshared K=0 (p=0)."""
+    return name == "off" or a["random_mix_p"] is not None or (
+        a["mode"] == "fullshared" and a["recompute_head"] == 0 and not a.get("recompute_ratio"))
+
+
+def random_mix_line(arms: dict) -> list[tuple[float, float, str]]:
+    """(reuse, agreement, arm) points of the random-mix baseline: off (p=1), the mix sweep, fullshared K=0 (p=0)."""
+    pts = []
+    for name, a in arms.items():
+        if on_mix_line(name, a):
+            pts.append((a["reuse_ratio"] or 0.0, a["agreement_final"], name))
+    return sorted(pts)
+
+
+def add_line_gaps(arms: dict) -> None:
+    """Each arm's gap to the random-mix line: agreement and teacher-forced top-1, and the agreement gap's
+    95 % interval (``above_random_mix_ci95``, items resampled jointly for all arms) when items are recorded."""
+    pts = [(x, y) for x, y, _ in random_mix_line(arms)]
+    tpts = [(a["reuse_ratio"] or 0.0, a["teacher_forced_top1"]) for name, a in arms.items() if on_mix_line(name, a)]
+    for a in arms.values():
+        line = interpolate(pts, a["reuse_ratio"] or 0.0)
+        a["random_mix_agreement_at_same_reuse"] = line
+        a["above_random_mix"] = None if line is None else a["agreement_final"] - line
+        tline = interpolate(tpts, a["reuse_ratio"] or 0.0) if all(y is not None for _, y in tpts) else None
+        a["random_mix_top1_at_same_reuse"] = tline
+        a["top1_above_random_mix"] = None if tline is None or a["teacher_forced_top1"] is None \
+            else a["teacher_forced_top1"] - tline
+        kpts = [(x["reuse_ratio"] or 0.0, x.get("teacher_forced_kl")) for name, x in arms.items() if on_mix_line(name, x)]
+        kline = interpolate(kpts, a["reuse_ratio"] or 0.0) if all(y is not None for _, y in kpts) else None
+        a["random_mix_kl_at_same_reuse"] = kline
+        a["kl_below_random_mix"] = None if kline is None or a.get("teacher_forced_kl") is None \
+            else kline - a["teacher_forced_kl"]
+    if all("teacher_forced_per_sample" in a for a in arms.values()):
+        tf_ci = tf_line_gap_intervals({name: a["teacher_forced_per_sample"] for name, a in arms.items()},
+                                      {name: a["reuse_ratio"] or 0.0 for name, a in arms.items()},
+                                      [name for name, a in arms.items() if on_mix_line(name, a)])
+        for name, a in arms.items():
+            a["teacher_forced_line_gap_ci95"] = tf_ci[name]
+    off = arms.get("off")
+    if off is None or "per_item" not in off or any("per_item" not in a for a in arms.values()):
+        return
+    ref = [it["answer"] for it in off["per_item"]]
+    agree = {name: [1.0 if it["answer"] == r else 0.0 for it, r in zip(a["per_item"], ref)]
+             for name, a in arms.items()}
+    reuse = {name: a["reuse_ratio"] or 0.0 for name, a in arms.items()}
+    ci = line_gap_intervals(agree, reuse, [name for name, a in arms.items() if on_mix_line(name, a)])
+    for name, a in arms.items():
+        a["above_random_mix_ci95"] = ci[name]

@@ -5,7 +5,7 @@ scope, and what does it cost?
     python -m benchmarks.guard --seed 13 --offset 700 --task-offset humaneval=110  # all three tasks: 2-4 hours here
 
 A run stopped part way keeps the tasks it finished; the same command with ``--task`` for each missing one, then
-``--merge`` on the parts' files, gives the whole run's ``guard.json`` (``benchmarks.guard_merge``).
+``--merge`` on the parts' files, gives the whole run's ``guard.json`` (``benchmarks.runs``).
 
 Per task (the frontier's workflows, ``benchmarks.frontier``: task specs, programs, ``Runner``, ``run_arm``,
 teacher-forced scoring against ``off``, ``summarize_arm``):
@@ -45,7 +45,7 @@ guard queue to drain, so its dense references never run beside the other server'
 shared CPU: the ratios are the on-path cost; ``drain_s`` (those waits) bounds the off-path compute. And the
 guard's queue (``GET /kvshare/stats`` -> ``fidelity``): peak ``approx_bytes`` and jobs seen, limits.
 ``--overhead-only`` measures the overhead again, with more pairs when its interval was left unresolved, into the
-run's ``guard.json`` (``guard_merge.replace_overhead``: only on the serving code the tasks ran on).
+run's ``guard.json`` (``runs.replace_overhead``: only on the serving code the tasks ran on).
 
 Servers: one kvshare server serves every arm of every task, reconfigured at runtime (``POST /kvshare/config``:
 mode, head, verify rate, target and min samples are all runtime settings) and emptied before each
@@ -72,8 +72,8 @@ from tqdm import tqdm
 
 from benchmarks import frontier as fr
 from benchmarks.chain_ttft import AGENTS, SUFFIX, system
-from benchmarks.guard_merge import (MergeError, check_overhead_source, git_serving_diff, merge_parts,
-                                    replace_overhead)
+from benchmarks import runs
+from benchmarks.runs import MergeError, check_overhead_source, git_serving_diff
 from benchmarks.guard_metrics import (CONTROL, actions_since, approximated, best_global_k, choose_min_samples,
                                       counter_diff, detection_counts, pairs, reuse_ratio, score_calibration,
                                       fault_program, settings, twin_program)
@@ -768,7 +768,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     args = parse_args(argv)
     if args.merge:
-        return merge(args.merge, Path(args.out_dir), command_line(argv))
+        command = command_line(argv)
+        return runs.join("merge", args.merge, lambda parts: runs.merge_tasks(parts, command, parse_args, fr.TASKS),
+                         lambda out: save(out, Path(args.out_dir)))
     if args.overhead_only:
         return overhead_only(args, command_line(argv))
     signal.signal(signal.SIGTERM, fr._on_sigterm)
@@ -849,7 +851,7 @@ def overhead_only(args: argparse.Namespace, command: str) -> int:
             "overhead_throughput_ratio": overhead["throughput"]["verdict"], "guard_queue": queue,
             "wall_s": round(time.monotonic() - t0, 1)}
     try:
-        out = replace_overhead(whole, part, git_serving_diff)
+        out = runs.replace_overhead(whole, part, git_serving_diff, fr.TASKS)
     except MergeError as exc:  # the checkout changed while it ran
         print(f"cannot put the overhead into {out_dir / 'guard.json'}: {exc}", file=sys.stderr)
         write_json(out_dir / "guard_overhead_part.json", part)
@@ -857,20 +859,6 @@ def overhead_only(args: argparse.Namespace, command: str) -> int:
     save(out, out_dir)
     print(f"overhead: TTFT {part['overhead_ttft_ratio']}; throughput {part['overhead_throughput_ratio']}",
           file=sys.stderr)
-    return 0
-
-
-def merge(paths: Sequence[str], out_dir: Path, command: str) -> int:
-    """``--merge``: one ``guard.json`` (and plot) from the parts of a run; 2 with the reason when they do not join."""
-    try:
-        out = merge_parts([json.loads(Path(p).read_text()) for p in paths], command, parse_args)
-    except (MergeError, OSError, ValueError, KeyError) as exc:
-        print(f"cannot merge: {exc}", file=sys.stderr)
-        return 2
-    save(out, out_dir)
-    overhead = "yes" if "overhead" in out else "no"
-    print(f"merged {len(paths)} parts: tasks {', '.join(out['tasks'])}; overhead {overhead}; "
-          f"complete {out['complete']}", file=sys.stderr)
     return 0
 
 

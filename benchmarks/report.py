@@ -43,7 +43,7 @@ from typing import Any, Callable, Optional
 from benchmarks.report_sections import (date_of, hardware, interval, meta_line, plot_chain, plot_from, render_adversary,
                                         render_assembly_cost, render_chain, render_demo, render_fidelity,
                                         render_fidelity_variants, render_frontier, render_roles_study,
-                                        render_guard, render_idle_thread, render_kernels, render_langgraph,
+                                        render_guard, render_kernels, render_langgraph,
                                         render_learn_cost, render_profile, render_scaleout, render_serving,
                                         render_soak, render_stock_vs_off, render_text, render_tp_kvcmas,
                                         render_warm_start, render_workflow, table)
@@ -353,13 +353,6 @@ REGISTRY: list[Benchmark] = [
         "`residual / exact SVD's` = 1.0 is the optimal rank-32 truncation.",
         render_learn_cost),
     Benchmark(
-        "idle_torch_thread", "idle_torch_thread.json",
-        "python -m benchmarks.research.idle_torch_thread --repeats 5 --iterations 2000",
-        "Does a thread that once ran torch ops slow the main thread's ops while it idles or computes?",
-        "One process, so the ratios to `before` are within one run. `single_*`: the side thread's ops run on that "
-        "thread alone.",
-        render_idle_thread),
-    Benchmark(
         "profile_scheduler", "profile_kvcmas.json", "python -m benchmarks.research.profile_scheduler",
         "Where does a kvcmas server's scheduler spend its CPU time under the chain workload?",
         "py-spy samples of the scheduler process; read the shares, not the seconds (sampling slows the server).",
@@ -370,14 +363,6 @@ REGISTRY: list[Benchmark] = [
         "Variants are chosen on the warm contents only (leave one out) by a rule fixed before the run, then checked "
         "once on the held-out contents of the fidelity benchmark.",
         render_fidelity_variants),
-    Benchmark(
-        "diagnose_dense_consumers", "diagnose_dense_consumers.txt",
-        "python -m benchmarks.research.diagnose_dense_consumers 12 1 0.5 > "
-        "benchmarks/results/diagnose_dense_consumers.txt",
-        "Do consumers that were prefilled densely in a reusing server give `off`'s answers?",
-        "A dense consumer's cached rows are exact up to float32 rounding, which depends on which earlier request "
-        "computed them: the first-token logprobs of every dense consumer within about 2e-5 of `off`'s.",
-        render_text),
 ]
 BY_NAME = {b.name: b for b in REGISTRY}
 

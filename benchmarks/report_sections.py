@@ -543,17 +543,6 @@ def render_learn_cost(d: dict) -> str:
                      "deltas only (a known content)"], rows))
 
 
-def render_idle_thread(d: dict) -> str:
-    rows = []
-    for state, c in d["summary"].items():
-        ratio = d.get(f"{state}_over_before")
-        rows.append([f"`{state}`", f"{c['median_us']:.0f} ({c['min_us']:.0f}-{c['max_us']:.0f})",
-                     spread(ratio) if ratio else "1.00"])
-    return (f"Op: {d['op']}; side thread: {d['side_thread_work']}; {d['torch_threads']} torch threads, "
-            f"{len(d['repeats'])} repeats.\n\n"
-            + table(["state", "main thread op time, us: median (min-max)", "x `before`"], rows))
-
-
 def render_profile(d: dict) -> str:
     threads = ", ".join(f"{k} {v:.2f}" for k, v in d["scheduler_threads_share"].items())
     top = [[f"`{r['function']}`", f"{r['share_of_loop']:.3f}"] for r in d["event_loop_self_top"][:5]]

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from benchmarks import soak
-from benchmarks.soak_faults import (HOSTILE_FIRST, SENTINEL, catalogue, chat_hostile, cross_scope_signs,
+from benchmarks.soak.faults import (HOSTILE_FIRST, SENTINEL, catalogue, chat_hostile, cross_scope_signs,
                                     expected_status, foreign_sources, fuzzed, many_slots, parse_stream)
 from sglang_kvshare.protocol import DEFAULT_MAX_SEGMENTS, MAX_NAME_CHARS
 from tests.servers import OFF, SOAK_KEY, soak_pool

@@ -3,7 +3,7 @@
 Question: once the first K tokens of each reused segment are prefilled densely
 (head recompute), does any form of the anchor correction still lower the KL
 of FullShared + the same head? Candidates, all plan transforms served through
-``materialize`` (``benchmarks.fidelity_head``): the full kvcmas plan, keys
+``materialize`` (below): the full kvcmas plan, keys
 only, the first N rows only (N = 4, 16, 64), keys on the first 16 rows, and a
 per-layer choice (correct K / V only in the layers where the correction lowers
 the cache error on the warm set).
@@ -24,9 +24,8 @@ Protocol (no held-out content is looked at before the choice):
    prefill + new anchor) for FullShared + head K, kvcmas + head K and the
    chosen variant + head K.
 
-Also measured: how often ``long_enough`` (an anchor must be at least as long as
-the segment's comparison length) leaves a pool with fewer than two eligible
-anchors, on these contents and on single GSM8K questions.
+The short-content study that chose the served ``min_anchor_len`` (anchors compared on their common prefix) is
+recorded in ``benchmarks/results/fidelity_variants.json`` (``short_contents``, ``long_enough_blocking``).
 
     python -m benchmarks.research.fidelity_variants            # writes benchmarks/results/fidelity_variants.json
     python -m benchmarks.research.fidelity_variants --quick --out v.json
@@ -36,21 +35,58 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import time
-from pathlib import Path
+from dataclasses import replace
+from typing import Iterable
 
 import torch
 from tqdm import tqdm
 
 from benchmarks.baselines import make_estimator
-from sglang_kvshare.correction import FullShared, RopeSpec, SegmentCache, materialize
+from sglang_kvshare.correction import CorrectionPlan, Factors, FullShared, RopeSpec, SegmentCache, materialize
 
 from benchmarks import fidelity as F
 from benchmarks.common import load_model, prefill, set_threads
-from benchmarks.fidelity_head import compose, first_rows, keys_only, layers_only
 from benchmarks.harness import RESULTS, SCRATCH, run_meta
+
+
+# ------------------------------------------------------------ plan variants: CorrectionPlan -> CorrectionPlan
+def keys_only(plan: CorrectionPlan) -> CorrectionPlan:
+    """Correct keys, leave values aligned (zero value weights: the kernel adds nothing to V)."""
+    return replace(plan, weights_v=torch.zeros_like(plan.weights_v))
+
+
+def first_rows(n: int) -> F.PlanVariant:
+    """Correct only rows ``[0, n)`` of the segment; the rest aligned."""
+    def apply(plan: CorrectionPlan) -> CorrectionPlan:
+        c = min(plan.covered, n)
+        return replace(plan, weights_k=plan.weights_k[:c], weights_v=plan.weights_v[:c], covered=c)
+    return apply
+
+
+def _mask_layers(f: Factors, keep: torch.Tensor) -> Factors:
+    """The same stack with the layers not in ``keep`` (bool [layers]) zeroed."""
+    if f.full is not None:
+        return Factors(None, None, f.full * keep[:, None, None].to(f.full.dtype), f.head_shape)
+    return Factors(f.a * keep[:, None, None].to(f.a.dtype), f.b, None, f.head_shape)
+
+
+def layers_only(layers_k: Iterable[int], layers_v: Iterable[int], num_layers: int) -> F.PlanVariant:
+    """Correct keys only in ``layers_k`` and values only in ``layers_v``; other layers aligned."""
+    mk, mv = torch.zeros(num_layers, dtype=torch.bool), torch.zeros(num_layers, dtype=torch.bool)
+    mk[list(layers_k)], mv[list(layers_v)] = True, True
+    return lambda plan: replace(plan, deltas_k=[_mask_layers(f, mk) for f in plan.deltas_k],
+                                deltas_v=[_mask_layers(f, mv) for f in plan.deltas_v])
+
+
+def compose(*variants: F.PlanVariant) -> F.PlanVariant:
+    def apply(plan: CorrectionPlan) -> CorrectionPlan:
+        for fn in variants:
+            plan = fn(plan)
+        return plan
+    return apply
+
 
 ROW_EDGES = [0, 8, 32, 100000]
 """Row buckets of the per-layer error sums (head K in {0, 8, 32} sums the buckets from K on)."""
@@ -161,110 +197,6 @@ def line_ratio(row: dict, base: dict) -> float:
     return row["kl_mean"] / (base["kl_mean"] * row["reuse_ratio"] / base["reuse_ratio"])
 
 
-def blocking_stats(tok, contents, gate_len: int, capacity: int, seed: int) -> dict:
-    """How often ``long_enough`` leaves < 2 eligible anchors (pool = the slot's last ``capacity`` contents)."""
-    def rate(lengths_seq, warmup):
-        blocked = prefix_ok = n = 0
-        for seq in lengths_seq:
-            for i in range(warmup, len(seq)):
-                pool = seq[max(0, i - capacity):i]
-                k_len = min(seq[i], gate_len)
-                n += 1
-                blocked += sum(a >= k_len for a in pool) < 2
-                prefix_ok += sum(a >= 16 for a in pool) < 2
-        return {"decisions": n, "blocked_rate": blocked / max(n, 1), "blocked_rate_common_prefix": prefix_ok / max(n, 1)}
-
-    by_slot: dict = {}
-    for slot, _, ids in contents:
-        by_slot.setdefault(slot, []).append(len(ids))
-    harness = rate(list(by_slot.values()), 2)
-    rows = [json.loads(line) for line in F.GSM8K.read_text().splitlines() if line.strip()]
-    lens = [len(tok(r["question"], add_special_tokens=False)["input_ids"]) for r in rows]
-    rng = random.Random(seed)
-    seqs = [[lens[rng.randrange(len(lens))] for _ in range(24)] for _ in range(200)]
-    gsm = rate(seqs, 8)
-    return {"harness_contents": harness, "gsm8k_single_questions_8_warm_then_16": gsm,
-            "gsm8k_question_tokens_p10_p50_p90": [sorted(lens)[int(q * (len(lens) - 1))] for q in (0.1, 0.5, 0.9)],
-            "gate_len": gate_len, "capacity": capacity,
-            "common_prefix_rule": "eligible = anchors of >= 16 tokens holding the edge; compare on the common prefix"}
-
-
-def _questions(tok, seed: int, split: str, n: int) -> list:
-    """Single GSM8K questions of one split of ``fidelity.build_contents`` (the same document split)."""
-    docs = F._source_texts("gsm8k")
-    order = list(range(len(docs)))
-    random.Random(seed).shuffle(order)
-    half = len(order) // 2
-    idx = order[:half] if split == "warm" else order[half:]
-    return [("gsm8k_q", f"gsm8k_q:{split}:{i}", tok(docs[j], add_special_tokens=False)["input_ids"])
-            for i, j in enumerate(idx[:n])]
-
-
-SHORT_ARMS = ("fullshared", "kvcmas", "kvcmas_prefix")
-
-
-def _short_arms(spec, args, heads, greedy):
-    arms = []
-    for name in SHORT_ARMS:
-        for k in heads:
-            mode = "fullshared" if name == "fullshared" else "kvcmas"
-            arms.append(F.Arm(f"{name}@K{k}", mode, None, None, greedy,
-                              FullShared(spec) if mode == "fullshared" else None, head=k))
-    return arms
-
-
-def _short_pool(spec, args, arm, preps, keys):
-    extra = {"min_anchor_len": args.min_anchor_len} if arm.label.startswith("kvcmas_prefix") else {}
-    return _pool(spec, args, preps, keys, **extra)
-
-
-def short_study(model, tok, spec, parts, prefix_kv, args) -> dict:
-    """Single GSM8K questions (shorter than the gate length, of varying length) as one slot: today's
-    ``long_enough`` rule against the common-prefix rule (``min_anchor_len``), with and without head recompute.
-    Warm: leave one question out (pool = the other warm questions). Held-out: pool = every warm question."""
-    proto = _kvcmas(spec, args)
-    warm = _questions(tok, args.seed, "warm", args.short_n)
-    held = _questions(tok, args.seed, "eval", args.short_n)
-    exact_w, preps = {}, {}
-    for slot, key, ids in tqdm(warm, desc="short warm prefill", file=sys.stderr):
-        exact_w[key] = _exact(model, ids, prefix_kv)
-        preps[key] = _prepare(proto, slot, key, exact_w[key])
-    arms = _short_arms(spec, args, args.heads, greedy=False)
-    for slot, key, ids in tqdm(warm, desc="short warm study", file=sys.stderr):
-        others = [k for _, k, _ in warm if k != key]
-        for arm in arms:
-            if arm.mode == "kvcmas":
-                arm.est = _short_pool(spec, args, arm, preps, others)
-        served = {a.label: F.serve_chain(model, a, slot, key, ids, exact_w[key], None, prefix_kv, "eval") for a in arms}
-        F.evaluate(model, arms, served, exact_w[key], prefix_kv, parts, slot, len(ids), 0)
-    rows = {a.label: _row(a) for a in arms}
-    choice = {}
-    for k in args.heads:
-        fs, pre, strict = rows[f"fullshared@K{k}"], rows[f"kvcmas_prefix@K{k}"], rows[f"kvcmas@K{k}"]
-        win = _wins(pre, fs)
-        choice[f"K{k}"] = {"kvcmas_prefix_kl": pre["kl_mean"], "fullshared_kl": fs["kl_mean"],
-                           "kvcmas_strict_kl": strict["kl_mean"], "win_rate_vs_fullshared": win,
-                           "reuse_prefix": pre["reuse_ratio"], "reuse_strict": strict["reuse_ratio"],
-                           "reuse_fullshared": fs["reuse_ratio"],
-                           "line_ratio_prefix": line_ratio(pre, fs), "line_ratio_strict": line_ratio(strict, fs),
-                           "beats_head_recompute_alone": line_ratio(pre, fs) < WIN_FACTOR and win > 0.5}
-    out = {"n_warm": len(warm), "n_heldout": len(held), "min_anchor_len": args.min_anchor_len,
-           "question_tokens": [len(i) for _, _, i in warm], "warm": rows, "choice": choice}
-    del exact_w
-    if args.no_heldout:
-        return out
-    check = _short_arms(spec, args, args.heads, greedy=True)
-    for arm in check:
-        if arm.mode == "kvcmas":
-            arm.est = _short_pool(spec, args, arm, preps, [k for _, k, _ in warm])
-    for slot, key, ids in tqdm(held, desc="short held-out check", file=sys.stderr):
-        exact = _exact(model, ids, prefix_kv)
-        served = {a.label: F.serve_chain(model, a, slot, key, ids, exact, None, prefix_kv, "eval") for a in check}
-        F.evaluate(model, check, served, exact, prefix_kv, parts, slot, len(ids), args.greedy_tokens)
-    out["heldout"] = {a.label: _row(a) for a in check}
-    return out
-
-
 def run(args) -> dict:
     set_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -274,21 +206,12 @@ def run(args) -> dict:
     nl = model.config.num_hidden_layers
     parts = {a.name: F.agent_token_parts(tok, a) for a in F.AGENTS}
     prefix_kv = {name: prefill(model, pre)[0] for name, (pre, _) in parts.items()}
-    warm, held = [], []
-    for i, source in enumerate(args.sources):
-        w, e = F.build_contents(tok, source, args.lengths, args.warm, args.eval, args.seed + i)
-        warm += [(source, k, ids) for k, ids in w]
-        held += [(source, k, ids) for k, ids in e]
-    rng = random.Random(args.seed)
-    rng.shuffle(warm)
-    rng.shuffle(held)
+    warm, held = F.contents(tok, args)
     command = "python -m benchmarks.research.fidelity_variants " + " ".join(getattr(args, "argv", sys.argv[1:]))
     out = {"meta": run_meta(command.strip()), "command": command, "quick": args.quick,
            "heads": args.heads, "tau": args.tau, "rank": args.rank, "gate_len": args.gate_len,
            "n_warm": len(warm), "n_heldout": len(held), "win_rule": f"mean KL < {WIN_FACTOR} x the random-mix line through "
-           "fullshared@K at the variant's reuse, and lower KL on > 50 % of the warm instances it served",
-           "long_enough_blocking": blocking_stats(tok, warm + held, args.gate_len, 10, args.seed)}
-    out["short_contents"] = short_study(model, tok, spec, parts, prefix_kv, args)
+           "fullshared@K at the variant's reuse, and lower KL on > 50 % of the warm instances it served"}
 
     # ---- 1. warm study: leave one content out, every variant and head K
     proto = _kvcmas(spec, args)
@@ -374,23 +297,16 @@ def main(argv=None) -> None:
     F.add_study_args(ap, "fidelity_variants", "2 warm + 1 held-out content per source, 256 tokens")
     ap.add_argument("--heads", type=int, nargs="+", default=[0, 8, 32], choices=ROW_EDGES[:-1])
     ap.add_argument("--no-heldout", action="store_true", help="warm study and choice only")
-    ap.add_argument("--short-n", type=int, default=None, help="GSM8K questions per split in the short study")
-    ap.add_argument("--min-anchor-len", type=int, default=16, help="common-prefix rule of the short study")
     args = ap.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     # NOTE: the same contents as benchmarks.fidelity (same seeds, counts and lengths)
     args.warm, args.eval, args.lengths = (2, 1, [256]) if args.quick else (4, 3, [256, 512, 768, 384])
-    if args.short_n is None:
-        args.short_n = 4 if args.quick else 16
     out = args.out or (SCRATCH / "fidelity_variants_quick.json" if args.quick else RESULTS / "fidelity_variants.json")
     result = run(args)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}", file=sys.stderr)
-    print(json.dumps({"choice": result["choice"], "blocking": result["long_enough_blocking"],
-                      "short": {"choice": result["short_contents"]["choice"],
-                                "heldout": {k: {m: v[m] for m in ("kl_mean", "reuse_ratio", "fallback_rate")}
-                                            for k, v in result["short_contents"].get("heldout", {}).items()}},
+    print(json.dumps({"choice": result["choice"],
                       "warm": {k: round(v["kl_mean"], 5) for k, v in result["warm"]["rows"].items()},
                       "heldout": {k: {m: v[m] for m in ("kl_mean", "reuse_ratio", "top1", "greedy_match")}
                                   for k, v in result.get("heldout", {}).items()}}, indent=1))

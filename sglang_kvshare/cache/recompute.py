@@ -9,7 +9,7 @@ the requests of a scope it tightens); *which* rows is a ``RowPolicy``. ``HEAD``,
 is the one policy served: the others measured (the rows a kvcmas correction
 moves most, the rows the prompt's tail reads) did no better on the live
 frontier (docs/research/STAGED_PREFILL.md; their offline study is
-``benchmarks.selection``). A better policy comes back as one class here,
+``benchmarks.research.row_policies``). A better policy comes back as one class here,
 handed to the cache (``KVShareRadixCache(row_policy=...)``).
 
 With the sparse extend the chosen rows are assembled with the rest of the

@@ -15,7 +15,7 @@ _FORMS = {"top1": ">=", "kl": "<="}
 # The share of the allowed error a scope left undecided must keep in hand (``FidelityTarget.inner``): its mean is held
 # to the target moved this far towards the ideal (top1>=0.99: 0.996). Why: a scope is judged on a few dozen verified
 # answers, and one whose mean sits just past the bound serves the next requests below it about as often as above.
-# Chosen offline (benchmarks.guard_sim) on development runs of the GSM8K and retrieval workloads, not on scored samples.
+# Chosen offline (benchmarks.research.guard_sim) on development runs of the GSM8K and retrieval workloads, not on scored samples.
 DEFAULT_BAND = 0.6
 _SYNTAX = re.compile(r"^\s*(top1|kl)\s*(>=|<=)\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*$")
 

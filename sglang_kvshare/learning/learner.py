@@ -294,7 +294,7 @@ class Learner:
         ops keeps its OpenMP team alive while it lives, and with more OpenMP
         threads than cores libgomp stops spinning at its barriers, so the
         forward pays a futex round trip per parallel region (an idle side
-        thread: 263 -> 740 us on a small op mix, ``benchmarks.research.idle_torch_thread``;
+        thread: 263 -> 740 us on a small op mix, ``benchmarks/results/idle_torch_thread.json``;
         docs/research/PROFILE.md, 1b). For the same reason the pauses wait here, not
         inside a step's thread. A thread per step costs microseconds.
         """

@@ -7,7 +7,7 @@ forward pays for sleeping and waking its threads (docs/research/PROFILE.md, find
 1b-1d). A learner thread whose ops run single-threaded starts no team, so the
 scheduler's threads keep spinning and keep the cores, and the learner (at
 the lowest priority) gets what the forward leaves, about half as fast. Measured
-on this project's 2-core CPU (``python -m benchmarks.research.idle_torch_thread``,
+on this project's 2-core CPU (``benchmarks/results/idle_torch_thread.json``,
 PROFILE finding 1d): a small op mix on the main thread took 243 us alone,
 708 us beside a thread computing with torch's defaults and 259 us beside one
 computing single-threaded (medians of 5). Used only with

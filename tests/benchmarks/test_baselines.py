@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.baselines import ESTIMATORS, make_estimator, merge_rows, select_tokens, token_deviation
+from benchmarks.baselines import ESTIMATORS, make_estimator, select_tokens, token_deviation
 from sglang_kvshare.correction import RopeSpec, SegmentCache
 
 
@@ -44,7 +44,6 @@ def test_cacheblend_selects_most_deviating_tokens(gen):
     dev = token_deviation(fresh, reused)
     idx = select_tokens(dev, 0.15)
     assert idx.tolist() == [3, 11, 17]
-    torch.testing.assert_close(merge_rows(reused, fresh[idx], idx), fresh)
     assert select_tokens(dev, 0.01).tolist() == [11]
 
 

@@ -1,12 +1,14 @@
-"""Head recompute and plan variants of the offline fidelity harness (tiny random Llama, no server)."""
+"""Head recompute (the served row policy) and the research plan variants of the offline fidelity harness (tiny
+random Llama, no server)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from benchmarks.common import prefill
-from benchmarks.fidelity_head import (coarse_errors, compose, first_rows, keys_only, layers_only, splice_head)
+from benchmarks.common import KV, prefill
+from benchmarks.fidelity import coarse_errors, head_rows, splice
+from benchmarks.research.fidelity_variants import compose, first_rows, keys_only, layers_only
 from sglang_kvshare.correction import CorrectionPlan, RopeSpec, factorize, materialize
 
 torch.set_num_threads(1)
@@ -28,7 +30,10 @@ def test_dense_head_prefill_equals_the_exact_rows_it_replaces(tiny):
     spec = RopeSpec.from_hf_config(tiny.config)
     k, v = materialize(src.k, src.v, other.length, prefix.length, None, spec)
     before = coarse_errors(k, v, exact.k, exact.v)
-    k2, v2 = splice_head(k, v, head.k, head.v, 8)
+    assert head_rows(40, 8) == list(range(8)) and head_rows(40, 0, 0.15) == list(range(6)) and head_rows(40) == []
+    spliced = splice(KV(k, v), KV(torch.cat([head.k, exact.k[:, 8:]], 1), torch.cat([head.v, exact.v[:, 8:]], 1)),
+                     head_rows(40, 8))
+    k2, v2 = spliced.k, spliced.v
     after = coarse_errors(k2, v2, exact.k, exact.v)
     assert before[0][0] > 1e-3 and before[0][1] > 1e-3
     assert after[0][0] < 1e-5 and after[0][1] < 1e-5  # rows 0-4 now exact

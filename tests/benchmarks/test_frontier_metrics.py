@@ -8,6 +8,7 @@ import pytest
 
 from benchmarks import frontier as fr
 from benchmarks import frontier_metrics as fm
+from benchmarks import runs
 from benchmarks.workloads import retrieval as rt
 from sglang_kvshare.frontend.builder import Piece, assemble
 
@@ -153,7 +154,7 @@ def test_interpolate_and_line_gaps():
 
     arms = {"off": arm("off", 0, None, 0.0, 1.0, 1.0), "fullshared_k0": arm("fullshared", 0, None, 0.8, 0.2, 0.9),
             "mix_p0.5": arm("fullshared", 0, 0.5, 0.4, 0.6, 0.95), "kvcmas_k8": arm("kvcmas", 8, None, 0.6, 0.7, 0.97)}
-    fr.add_line_gaps(arms)
+    fm.add_line_gaps(arms)
     assert arms["kvcmas_k8"]["random_mix_agreement_at_same_reuse"] == pytest.approx(0.4)
     assert arms["kvcmas_k8"]["above_random_mix"] == pytest.approx(0.3)
     assert arms["off"]["above_random_mix"] == pytest.approx(0.0)
@@ -181,9 +182,13 @@ def test_the_line_gap_interval_covers_the_gap_and_separates_a_clear_winner():
                 "per_item": [{"id": str(i), "answer": "a" if x else f"b{i}", "correct": False} for i, x in enumerate(ind)]}
     arms = {"off": arm("off", 0, None, 0.0, off), "fullshared_k0": arm("fullshared", 0, None, 0.8, full),
             "mix_p0.5": arm("fullshared", 0, 0.5, 0.4, mix), "kvcmas_k8": arm("kvcmas", 8, None, 0.6, good)}
-    fr.add_line_gaps(arms)
+    fm.add_line_gaps(arms)
     lo, hi = arms["kvcmas_k8"]["above_random_mix_ci95"]
     assert lo < arms["kvcmas_k8"]["above_random_mix"] < hi and lo > 0.3
+
+
+def merge(parts: list, remeasured=()) -> dict:
+    return runs.merge_arms(parts, remeasured, fr.planned_arms)
 
 
 def test_runs_of_the_same_samples_merge_and_runs_with_another_reference_do_not():
@@ -200,7 +205,7 @@ def test_runs_of_the_same_samples_merge_and_runs_with_another_reference_do_not()
     two = {**head, "command": "b", "arms": {"off": {**arm("off", 0, None, 0.0, ["x"] * 4),
                                                     "ttft_agents_2_4_s": {"median": 1.5}},
                                           "kvcmas_k32": arm("kvcmas", 32, None, 0.6, ["x", "x", "x", "y"])}}
-    merged = fr.merge_runs([one, two])
+    merged = merge([one, two])
     assert list(merged["arms"]) == ["off", "fullshared_k0", "mix_p0.5", "kvcmas_k32"]
     assert merged["commands"] == ["a", "b"] and "command" not in merged
     assert merged["arms"]["kvcmas_k32"]["above_random_mix"] == pytest.approx(0.75 - 0.375)
@@ -210,35 +215,35 @@ def test_runs_of_the_same_samples_merge_and_runs_with_another_reference_do_not()
     assert "off_ttft_agents_2_4_median_same_run" not in merged["arms"]["fullshared_k0"]
     other_ref = {**two, "arms": {**two["arms"], "off": arm("off", 0, None, 0.0, ["x", "x", "x", "z"])}}
     with pytest.raises(ValueError, match="off answered differently"):
-        fr.merge_runs([one, other_ref])
+        merge([one, other_ref])
     with pytest.raises(ValueError, match="samples"):
-        fr.merge_runs([one, {**two, "samples": 5}])
+        merge([one, {**two, "samples": 5}])
     # A part stopped before its last arm is whole once another part ran that arm, and not before.
     assert merged["complete"] is True
     stopped = {**one, "complete": False, "command": "python -m benchmarks.frontier --arms off,fullshared_k0,mix_p0.5,kvcmas_k32"}
-    assert fr.merge_runs([stopped, two])["complete"] is True
-    assert fr.merge_runs([{**stopped, "command": stopped["command"] + ",fullshared_k32"}, two])["complete"] is False
-    assert fr.merge_runs([{**stopped, "command": "python -m benchmarks.frontier"}, two])["complete"] is False
+    assert merge([stopped, two])["complete"] is True
+    assert merge([{**stopped, "command": stopped["command"] + ",fullshared_k32"}, two])["complete"] is False
+    assert merge([{**stopped, "command": "python -m benchmarks.frontier"}, two])["complete"] is False
     assert fr.planned_arms("python -m benchmarks.frontier --arms=off,kvcmas_k8") == {"off", "kvcmas_k8"}
     # A merge merges again: its parts' commands and dates come along, in order.
     three = {**head, "command": "c", "meta": {"date": "3"}, "arms": {"off": off, "fullshared_r0.2": arm(
         "fullshared", 0, None, 0.8, ["x", "x", "x", "x"])}}
-    again = fr.merge_runs([{**merged, "parts_meta": [{"date": "1"}, {"date": "2"}]}, three])
+    again = merge([{**merged, "parts_meta": [{"date": "1"}, {"date": "2"}]}, three])
     assert again["commands"] == ["a", "b", "c"] and [m["date"] for m in again["parts_meta"]] == ["1", "2", "3"]
     assert again["arms"]["kvcmas_k32"]["off_ttft_agents_2_4_median_same_run"] == 1.5  # carried by the merge
     assert list(again["arms"])[-1] == "fullshared_r0.2" and again["complete"] is True
     # An arm measured again in a later part (after a fix) replaces the first measurement when named so, and
     # the merge says which; off, every part's reference, cannot be replaced, nor an arm no part has.
     fixed = {**head, "command": "d", "arms": {"off": off, "mix_p0.5": arm("fullshared", 0, 0.5, 0.45, ["x", "x", "x", "y"])}}
-    assert fr.merge_runs([merged, fixed])["arms"]["mix_p0.5"]["reuse_ratio"] == 0.4
+    assert merge([merged, fixed])["arms"]["mix_p0.5"]["reuse_ratio"] == 0.4
     line_before = merged["arms"]["kvcmas_k32"]["random_mix_agreement_at_same_reuse"]
-    redone = fr.merge_runs([merged, fixed], remeasured=["mix_p0.5"])
+    redone = merge([merged, fixed], remeasured=["mix_p0.5"])
     assert redone["arms"]["mix_p0.5"]["reuse_ratio"] == 0.45 and redone["remeasured"] == ["mix_p0.5"]
     assert list(redone["arms"]) == list(merged["arms"])  # the arm keeps its place
     assert redone["arms"]["kvcmas_k32"]["random_mix_agreement_at_same_reuse"] != line_before  # the line moved
     for bad in (["off"], ["kvcmas_k99"]):
         with pytest.raises(ValueError, match="remeasured"):
-            fr.merge_runs([merged, fixed], remeasured=bad)
+            merge([merged, fixed], remeasured=bad)
 
 
 def test_runs_of_other_seeds_pool_every_item_and_position_and_keep_ttft_per_run():
@@ -262,7 +267,7 @@ def test_runs_of_other_seeds_pool_every_item_and_position_and_keep_ttft_per_run(
 
     one = run(1, ["a", "a", "a", "b"], [True, True, False, False], 0.98, 10)
     two = run(9, ["a", "b", "b", "b"], [True, False, False, False], 0.90, 30)
-    pooled = fr.pool_runs([one, two])
+    pooled = runs.pool_arms([one, two])
     a = pooled["arms"]["fullshared_r0.15"]
     assert pooled["seed"] == [1, 9] and pooled["pooled"] is True and pooled["scored_items"] == 8
     assert pooled["commands"] == ["run 1", "run 9"]
@@ -276,13 +281,13 @@ def test_runs_of_other_seeds_pool_every_item_and_position_and_keep_ttft_per_run(
     assert [label for label, _, _ in fr.ttft_bars(pooled)][-2:] == ["fullshared_r0.15 (seed 1)",
                                                                    "fullshared_r0.15 (seed 9)"]
     with pytest.raises(ValueError, match="share a seed"):
-        fr.pool_runs([one, one])
+        runs.pool_arms([one, one])
     with pytest.raises(ValueError, match="itself pooled"):
-        fr.pool_runs([pooled, run(5, ["a"] * 4, [True] * 4, 1.0, 10)])
+        runs.pool_arms([pooled, run(5, ["a"] * 4, [True] * 4, 1.0, 10)])
     with pytest.raises(ValueError, match="arms"):
-        fr.pool_runs([one, {**two, "arms": {"off": two["arms"]["off"]}}])
+        runs.pool_arms([one, {**two, "arms": {"off": two["arms"]["off"]}}])
     with pytest.raises(ValueError, match="max_tokens"):
-        fr.pool_runs([one, {**two, "max_tokens": 16}])
+        runs.pool_arms([one, {**two, "max_tokens": 16}])
 
 
 # ------------------------------------------------------------------ summaries
@@ -357,8 +362,8 @@ def test_ratio_arms_recompute_a_share_and_stay_off_the_random_mix_line():
     assert r.policy == "head" and "--kvshare-recompute-ratio" in r.server_args() and "kvcmas_r0.15" in arms
     assert arms["fullshared_k0"].policy == "none"
     summary = {"mode": "fullshared", "recompute_head": 0, "random_mix_p": None, "recompute_ratio": 0.15}
-    assert not fr.on_mix_line("fullshared_r0.15", summary)
-    assert fr.on_mix_line("fullshared_k0", {**summary, "recompute_ratio": 0.0})
+    assert not fm.on_mix_line("fullshared_r0.15", summary)
+    assert fm.on_mix_line("fullshared_k0", {**summary, "recompute_ratio": 0.0})
 
 
 def test_an_arm_name_the_run_does_not_have_is_refused_not_dropped():

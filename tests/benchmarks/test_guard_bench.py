@@ -11,6 +11,7 @@ from benchmarks import frontier as fr
 from benchmarks import guard as g
 from benchmarks import guard_metrics as gm
 from benchmarks import report
+from benchmarks import runs
 from sglang_kvshare.frontend.builder import Piece
 from sglang_kvshare.guard.controller import rule
 from sglang_kvshare.guard.estimate import Z95
@@ -214,7 +215,7 @@ def test_parts_of_one_run_merge_into_the_whole_run_in_task_order(tmp_path):
     rest = _part(RUN + " --task humaneval --out-dir tmp/x", {"humaneval": task}, overhead=True,
                  date="2026-01-03T00:00:00")
     rest["meta"]["serving_digest"] = stopped["meta"]["serving_digest"] = "d"
-    merged = g.merge_parts([rest, stopped], "python -m benchmarks.guard --merge b a", g.parse_args)
+    merged = runs.merge_tasks([rest, stopped], "python -m benchmarks.guard --merge b a", g.parse_args, fr.TASKS)
     assert list(merged["tasks"]) == ["retrieval", "gsm8k", "humaneval"] and merged["complete"] is True
     assert merged["meta"]["serving_digest"] == "d"  # the serving code every part measured
     assert merged["commands"] == [rest["command"], stopped["command"]] and len(merged["parts_meta"]) == 2
@@ -227,8 +228,8 @@ def test_parts_of_one_run_merge_into_the_whole_run_in_task_order(tmp_path):
     assert merged["parts_measured"] == [["humaneval", "overhead"], ["retrieval", "gsm8k"]]
     assert "joined with `--merge`" in text
     assert f"`{rest['command']}` (started " in text and " UTC): humaneval, overhead" in text
-    without = g.merge_parts([stopped, _part(RUN + " --task humaneval --no-overhead", {"humaneval": task}, False)],
-                            "m", g.parse_args)
+    without = runs.merge_tasks([stopped, _part(RUN + " --task humaneval --no-overhead", {"humaneval": task}, False)],
+                               "m", g.parse_args, fr.TASKS)
     assert without["complete"] is False and "overhead" not in without and "guard_queue" not in without
 
 
@@ -245,8 +246,8 @@ def test_parts_that_are_not_one_measurement_are_refused(change, reason):
     stopped = _part(RUN, {"retrieval": task}, overhead=True)
     rest = _part(RUN + " --task humaneval", {"humaneval": task}, overhead=False)
     change(rest)
-    with pytest.raises(g.MergeError, match=reason):
-        g.merge_parts([stopped, rest], "m", g.parse_args)
+    with pytest.raises(runs.MergeError, match=reason):
+        runs.merge_tasks([stopped, rest], "m", g.parse_args, fr.TASKS)
 
 
 def test_merge_writes_the_joined_file_or_refuses_with_nothing_written(tmp_path):
@@ -279,11 +280,11 @@ def _overhead_part(revision: str = "c" * 40, dirty: bool = False, model: str = "
 
 def test_an_overhead_measured_again_replaces_the_runs_and_keeps_what_it_replaced():
     task = _results()["tasks"]["retrieval"]
-    whole = g.merge_parts([_part(RUN, {"retrieval": task, "gsm8k": task}, overhead=False),
-                           _part(RUN + " --task humaneval", {"humaneval": task}, overhead=True)], "m", g.parse_args)
+    whole = runs.merge_tasks([_part(RUN, {"retrieval": task, "gsm8k": task}, overhead=False),
+                           _part(RUN + " --task humaneval", {"humaneval": task}, overhead=True)], "m", g.parse_args, fr.TASKS)
     whole["model"] = "smollm2-135m"
     asked = []
-    out = g.replace_overhead(whole, _overhead_part(), lambda a, b: asked.append((a, b)) or [])
+    out = runs.replace_overhead(whole, _overhead_part(), lambda a, b: asked.append((a, b)) or [], fr.TASKS)
     assert asked == [("a" * 40, "c" * 40)]  # the tasks' revision against the overhead's
     assert out["overhead_throughput_ratio"]["n"] == 48 and out["overhead_replaced"]["throughput"]["n"] == 4
     assert out["tasks"] == whole["tasks"] and out["complete"] is True and out["commands"] == whole["commands"]
@@ -302,8 +303,8 @@ def test_an_overhead_measured_again_replaces_the_runs_and_keeps_what_it_replaced
 ])
 def test_an_overhead_from_other_serving_code_or_model_is_refused(part, diff, reason):
     whole = dict(_part(RUN, {"retrieval": _results()["tasks"]["retrieval"]}, overhead=True), model="smollm2-135m")
-    with pytest.raises(g.MergeError, match=reason):
-        g.replace_overhead(whole, part, lambda a, b: diff)
+    with pytest.raises(runs.MergeError, match=reason):
+        runs.replace_overhead(whole, part, lambda a, b: diff, fr.TASKS)
 
 
 def test_overhead_only_refuses_before_any_server_starts(tmp_path, monkeypatch):

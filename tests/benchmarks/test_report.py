@@ -188,15 +188,12 @@ def test_a_merged_file_is_fresh_only_when_every_part_shares_the_digest():
     assert report.freshness(guard, "a") == report.PARTS_DIFFER
 
 
-def test_a_merged_frontier_file_records_the_digest_its_parts_share(tmp_path, monkeypatch):
-    from benchmarks import frontier
+def test_a_merged_frontier_file_records_the_digest_its_parts_share():
+    from benchmarks import runs
 
-    written = []
-    monkeypatch.setattr(frontier, "save", lambda out, path: written.append(out))
     for digests, want in ((("a", "a"), "a"), (("a", "b"), None), (("a", None), None)):
         parts = [{"serving_digest": d} for d in digests]
-        frontier._save_combined({"parts_meta": parts, "arms": {}}, tmp_path / "m.json", ["--merge", "m.json"])
-        assert written[-1]["meta"]["serving_digest"] == want
+        assert runs.joined_meta("python -m benchmarks.frontier --merge m.json", parts)["serving_digest"] == want
 
 
 def test_stale_marks_stand_in_the_section_header_index_and_headline(tmp_path):

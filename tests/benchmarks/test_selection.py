@@ -1,12 +1,12 @@
-"""The offline selection policies and the one-forward sparse recompute (tiny random Llama, no server)."""
+"""The offline row policies and the one-forward sparse recompute (tiny random Llama, no server)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from benchmarks import selection as sel
-from benchmarks.common import KV, prefill
+from benchmarks.common import KV, prefill, recompute_rows
+from benchmarks.research import row_policies as sel
 from sglang_kvshare.correction import RopeSpec, materialize
 
 torch.set_num_threads(1)
@@ -28,7 +28,7 @@ def _setup(tiny, seed: int = 1):
 @torch.no_grad()
 def test_recomputing_every_row_gives_the_dense_kv(tiny):
     _, prefix, seg, exact, reused = _setup(tiny)
-    out = sel.recompute_rows(tiny, prefix, seg, reused, torch.arange(len(seg)))
+    out = recompute_rows(tiny, prefix, seg, reused, torch.arange(len(seg)))
     torch.testing.assert_close(out.k, exact.k, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(out.v, exact.v, atol=1e-4, rtol=1e-4)
 
@@ -37,7 +37,7 @@ def test_recomputing_every_row_gives_the_dense_kv(tiny):
 def test_a_sparse_recompute_keeps_the_other_rows_and_fixes_what_it_recomputes(tiny):
     _, prefix, seg, exact, reused = _setup(tiny)
     chosen = torch.tensor([3, 17, 30])
-    out = sel.recompute_rows(tiny, prefix, seg, reused, chosen)
+    out = recompute_rows(tiny, prefix, seg, reused, chosen)
     rest = torch.ones(len(seg), dtype=torch.bool)
     rest[chosen] = False
     torch.testing.assert_close(out.k[:, rest], reused.k[:, rest])  # untouched
@@ -56,9 +56,9 @@ def test_tail_attention_is_the_models_own_attention_from_the_tail(tiny):
     p, s = len(prefix_ids), len(seg)
     want = out.attentions[1][0, :, p + s:, p:p + s].float().mean(dim=(0, 1))
     torch.testing.assert_close(scores, want, atol=1e-5, rtol=1e-4)
-    chosen = sel.select_query_aware(tiny, prefix, exact, tail, 0.1, probe_layers=(1,))
+    chosen = sel.top_rows(sel.tail_attention(tiny, prefix, exact, tail, probe_layers=(1,)), 0.1)
     assert set(chosen.tolist()) == set(torch.topk(want, 4).indices.tolist())
-    mixed = sel.select_head_then_query(tiny, prefix, exact, tail, 0.2, probe_layers=(1,))  # 8 rows: 4 + 4
+    mixed = sel.top_rows(scores, 0.2, head_share=0.5)  # 8 rows: 4 + 4
     rest = want.clone()
     rest[:4] = -1
     assert mixed.tolist()[:4] == [0, 1, 2, 3]
@@ -80,7 +80,7 @@ def test_the_deviation_probe_scores_how_far_each_reused_row_lies_from_its_own_co
     torch.testing.assert_close(sel.kv_deviation_scores(tiny, prefix, seg, reused), dk / dk.mean() + dv / dv.mean(),
                                atol=1e-3, rtol=1e-3)
     # The policy keeps the head, then takes the rows that deviate most.
-    chosen = sel.select_head_then_kv_deviation(tiny, prefix, seg, reused, 0.2)  # 8 rows: the first 4, then 4
+    chosen = sel.choose("head_kv_deviation", tiny, prefix, seg, reused, [], 0.2, 0)  # 8 rows: the first 4, then 4
     dev = sel.kv_deviation_scores(tiny, prefix, seg, reused)
     dev[:4] = -1
     assert chosen.tolist()[:4] == [0, 1, 2, 3]
@@ -91,10 +91,11 @@ def test_the_deviation_probe_scores_how_far_each_reused_row_lies_from_its_own_co
 
 def test_budgets_and_simple_policies():
     assert sel.budget(40, 0.15) == 6 and sel.budget(3, 0.01) == 1 and sel.budget(5, 1.0) == 5
-    assert sel.select_head(40, 0.1).tolist() == [0, 1, 2, 3]
     r = sel.select_random(40, 0.2, seed=3)
     assert len(r) == 8 and r.tolist() == sorted(set(r.tolist())) and sel.select_random(40, 0.2, 3).equal(r)
     assert sel.top_rows(torch.tensor([0.1, 0.9, 0.3, 0.8]), 0.5).tolist() == [1, 3]
+    with pytest.raises(ValueError, match="unknown row policy"):
+        sel.choose("nope", None, None, [1], None, [], 0.5, 0)
     with pytest.raises(ValueError, match="ratio"):
         sel.budget(10, 0.0)
 
@@ -106,7 +107,7 @@ def test_the_correction_policy_picks_the_rows_the_correction_moves_most():
     k[:, 7] += 3.0  # the pool moves row 7's keys and row 2's values most; rows past every anchor not at all
     v[:, 2] -= 2.0
     k[:, 4] += 0.1
-    chosen = sel.select_by_correction(aligned, KV(k, v), 0.2)
+    chosen = sel.choose("correction", None, None, list(range(10)), KV(k, v), [], 0.2, 0, aligned)
     assert chosen.tolist() == [2, 7]
     assert sel.correction_size(aligned, aligned).abs().max() == 0  # no correction, no preference
 

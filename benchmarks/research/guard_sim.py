@@ -1,4 +1,4 @@
-"""``python -m benchmarks.guard_sim RUN.json``: replay the guard's controller, offline, on the answers a run measured.
+"""``python -m benchmarks.research.guard_sim RUN.json``: replay the guard's controller, offline, on the answers a run measured.
 
 Why: one held-out guard run takes hours here and scores each task on ten to sixty samples, so it says little about
 how often a controller rule keeps its target, and nothing about a rule it did not run. A run's fixed-head arms
@@ -151,7 +151,7 @@ def simulate(task: Mapping, target: str, *, rate: float, min_samples: int, warmu
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.guard_sim", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.research.guard_sim", description=__doc__.split("\n\n")[0])
     ap.add_argument("run", help="a guard.json, or a benchmarks.frontier file, whose fixed-head arms record answers "
                                 "per agent (a development run)")
     ap.add_argument("--target", default=None, help="default: the guard run's, else top1>=0.99")

@@ -281,8 +281,7 @@ def parse_stream(lines: Iterable[bytes]) -> dict:
         try:
             obj = json.loads(data)
         except ValueError:
-            out["errors"].append(data[:200].decode("utf-8", "replace"))
-            continue
+            obj = data[:200].decode("utf-8", "replace")
         if not isinstance(obj, dict):
             out["errors"].append(str(obj)[:200])
             continue

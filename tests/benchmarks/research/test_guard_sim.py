@@ -1,4 +1,4 @@
-"""The offline replay of the guard's controller on a run's per-answer values (``benchmarks.guard_sim``)."""
+"""The offline replay of the guard's controller on a run's per-answer values (``benchmarks.research.guard_sim``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from benchmarks import guard_sim as gs
+from benchmarks.research import guard_sim as gs
 from sglang_kvshare.guard.controller import DENSE, Controller, ladder
 from sglang_kvshare.guard.target import FidelityTarget
 
