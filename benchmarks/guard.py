@@ -23,7 +23,7 @@ teacher-forced scoring against ``off``, ``summarize_arm``):
   (``--controlled-warmup``, in rounds of ``--concurrency`` samples with the guard's queue drained after each) lets
   the controller act before the scored samples. Reuse and teacher-forced top-1 (along ``off``'s continuation, the
   frontier's metric) over the scored samples, TTFT of agents 2-4.
-* **fixed K** (``best_global_k``): fullshared with one ``--kvshare-recompute-head K`` for every agent, guard off;
+* **fixed K** (``best_global_k``): fullshared with one recomputed head of K rows for every agent, guard off;
   the best is the highest reuse among those whose teacher-forced top-1 meets the target's bound (None if none).
 * **detection** (``detection_samples``): the task's shared input slot served noise (renamed into
   ``devtools.fault_injection``'s ``fault:`` slots, which this benchmark's server perturbs), the
@@ -101,7 +101,8 @@ class GuardedArm(fr.Arm):
     min_samples: int = 20
 
     def config(self) -> dict:
-        return {"mode": self.mode, "recompute_head": self.recompute_head, "recompute_ratio": self.recompute_ratio,
+        """The server's settings (a fixed head K travels in each request's annotation, ``frontier.build``)."""
+        return {"mode": self.mode, "recompute_ratio": self.recompute_ratio, "min_reuse_tokens": self.min_reuse,
                 "verify_rate": self.verify_rate,
                 "fidelity_target": self.target or "", "fidelity_min_samples": self.min_samples}
 

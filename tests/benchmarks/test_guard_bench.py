@@ -136,7 +136,7 @@ def test_small_helpers():
     assert gm.reuse_ratio([{}]) is None
     assert [g.overhead_order(i) for i in range(3)] == [("guard", "plain"), ("plain", "guard"), ("guard", "plain")]
     arm = g.GuardedArm("x", "fullshared", 8, verify_rate=0.1, target="top1>=0.99", min_samples=6)
-    assert arm.config() == {"mode": "fullshared", "recompute_head": 8, "recompute_ratio": 0.0, "verify_rate": 0.1,
+    assert arm.config() == {"mode": "fullshared", "recompute_ratio": 0.0, "min_reuse_tokens": 0, "verify_rate": 0.1,
                             "fidelity_target": "top1>=0.99", "fidelity_min_samples": 6}
 
 
