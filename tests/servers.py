@@ -97,17 +97,22 @@ def reconfigured(server, **changes: Any) -> Iterator[Any]:
 
 
 @contextmanager
-def small_pool_server(server_pool) -> Iterator[Any]:
-    """A fullshared server whose KV pool (3072 tokens) is small enough that the tree evicts.
+def small_pool_server(server_pool, **changes: Any) -> Iterator[Any]:
+    """A fullshared server whose KV pool (3072 tokens) is small enough that the tree evicts, with ``changes``
+    (runtime settings) in force.
 
-    It is the soak's server, switched to fullshared with cold caches and switched back
-    (the soak's mode and tau, cold caches) afterwards, so the soak still starts clean.
+    It is the soak's server, switched to fullshared with cold caches and switched back (the soak's
+    mode and tau, the other changes to what they were, cold caches) afterwards, so the soak still
+    starts clean.
     """
     server = server_pool("soak", **soak_pool())
-    _post(server, "/kvshare/config", {"mode": "fullshared"}, SOAK_HEADERS)
+    changes = {"mode": "fullshared", **changes}
+    launched = requests.get(server.url + "/kvshare/stats", timeout=120).json()["config"]
+    _post(server, "/kvshare/config", changes, SOAK_HEADERS)
     clean(server, SOAK_HEADERS)
     try:
         yield server
     finally:
-        _post(server, "/kvshare/config", {"mode": SOAK_MODE, "tau": SOAK_TAU}, SOAK_HEADERS)
+        back = {**{key: launched[key] for key in changes}, "mode": SOAK_MODE, "tau": SOAK_TAU}
+        _post(server, "/kvshare/config", back, SOAK_HEADERS)
         clean(server, SOAK_HEADERS)
