@@ -11,6 +11,7 @@ starting their own.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Iterator
 
 import requests
@@ -40,12 +41,23 @@ SHARED_LAUNCH = {"kvshare_args": SHARED, "extra_args": SHARED_EXTRA, "fault_inje
 SOAK_KEY = "kvshare-soak-admin-key"
 SOAK_HEADERS = {"Authorization": f"Bearer {SOAK_KEY}"}
 SOAK_MODE, SOAK_TAU, SOAK_POOL_TOKENS = "kvcmas", 1.0, 3072
+ADVERSARY_KEY = "kvshare-adversary-admin-key"
 
 
 def soak_pool() -> dict:
     from benchmarks.soak import soak_launch_args
 
     return soak_launch_args(SOAK_MODE, SOAK_TAU, SOAK_POOL_TOKENS, SOAK_KEY)
+
+
+def adversary_launch(basetemp: Path) -> dict:
+    """The adversary's server (``benchmarks.adversary.launch_args``), its pool file at one path in the session's
+    temporary folder, so that the server the suite starts early is the one its test asks for."""
+    from benchmarks import adversary
+
+    folder = basetemp / "adversary-server"
+    folder.mkdir(exist_ok=True)
+    return adversary.launch_args(ADVERSARY_KEY, folder / adversary.POOL_FILE)
 
 
 def shared_server(server_pool):
