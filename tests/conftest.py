@@ -39,7 +39,9 @@ def server_pool(model_path) -> Iterator[Callable[..., ServerProcess]]:
     """``get(name, **kwargs)`` returns a running server, started on first use.
 
     ``get.launch(name, **kwargs)`` starts one without waiting for it (the next
-    ``get`` of those arguments waits until it answers).
+    ``get`` of those arguments waits until it answers); ``get.defer(name, **kwargs)``
+    launches one later, once every running server answers (``get.start_deferred``,
+    called before each test).
 
     Servers are keyed by their arguments, not by ``name`` (a label for the log):
     every test that asks for the same arguments shares one server, so tests must
