@@ -39,7 +39,9 @@ def server_pool(model_path) -> Iterator[Callable[..., ServerProcess]]:
     """``get(name, **kwargs)`` returns a running server, started on first use.
 
     ``get.launch(name, **kwargs)`` starts one without waiting for it (the next
-    ``get`` of those arguments waits until it answers).
+    ``get`` of those arguments waits until it answers); ``get.defer(name, **kwargs)``
+    launches one later, once every running server answers (``get.start_deferred``,
+    called before each test).
 
     Servers are keyed by their arguments, not by ``name`` (a label for the log):
     every test that asks for the same arguments shares one server, so tests must
@@ -47,6 +49,7 @@ def server_pool(model_path) -> Iterator[Callable[..., ServerProcess]]:
     last ``MAX_ALIVE_SERVERS`` servers used stay up; an idle one costs no CPU.
     """
     running: OrderedDict[tuple, ServerProcess] = OrderedDict()
+    deferred: list[tuple[str, dict]] = []
 
     def launch(name: str, *, kvshare_args=(), extra_args=(), stock: bool = False,
                fault_injection: bool = False) -> tuple:
@@ -70,7 +73,17 @@ def server_pool(model_path) -> Iterator[Callable[..., ServerProcess]]:
         server.wait_ready()  # at once when it has answered before
         return server
 
-    get.launch = launch
+    def defer(name: str, **kwargs) -> None:
+        """Start this server once every running one answers (``start_deferred``)."""
+        deferred.append((name, kwargs))
+
+    def start_deferred() -> None:
+        if deferred and all(_answers(server) for server in running.values()):
+            for name, kwargs in deferred:
+                launch(name, **kwargs)
+            deferred.clear()
+
+    get.launch, get.defer, get.start_deferred = launch, defer, start_deferred
     try:
         yield get
     finally:
@@ -80,8 +93,20 @@ def server_pool(model_path) -> Iterator[Callable[..., ServerProcess]]:
             server.stop()
 
 
+def _answers(server: ServerProcess) -> bool:
+    """Whether ``server`` is up, without waiting for it."""
+    import requests
+
+    if server.ready:
+        return True
+    try:
+        return requests.get(server.url + "/health", timeout=2).status_code == 200
+    except requests.RequestException:
+        return False
+
+
 @pytest.fixture(scope="session", autouse=True)
-def _launch_common_servers_together(request) -> None:
+def _launch_common_servers_together(request, tmp_path_factory) -> Callable[[], None]:
     """When the run spans many server modules, launch their servers at once, up front.
 
     A server start is mostly single-threaded imports (about 45 s here alone).
@@ -90,20 +115,31 @@ def _launch_common_servers_together(request) -> None:
     and fill the cores while the four servers start: the three common ones and
     the soak's, whose start otherwise ran alone in the eviction test with one
     core idle. Before that order, three at once paid (the first server test
-    waited about 81 s, not 135 s) and five did not (154 s). A run of one or two
-    server modules starts its servers lazily.
+    waited about 81 s, not 135 s) and five did not (154 s). The adversary's
+    server starts once those four answer, while the tests that need no server
+    still run, so its start costs its module nothing. A run of one or two server
+    modules starts its servers lazily. Returns what each test calls first: the
+    deferred start, when it is due.
     """
     modules = {item.module.__name__ for item in request.session.items
                if "server_pool" in getattr(item, "fixturenames", ()) and getattr(item, "module", None)}
     if len(modules) < 3:
-        return
-    from tests.servers import OFF, SHARED_LAUNCH, soak_pool
+        return lambda: None
+    from tests.servers import OFF, SHARED_LAUNCH, adversary_launch, soak_pool
 
     server_pool = request.getfixturevalue("server_pool")
     server_pool.launch("shared", **SHARED_LAUNCH)
     server_pool.launch("off", kvshare_args=OFF)
     server_pool.launch("stock", stock=True)
     server_pool.launch("soak", **soak_pool())
+    if "tests.test_adversary" in modules:
+        server_pool.defer("adversary", **adversary_launch(tmp_path_factory.getbasetemp()))
+    return server_pool.start_deferred
+
+
+@pytest.fixture(autouse=True)
+def _start_deferred_servers(_launch_common_servers_together) -> None:
+    _launch_common_servers_together()
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:

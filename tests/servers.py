@@ -11,6 +11,7 @@ starting their own.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Iterator
 
 import requests
@@ -40,12 +41,23 @@ SHARED_LAUNCH = {"kvshare_args": SHARED, "extra_args": SHARED_EXTRA, "fault_inje
 SOAK_KEY = "kvshare-soak-admin-key"
 SOAK_HEADERS = {"Authorization": f"Bearer {SOAK_KEY}"}
 SOAK_MODE, SOAK_TAU, SOAK_POOL_TOKENS = "kvcmas", 1.0, 3072
+ADVERSARY_KEY = "kvshare-adversary-admin-key"
 
 
 def soak_pool() -> dict:
     from benchmarks.soak import soak_launch_args
 
     return soak_launch_args(SOAK_MODE, SOAK_TAU, SOAK_POOL_TOKENS, SOAK_KEY)
+
+
+def adversary_launch(basetemp: Path) -> dict:
+    """The adversary's server (``benchmarks.adversary.launch_args``), its pool file at one path in the session's
+    temporary folder, so that the server the suite starts early is the one its test asks for."""
+    from benchmarks import adversary
+
+    folder = basetemp / "adversary-server"
+    folder.mkdir(exist_ok=True)
+    return adversary.launch_args(ADVERSARY_KEY, folder / adversary.POOL_FILE)
 
 
 def shared_server(server_pool):
@@ -88,7 +100,8 @@ def reconfigured(server, **changes: Any) -> Iterator[Any]:
     """The shared server with ``changes`` in force and cold caches; restored afterwards."""
     unknown = set(changes) - set(_RESTORE)
     assert not unknown, f"reconfigured() restores only {sorted(_RESTORE)}, not {sorted(unknown)}"
-    _post(server, "/kvshare/config", changes)
+    if changes:  # none: the launch settings, with cold caches (the route refuses an empty change)
+        _post(server, "/kvshare/config", changes)
     clean(server)
     try:
         yield server
@@ -97,17 +110,22 @@ def reconfigured(server, **changes: Any) -> Iterator[Any]:
 
 
 @contextmanager
-def small_pool_server(server_pool) -> Iterator[Any]:
-    """A fullshared server whose KV pool (3072 tokens) is small enough that the tree evicts.
+def small_pool_server(server_pool, **changes: Any) -> Iterator[Any]:
+    """A fullshared server whose KV pool (3072 tokens) is small enough that the tree evicts, with ``changes``
+    (runtime settings) in force.
 
-    It is the soak's server, switched to fullshared with cold caches and switched back
-    (the soak's mode and tau, cold caches) afterwards, so the soak still starts clean.
+    It is the soak's server, switched to fullshared with cold caches and switched back (the soak's
+    mode and tau, the other changes to what they were, cold caches) afterwards, so the soak still
+    starts clean.
     """
     server = server_pool("soak", **soak_pool())
-    _post(server, "/kvshare/config", {"mode": "fullshared"}, SOAK_HEADERS)
+    changes = {"mode": "fullshared", **changes}
+    launched = requests.get(server.url + "/kvshare/stats", timeout=120).json()["config"]
+    _post(server, "/kvshare/config", changes, SOAK_HEADERS)
     clean(server, SOAK_HEADERS)
     try:
         yield server
     finally:
-        _post(server, "/kvshare/config", {"mode": SOAK_MODE, "tau": SOAK_TAU}, SOAK_HEADERS)
+        back = {**{key: launched[key] for key in changes}, "mode": SOAK_MODE, "tau": SOAK_TAU}
+        _post(server, "/kvshare/config", back, SOAK_HEADERS)
         clean(server, SOAK_HEADERS)

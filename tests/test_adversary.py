@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import adversary, adversary_files
-
-KEY = "kvshare-adversary-admin-key"
+from tests.servers import ADVERSARY_KEY, adversary_launch
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +32,9 @@ def test_a_guard_file_write_follows_no_planted_symlink_and_is_private(hostile):
 def short_run(tmp_path_factory, server_pool, model_path) -> dict:
     from transformers import AutoTokenizer
 
-    pool_file = tmp_path_factory.mktemp("adversary") / adversary.POOL_FILE
-    server = server_pool("adversary", **adversary.launch_args(KEY, pool_file))
-    return adversary.run(server.url, KEY, AutoTokenizer.from_pretrained(model_path), form="short")
+    # The suite may have started this server already, while the tests that need none ran (tests/conftest.py).
+    server = server_pool("adversary", **adversary_launch(tmp_path_factory.getbasetemp()))
+    return adversary.run(server.url, ADVERSARY_KEY, AutoTokenizer.from_pretrained(model_path), form="short")
 
 
 VERDICTS = ["verify_keys", "sampling_not_error", "pin_bounds", "forged_workflow", "long_chats", "pins_survive_flood",

@@ -18,11 +18,13 @@ from tests.agent_chain import agent_request, context, report, warm_request
 pytestmark = pytest.mark.server
 
 # Synchronous learning: each dense prefill is learned before the next request (the test counts anchors);
-# edge anchors 2: the gate's minimum, reached by the second content.
+# edge anchors 2: the gate's minimum, reached by the second content; whole segments of any length are reused
+# (the contents are short).
 # A save interval of 1 s: the idle scheduler saves the pools once they changed (checked before the explicit save).
 KVSHARE = ("--kvshare-mode", "kvcmas", "--kvshare-learn-async", "false", "--kvshare-edge-anchors", "2",
            "--kvshare-tau", "1.0", "--kvshare-verify-rate", "0", "--kvshare-admin-open", "true",
-           "--kvshare-pool-save-interval-s", "1", "--kvshare-auto", "true")
+           "--kvshare-pool-save-interval-s", "1", "--kvshare-auto", "true", "--kvshare-recompute-ratio", "0",
+           "--kvshare-min-reuse-tokens", "0")
 A, B, C = "solver", "analyst", "coder"
 
 

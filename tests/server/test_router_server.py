@@ -15,19 +15,26 @@ import requests
 
 from sglang_kvshare.routing import routing_headers
 from tests.agent_chain import agent_request, context, report, warm_request
+from tests.servers import clean, shared_server, small_pool_server
 
 pytestmark = pytest.mark.server
 
-KVSHARE = ("--kvshare-mode", "fullshared", "--kvshare-learn-async", "false", "--kvshare-verify-rate", "0")
-
 
 @pytest.fixture(scope="module")
-def fleet(model_path):
-    """Two servers side by side and the router in front; all stopped after this module."""
-    from devtools.router_process import fleet
+def fleet(server_pool):
+    """The router in front of two kvshare servers the suite runs anyway (no start of their own): the shared
+    one and the soak's, both fullshared, reusing whole segments of any length, the guard off; the router is
+    stopped after this module and the soak's server set back."""
+    from devtools.router_process import RouterProcess
 
-    with fleet(model_path, KVSHARE, ("--max-total-tokens", "4096")) as (router, servers):
-        yield router, servers
+    first = shared_server(server_pool)
+    clean(first)
+    try:
+        with small_pool_server(server_pool, recompute_ratio=0.0, min_reuse_tokens=0, verify_rate=0.0) as second:
+            with RouterProcess([first.url, second.url]) as router:
+                yield router, [first, second]
+    finally:
+        clean(first)
 
 
 @pytest.fixture(scope="module")
