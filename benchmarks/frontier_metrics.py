@@ -149,27 +149,10 @@ def line_gap_intervals(agree: Mapping[str, Sequence[float]], reuse: Mapping[str,
     stay fixed (token counts over the whole run). None for an arm outside the
     line's reuse range or when no item was scored.
     """
-    names = list(agree)
-    n = len(next(iter(agree.values()), []))
-    if any(len(v) != n for v in agree.values()):
+    if len({len(v) for v in agree.values()}) > 1:
         raise ValueError("every arm must score the same items: agreement lists differ in length")
-    if n == 0 or not line:
-        return {name: None for name in names}
-    rng = random.Random(seed)
-    gaps: dict[str, list[float]] = {name: [] for name in names}
-    for _ in range(reps):
-        idx = [rng.randrange(n) for _ in range(n)]
-        mean = {name: sum(agree[name][i] for i in idx) / n for name in names}
-        pts = [(reuse[name], mean[name]) for name in line]
-        for name in names:
-            y = interpolate(pts, reuse[name])
-            if y is not None:
-                gaps[name].append(mean[name] - y)
-    out: dict[str, Optional[list[float]]] = {}
-    for name in names:
-        g = sorted(gaps[name])
-        out[name] = [g[int(0.025 * (len(g) - 1))], g[int(round(0.975 * (len(g) - 1)))]] if g else None
-    return out
+    per_item = {name: [(1, v, 0.0) for v in values] for name, values in agree.items()}  # one "position" an item
+    return {name: ci and ci["top1_above"] for name, ci in tf_line_gap_intervals(per_item, reuse, line, reps, seed).items()}
 
 
 def tf_line_gap_intervals(per_sample: Mapping[str, Sequence[Sequence[float]]], reuse: Mapping[str, float],
