@@ -234,14 +234,6 @@ REGISTRY: list[Benchmark] = [
         "accuracy moves by single samples). TTFT includes queueing behind the other samples in flight.",
         render_workflow),
     Benchmark(
-        "workflow_humaneval", "workflow_humaneval.json",
-        "python -m benchmarks.workflow --task humaneval --topology refer --agents 4 --limit 50 --max-tokens 128 "
-        "--concurrency 8 --mode off,fullshared,kvcmas --compare off",
-        "On the HumanEval `refer` workflow, how much is reused and how many final programs stay those of `off`?",
-        "Pass/fail agreement is high in every mode because the model fails most problems either way; identical "
-        "final text is the sharper measure. Read this file's note before comparing TTFT.",
-        render_workflow),
-    Benchmark(
         "frontier_retrieval", "frontier_retrieval.json",
         "python -m benchmarks.frontier --task retrieval --limit 100 --warmup 8 --heads 0 8 32 --mix 0.5 "
         "--arms off,fullshared_k0,mix_p0.5,kvcmas_k0,kvcmas_k8,fullshared_k8,kvcmas_k32,fullshared_k32",
@@ -263,12 +255,6 @@ REGISTRY: list[Benchmark] = [
         "python -m benchmarks.frontier --task gsm8k --limit 50 --max-tokens 128 --concurrency 8 --heads 0 8 16 32 "
         "--mix 0.5",
         "On the GSM8K `refer` workflow, which mode keeps `off`'s answers and distributions at which reuse?",
-        FRONTIER_READING, render_frontier, plot_from("benchmarks.frontier", "plot"), results_png=True),
-    Benchmark(
-        "frontier_humaneval", "frontier_humaneval.json",
-        "python -m benchmarks.frontier --task humaneval --limit 50 --max-tokens 128 --concurrency 8 --heads 0 8 32 "
-        "--mix 0.5",
-        "On the HumanEval `refer` workflow, which mode keeps `off`'s programs and distributions at which reuse?",
         FRONTIER_READING, render_frontier, plot_from("benchmarks.frontier", "plot"), results_png=True),
     Benchmark(
         "fidelity", "fidelity.json", "python -m benchmarks.fidelity",
@@ -300,7 +286,7 @@ REGISTRY: list[Benchmark] = [
         "extra keys and the guard file's key, looked for in every answer, admin route and `/metrics`.",
         render_adversary, optional=True),
     Benchmark(
-        "guard", "guard.json", "python -m benchmarks.guard --seed 13 --offset 700 --task-offset humaneval=110",
+        "guard", "guard.json", "python -m benchmarks.guard --seed 13 --offset 700",
         "Does the fidelity guard's estimate hold the truth, does it keep a target at more reuse than one global "
         "recomputed head, does it catch a bad scope, and what does it cost?",
         "Calibration: every request served approximated KV is replayed densely by the benchmark; each agent's mean "
@@ -392,11 +378,10 @@ def _frontier_headline(d: dict) -> tuple[str, str, str]:
     name, a = max(high or cands, key=lambda na: (na[1]["teacher_forced_top1"], -na[1]["teacher_forced_kl"]))
     base = (arms.get("fullshared_k0") or {}).get("teacher_forced_kl")
     paired = a.get("accuracy_vs_off_paired") or {}
-    what = "pass/fail agreement" if d["task"] == "humaneval" else "final-answer agreement"
     fidelity = (f"reuse {a['reuse_ratio']:.2f}; teacher-forced top-1 {a['teacher_forced_top1']:.4f}, KL "
                 f"{a['teacher_forced_kl']:.5f}" + (f" ({a['teacher_forced_kl'] / base:.2f}x `fullshared` K=0)"
                                                    if base else "")
-                + f"; {what} {a['agreement_final']:.2f}; accuracy {paired.get('mean', 0):+.3f} "
+                + f"; final-answer agreement {a['agreement_final']:.2f}; accuracy {paired.get('mean', 0):+.3f} "
                   f"{interval(paired.get('ci95'))} vs `off` ({d['scored_items']} items)")
     t = (a.get("ttft_agents_2_4_s") or {}).get("median")
     off_t = (arms["off"].get("ttft_agents_2_4_s") or {}).get("median")

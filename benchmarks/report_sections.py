@@ -207,8 +207,7 @@ def _ttft_cell(a: dict) -> str:
 def frontier_rows(d: dict) -> tuple[list[str], list[list[str]]]:
     arms = d["arms"]
     base_kl = (arms.get("fullshared_k0") or {}).get("teacher_forced_kl")
-    agreement = "pass/fail agreement" if d["task"] == "humaneval" else "final-answer agreement"
-    header = ["arm", "reuse ratio", agreement, "vs random-mix line [95% CI]", "identical text",
+    header = ["arm", "reuse ratio", "final-answer agreement", "vs random-mix line [95% CI]", "identical text",
               "teacher-forced top-1 (vs line)", "teacher-forced KL (x fullshared K=0)", "TF reuse",
               "accuracy (paired diff vs off [95% CI])", "TTFT agents 2-4 median (p10-p90)", "shared-segment fallbacks"]
     rows = []

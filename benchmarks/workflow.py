@@ -49,7 +49,7 @@ MODES = ("off", "fullshared", "kvcmas", "stock")
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.workflow", description=__doc__.split("\n")[0])
-    p.add_argument("--task", choices=("gsm8k", "humaneval"), default="gsm8k")
+    p.add_argument("--task", choices=("gsm8k",), default="gsm8k")
     p.add_argument("--topology", choices=("chain", "refer", "debate"), default="refer")
     p.add_argument("--agents", type=int, default=4, help="role agents + the final agent (2..4)")
     p.add_argument("--rounds", type=int, default=2, help="debate rounds")
