@@ -46,7 +46,7 @@ from benchmarks.report_sections import (date_of, hardware, interval, meta_line, 
                                         render_guard, render_kernels, render_langgraph,
                                         render_learn_cost, render_profile, render_scaleout, render_serving,
                                         render_soak, render_stock_vs_off, render_text, render_tp_kvcmas,
-                                        render_warm_start, render_workflow, table)
+                                        render_warm_start, table)
 from benchmarks.serving_digest import serving_digest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -224,15 +224,6 @@ REGISTRY: list[Benchmark] = [
         "repeat's ratio moves with how the arrivals overlap: read the median of the repeats. `bound` is the "
         "arithmetic ceiling 1/(1-rho) for the share rho of prefill tokens saved. Speed only.",
         render_serving, plot_from("benchmarks.serving", "make_plot"), results_png=True),
-    Benchmark(
-        "workflow_gsm8k", "workflow_gsm8k.json",
-        "python -m benchmarks.workflow --task gsm8k --topology refer --agents 4 --limit 50 --max-tokens 128 "
-        "--concurrency 8 --mode off,kvcmas --compare off",
-        "On the GSM8K `refer` workflow (3 role agents answer, a final agent reads all three answers), how fast are "
-        "agents 2-4 and how many final answers stay those of `off`?",
-        "Agreement with `off` is the fidelity measure (the 135M model solves almost none of the questions, so "
-        "accuracy moves by single samples). TTFT includes queueing behind the other samples in flight.",
-        render_workflow),
     Benchmark(
         "frontier_retrieval", "frontier_retrieval.json",
         "python -m benchmarks.frontier --task retrieval --limit 100 --warmup 8 --heads 0 8 32 --mix 0.5 "

@@ -132,30 +132,6 @@ def render_serving(d: dict) -> str:
             + f"\n\nPeak server memory (RSS, all processes): {rss}.")
 
 
-def render_workflow(d: dict) -> str:
-    agree = d.get("agreement_with_off", {})
-    header = ["mode", "accuracy", "agrees with `off`: final answer / identical final text", "reuse ratio",
-              "of which corrected", "dense-fallback rate", "mean TTFT agents 2-4", "median TTFT agents 2 / 3 / 4",
-              "mean TTFT agent 1", "wall", "n samples"]
-    rows, reasons = [], []
-    for mode, r in d["runs"].items():
-        a = agree.get(mode)
-        pos = r.get("ttft_s_by_position", {})
-        meds = " / ".join(num(pos.get(str(i), {}).get("p50")) for i in (2, 3, 4)) + " s"
-        rows.append([f"`{mode}`", num(r["accuracy"]),
-                     "1 / 1 (reference)" if mode == "off" else
-                     (f"{num(a['final_answer_agreement'])} / {num(a['identical_final_text'])}" if a else "-"),
-                     num(r.get("reuse_ratio")), num(r.get("shared_corrected_ratio")), num(r.get("dense_fallback_rate")),
-                     num(r["ttft_s_mean_agents_2_on"], ".2f", " s"), meds, num(r["ttft_s_mean_agent_1"], ".2f", " s"),
-                     num(r["wall_s"] / 60, ".1f", " min"), str(r["samples"])])
-        if r.get("fallback_reasons"):
-            reasons.append(f"`{mode}`: {fallbacks(r['fallback_reasons'])}")
-    note = f"\n\nRecorded with the run: {d['note']}" if d.get("note") else ""
-    return (f"{d['task']} `{d['topology']}` workflow, {d['agents']} agents, {d['samples']} samples, "
-            f"{d['max_tokens']} tokens per agent, {d['concurrency']} samples in flight.\n\n" + table(header, rows)
-            + ("\n\nShared-segment fallbacks: " + "; ".join(reasons) + "." if reasons else "") + note)
-
-
 def render_demo(d: dict) -> str:
     s, sm = d["settings"], d["summary"]
     rows = []
