@@ -6,11 +6,10 @@ question it answers and how to read it). This module reads those files and
 writes ``docs/RESULTS.md``: an index, the headline table, and one short
 section per benchmark (question, reading, the hardware, date, revision, serving
 digest and command recorded in the file's ``meta`` by
-``benchmarks.harness.run_meta``, and its key table); the research benchmarks'
-tables go to ``docs/research/RESULTS_DETAIL.md``. Plots go to ``docs/results/``
+``benchmarks.harness.run_meta``, and its key table). Plots go to ``docs/results/``
 through the benchmarks' own plot functions.
 
-    python -m benchmarks.report               # write docs/RESULTS.md, RESULTS_DETAIL.md, the plots, README's headline block
+    python -m benchmarks.report               # write docs/RESULTS.md, the plots, README's headline block
     python -m benchmarks.report --no-plots    # the documents only
     python -m benchmarks.report --check       # exit 1 (and a diff) if the documents are not what the files give
     python -m benchmarks.report --check-fresh # exit 1 if a headline row was measured on other serving code
@@ -41,20 +40,16 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from benchmarks.report_sections import (date_of, hardware, interval, meta_line, plot_chain, plot_from, render_adversary,
-                                        render_assembly_cost, render_chain, render_demo, render_fidelity,
-                                        render_fidelity_variants, render_frontier, render_roles_study,
-                                        render_guard, render_kernels, render_langgraph,
-                                        render_learn_cost, render_profile, render_scaleout, render_serving,
-                                        render_soak, render_stock_vs_off, render_text, render_tp_kvcmas,
-                                        render_warm_start, table)
+                                        render_chain, render_demo, render_fidelity, render_frontier, render_guard,
+                                        render_kernels, render_langgraph, render_roles_study, render_scaleout,
+                                        render_serving, render_soak, render_stock_vs_off,
+                                        render_tp_kvcmas, render_warm_start, table)
 from benchmarks.serving_digest import serving_digest
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 DOC = ROOT / "docs" / "RESULTS.md"
 PLOTS = ROOT / "docs" / "results"
-DETAIL = ROOT / "docs" / "research" / "RESULTS_DETAIL.md"
-TEXT_META = "# meta: "
 
 
 class ReportError(RuntimeError):
@@ -119,18 +114,9 @@ class Benchmark:
     results_png: bool = False  # the benchmark itself draws ``<file stem>.png`` beside its JSON
     optional: bool = False  # not measured yet: the report leaves it out while its file is missing
 
-    @property
-    def detail(self) -> bool:
-        """A research benchmark: its tables go to docs/research/RESULTS_DETAIL.md, its section links them."""
-        return "benchmarks.research." in self.command
-
-    @property
-    def is_json(self) -> bool:
-        return self.file.endswith(".json")
-
 
 def load(entry: Benchmark, results: Path = RESULTS) -> Any:
-    """The canonical file of ``entry``: the parsed JSON, or for a script's saved output ``{"meta", "text"}``.
+    """The canonical file of ``entry``, parsed.
 
     Raises ``ReportError`` naming the file when it is missing, not parseable, or lacks ``meta``'s
     command, machine, date or git revision.
@@ -139,15 +125,8 @@ def load(entry: Benchmark, results: Path = RESULTS) -> Any:
     if not path.is_file():
         raise ReportError(f"{path}: the canonical results file of benchmark {entry.name!r} is missing "
                           f"(written by: {entry.command})")
-    text = path.read_text()
     try:
-        if entry.is_json:
-            data = json.loads(text)
-        else:  # a script's saved output: its first line is ``# meta: {...}``
-            first, _, rest = text.partition("\n")
-            if not first.startswith(TEXT_META):
-                raise ReportError(f"{path}: the first line must be '{TEXT_META}{{...}}' (benchmarks.harness.run_meta)")
-            data = {"meta": json.loads(first[len(TEXT_META):]), "text": rest}
+        data = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ReportError(f"{path}: not valid JSON ({exc})") from exc
     if not isinstance(data, dict):
@@ -318,28 +297,6 @@ REGISTRY: list[Benchmark] = [
         "it learns); `warm`: the same server launched with the saved file. One run of this machine; the arms "
         "ran one after another on the same documents.",
         render_warm_start, optional=True),
-    Benchmark(
-        "assembly_cost", "assembly_cost.json",
-        "python -m benchmarks.research.assembly_cost --lengths 512 1024 4096 --anchors 3 6 10 --repeats 7",
-        "What does assembling one corrected segment cost, by phase, with the server's own calls?",
-        "The same calls the server makes (read the source, estimate, plan, write), alone on the CPU.",
-        render_assembly_cost),
-    Benchmark(
-        "learn_cost", "learn_cost.json", "python -m benchmarks.research.learn_cost --repeats 3",
-        "What does learning one observation cost per factorization method, and is each method exact?",
-        "`residual / exact SVD's` = 1.0 is the optimal rank-32 truncation.",
-        render_learn_cost),
-    Benchmark(
-        "profile_scheduler", "profile_kvcmas.json", "python -m benchmarks.research.profile_scheduler",
-        "Where does a kvcmas server's scheduler spend its CPU time under the chain workload?",
-        "py-spy samples of the scheduler process; read the shares, not the seconds (sampling slows the server).",
-        render_profile),
-    Benchmark(
-        "fidelity_variants", "fidelity_variants.json", "python -m benchmarks.research.fidelity_variants",
-        "Does any form of the correction lower the KL of `fullshared` + the same recomputed head?",
-        "Variants are chosen on the warm contents only (leave one out) by a rule fixed before the run, then checked "
-        "once on the held-out contents of the fidelity benchmark.",
-        render_fidelity_variants),
 ]
 BY_NAME = {b.name: b for b in REGISTRY}
 
@@ -517,13 +474,11 @@ def body_of(entry: Benchmark, data: Any, results: Path) -> str:
 
 def section(entry: Benchmark, data: Any, results: Path, stale: Optional[str] = None) -> str:
     """One benchmark's short section: a paragraph (question, reading, file, plot, measurement, the body's opening
-    note) and its key table; a research benchmark's tables stand in RESULTS_DETAIL.md, linked."""
+    note) and its key table."""
     body = body_of(entry, data, results)
     meta = data["meta"]
     recipe = "" if meta.get("command") == entry.command else f" Recipe: `{entry.command}`."
     plot = f", plot [`{entry.name}.png`](results/{entry.name}.png)" if entry.plot is not None else ""
-    if entry.detail:
-        body = f"Tables: [research/RESULTS_DETAIL.md](research/RESULTS_DETAIL.md#{entry.name})."
     note, _, rest = body.partition("\n\n")
     if note.startswith(("|", "```")):
         note, rest = "", body
@@ -532,18 +487,6 @@ def section(entry: Benchmark, data: Any, results: Path, stale: Optional[str] = N
            f"[`benchmarks/results/{entry.file}`](../benchmarks/results/{entry.file}){plot}. {meta_line(meta)}"
            f"{recipe}" + (f" {note}" if note else ""), ""]
     return "\n".join(out + ([rest, ""] if rest else []))
-
-
-def render_detail(results: Path = RESULTS) -> str:
-    """docs/research/RESULTS_DETAIL.md's text: the tables of the research benchmarks (``detail`` entries)."""
-    parts = ["# Results: research benchmarks' tables", "",
-             "<!-- Generated by `python -m benchmarks.report` from benchmarks/results/. Do not edit by hand. -->", "",
-             "The tables of the research benchmarks (`benchmarks/research/`); what each asks, how it was measured "
-             "and whether its serving code is this tree's: [docs/RESULTS.md](../RESULTS.md).", ""]
-    for entry in present(results):
-        if entry.detail:
-            parts += [f"## {entry.name}", "", body_of(entry, load(entry, results), results), ""]
-    return "\n".join(parts).rstrip("\n") + "\n"
 
 
 def render(results: Path = RESULTS, tree: Optional[str] = None) -> str:
@@ -594,8 +537,8 @@ def write_plots(results: Path = RESULTS, out_dir: Path = PLOTS) -> list[Path]:
 
 
 def check(doc: Path = DOC, results: Path = RESULTS, readme: Optional[Path] = README,
-          tree: Optional[str] = None, detail: Optional[Path] = DETAIL) -> tuple[bool, str]:
-    """Whether ``doc`` (and README's headline block, and ``detail``) is what the results give: (ok, what to say).
+          tree: Optional[str] = None) -> tuple[bool, str]:
+    """Whether ``doc`` (and README's headline block) is what the results give: (ok, what to say).
 
     Freshness marks are left out of the comparison: a change of the serving code turns results stale without
     making the documents wrong about what the files hold (``--check-fresh`` fails on that). When only the marks
@@ -604,8 +547,6 @@ def check(doc: Path = DOC, results: Path = RESULTS, readme: Optional[Path] = REA
     pairs = [(doc, render(results, tree))]
     if readme is not None:
         pairs.append((readme, readme_with_headline(readme.read_text(), results, tree)))
-    if detail is not None:
-        pairs.append((detail, render_detail(results)))
     diff: list[str] = []
     marks = []
     for path, want in pairs:
@@ -655,8 +596,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             status = 0
             if args.check:
                 default = args.out == DOC
-                ok, message = check(args.out, args.results, README if default else None,
-                                    detail=DETAIL if default else None)
+                ok, message = check(args.out, args.results, README if default else None)
                 if not ok:
                     print(f"{args.out} differs from what the results give; run python -m benchmarks.report\n"
                           f"{message}", file=sys.stderr)
@@ -675,9 +615,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.out == DOC:
             README.write_text(readme_with_headline(README.read_text(), args.results))
             print(f"wrote the headline block of {README}")
-            DETAIL.parent.mkdir(parents=True, exist_ok=True)
-            DETAIL.write_text(render_detail(args.results))
-            print(f"wrote {DETAIL}")
         if not args.no_plots:
             for path in write_plots(args.results, PLOTS if args.out == DOC else args.out.parent / "results"):
                 print(f"wrote {path}")
