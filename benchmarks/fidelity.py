@@ -44,6 +44,7 @@ from sglang_kvshare.correction import (CorrectionPlan, FullShared, RopeSpec, Seg
 
 from .baselines import make_estimator
 from .harness import RESULTS, SCRATCH, run_meta
+from .report_sections import render_fidelity
 from .texts import gsm8k_questions
 from .common import KV, load_model, partial_recompute, prefill, recompute_rows, set_threads, suffix_eval
 
@@ -729,20 +730,7 @@ def main(argv=None) -> None:
     png = args.plot or out.with_suffix(".png")
     plot(result, png)
     print(f"wrote {out} and {png}", file=sys.stderr)
-    print(table(result))
-
-
-def table(result: dict) -> str:
-    lines = ["| mode | tau | rank | KL mean | KL p90 | top-1 | greedy 32 | reuse | fallback | anchor MiB "
-             "| estimate s/token (x dense prefill) |", "|---" * 11 + "|"]
-    for label, r in _rows(result):
-        fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
-        lines.append(f"| {label} | {fmt(r['tau'], 'g')} | {r['rank'] if r['rank'] is not None else 'full'} | "
-                     f"{fmt(r['kl_mean'], '.4f')} | {fmt(r['kl_p90'], '.4f')} | {fmt(r['top1'], '.3f')} | "
-                     f"{fmt(r['greedy_match'], '.2f')} | {r['reuse_ratio']:.2f} | {r['fallback_rate']:.2f} | "
-                     f"{r['anchor_bytes'] / 2**20:.1f} | {r['estimate_seconds_per_token']:.1e} "
-                     f"({r['estimate_time_vs_dense_prefill']:.2f}) |")
-    return "\n".join(lines)
+    print(render_fidelity(result))
 
 
 if __name__ == "__main__":

@@ -316,38 +316,6 @@ def canonical_files(results: Path = RESULTS) -> set[str]:
 
 
 # ------------------------------------------------------------------ headline
-def _frontier_headline(d: dict) -> tuple[str, str, str]:
-    """The arm with the highest teacher-forced top-1 at reuse >= 0.7 (lowest KL on a tie; at any reuse when no arm
-    reaches 0.7), with its fidelity and its TTFT against `off`'s."""
-    arms = d["arms"]
-    cands = [(n, a) for n, a in arms.items() if n != "off" and a.get("random_mix_p") is None
-             and a.get("teacher_forced_top1") is not None]
-    high = [(n, a) for n, a in cands if (a.get("reuse_ratio") or 0) >= 0.7]
-    name, a = max(high or cands, key=lambda na: (na[1]["teacher_forced_top1"], -na[1]["teacher_forced_kl"]))
-    base = (arms.get("fullshared_k0") or {}).get("teacher_forced_kl")
-    paired = a.get("accuracy_vs_off_paired") or {}
-    fidelity = (f"reuse {a['reuse_ratio']:.2f}; teacher-forced top-1 {a['teacher_forced_top1']:.4f}, KL "
-                f"{a['teacher_forced_kl']:.5f}" + (f" ({a['teacher_forced_kl'] / base:.2f}x `fullshared` K=0)"
-                                                   if base else "")
-                + f"; final-answer agreement {a['agreement_final']:.2f}; accuracy {paired.get('mean', 0):+.3f} "
-                  f"{interval(paired.get('ci95'))} vs `off` ({d['scored_items']} items)")
-    t = (a.get("ttft_agents_2_4_s") or {}).get("median")
-    off_t = (arms["off"].get("ttft_agents_2_4_s") or {}).get("median")
-    own_off = a.get("off_ttft_agents_2_4_median_same_run")
-    if t is None:  # pooled runs: medians do not pool
-        speed = "TTFT per run in the section"
-    elif d.get("commands") and own_off:  # merged parts: the ratio within the arm's own part
-        speed = (f"TTFT agents 2-4 median {t:.2f} s against its own part's `off` {own_off:.2f} s "
-                 f"({own_off / t:.2f}x)")
-    elif d.get("commands"):  # merged parts: each part had its own off, so no ratio across parts
-        speed = (f"TTFT agents 2-4 median {t:.2f} s (`off` {off_t:.2f} s; the arms ran in parts, each with its "
-                 f"own `off`)")
-    else:
-        speed = f"TTFT agents 2-4 median {t:.2f} s against `off`'s {off_t:.2f} s ({off_t / t:.2f}x)"
-    figure = f"best top-1{' at reuse >= 0.7' if high else ''}: `{name}`; {speed}"
-    return f"Fidelity frontier, {d['task']}", figure, fidelity
-
-
 def _chain_headline(d: dict) -> tuple[str, str, str]:
     """Each plain mode's (no ``:K`` or ``@setting``) speedup against `off` and ratio to the exact hit, per length."""
     figs = []
