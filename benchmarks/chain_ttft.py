@@ -45,6 +45,7 @@ from tqdm import tqdm
 
 from benchmarks.harness import (RESULTS, machine, mode_args, prefilled_tokens, run_meta, stream_generate, wait_learning,
                                 write_json)
+from benchmarks.report_sections import render_chain
 from benchmarks.texts import context_tokens
 from sglang_kvshare.frontend.builder import build_request, private_part, shared_part
 from devtools.server_process import ServerProcess, settings_args
@@ -202,7 +203,7 @@ def main(argv=None) -> int:
     bar.close()
     derive(results, args.lengths)
     write_json(Path(args.out), results)
-    print_table(results)
+    print(render_chain(results))
     print(f"wrote {args.out}")
     return 0
 
@@ -239,17 +240,6 @@ def derive(results: dict, lengths) -> None:
                 cell["assembly_over_dense_prefill"] = summary(
                     [statistics.mean(rep[a]["assembly_s"] for a in LATER) / max(d, 1e-9)
                      for rep, d in zip(reps, dense)])
-
-
-def print_table(results: dict) -> None:
-    for arm, per_len in results["arms"].items():
-        for length, cell in per_len.items():
-            med = lambda k: cell.get(k, {}).get("median", float("nan"))  # noqa: E731
-            print(f"{arm:14s} L={length:5s} reuse={cell['reuse_ratio']:.2f} TTFT2-4={med('ttft_agents_2_4_s'):.3f}s "
-                  f"floor={med('floor_agents_2_4_s'):.3f}s x{med('reuse_over_floor'):.2f} of floor "
-                  f"speedup={med('speedup_vs_off_agents_2_4'):.2f} agent1/off={med('agent1_vs_off'):.2f} "
-                  f"assembly/dense={med('assembly_over_dense_prefill'):.3f} "
-                  f"while-learning/off={med('while_learning_vs_off'):.2f}")
 
 
 if __name__ == "__main__":

@@ -35,7 +35,6 @@ import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -45,6 +44,7 @@ from sglang_kvshare.correction import (CorrectionPlan, FullShared, RopeSpec, Seg
 
 from .baselines import make_estimator
 from .harness import RESULTS, SCRATCH, run_meta
+from .report_sections import render_fidelity
 from .texts import gsm8k_questions
 from .common import KV, load_model, partial_recompute, prefill, recompute_rows, set_threads, suffix_eval
 
@@ -52,7 +52,6 @@ HEAD_KS = [4, 8, 16, 32]  # head recompute arms (K = 0 is the plain mode's own a
 HEAD_MODES = ["fullshared", "kvcmas"]
 SELECT_POLICIES = ("head", "random", "kv_deviation", "query_aware", "head_query", "head_kv_deviation", "correction")
 COARSE_BUCKETS = [(0, 4), (4, 16), (16, 64), (64, 100000)]  # token positions of the per-position error evidence
-PlanVariant = Callable[[CorrectionPlan], CorrectionPlan]  # keys only, first rows, ... (research.fidelity_variants)
 MAIN_MODES = ["fullshared", "kvcomm", "kvcmas", "kvcmas_fullrank", "kvcmas_nonchained", "cacheblend"]
 
 
@@ -215,7 +214,6 @@ class Arm:
     inst_accepted: list = field(default_factory=list)
     inst_where: list = field(default_factory=list)  # (slot, consumer, segment tokens)
     head: int = 0  # head recompute: rows [0, head) of every reused segment prefilled densely
-    variant: PlanVariant | None = None  # a plan transform (research.fidelity_variants)
     select: tuple[str, float] | None = None  # (row policy, share of rows recomputed)
     err_coarse: list = field(default_factory=list)
 
@@ -340,8 +338,6 @@ def serve_chain(model, arm: Arm, slot, key, ids, exact, ref, prefix_kv, phase, t
         t0 = time.perf_counter()
         res = arm.est.estimate(slot, source, name, target.start_pos)
         plan = _oracle_plan(arm, source, target) if arm.mode == "oracle" else res.plan
-        if plan is not None and arm.variant is not None:
-            plan = arm.variant(plan)
         if res.accepted:  # the served K/V through the ops layer the server writes with
             served = KV(*materialize(source.k, source.v, source.start_pos, target.start_pos, plan, arm.est.spec))
             served = splice(served, target, head_rows(len(ids), arm.head))  # the rest keep the corrected K/V
@@ -676,11 +672,11 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def add_study_args(ap: argparse.ArgumentParser, name: str, quick_help: str) -> None:
-    """The options every offline fidelity study shares (this one and ``benchmarks.research.fidelity_variants``)."""
-    ap.add_argument("--quick", action="store_true", help=quick_help)
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small run, < 5 min on 2 CPU cores")
     ap.add_argument("--out", type=Path, default=None,
-                    help=f"JSON path (default benchmarks/results/{name}.json; with --quick tmp/{name}_quick.json: "
+                    help="JSON path (default benchmarks/results/fidelity.json; with --quick tmp/fidelity_quick.json: "
                          "a smoke run is not a result)")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--seed", type=int, default=0)
@@ -691,11 +687,6 @@ def add_study_args(ap: argparse.ArgumentParser, name: str, quick_help: str) -> N
                     choices=["gsm8k", "humaneval", "pydoc", "retrieval"])
     ap.add_argument("--greedy-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
-
-
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_study_args(ap, "fidelity", "small run, < 5 min on 2 CPU cores")
     ap.add_argument("--plot", type=Path, default=None, help="PNG path (default: next to --out)")
     ap.add_argument("--warm", type=int, default=None, help="warm contents per source")
     ap.add_argument("--eval", type=int, default=None, help="held-out contents per source")
@@ -739,20 +730,7 @@ def main(argv=None) -> None:
     png = args.plot or out.with_suffix(".png")
     plot(result, png)
     print(f"wrote {out} and {png}", file=sys.stderr)
-    print(table(result))
-
-
-def table(result: dict) -> str:
-    lines = ["| mode | tau | rank | KL mean | KL p90 | top-1 | greedy 32 | reuse | fallback | anchor MiB "
-             "| estimate s/token (x dense prefill) |", "|---" * 11 + "|"]
-    for label, r in _rows(result):
-        fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
-        lines.append(f"| {label} | {fmt(r['tau'], 'g')} | {r['rank'] if r['rank'] is not None else 'full'} | "
-                     f"{fmt(r['kl_mean'], '.4f')} | {fmt(r['kl_p90'], '.4f')} | {fmt(r['top1'], '.3f')} | "
-                     f"{fmt(r['greedy_match'], '.2f')} | {r['reuse_ratio']:.2f} | {r['fallback_rate']:.2f} | "
-                     f"{r['anchor_bytes'] / 2**20:.1f} | {r['estimate_seconds_per_token']:.1e} "
-                     f"({r['estimate_time_vs_dense_prefill']:.2f}) |")
-    return "\n".join(lines)
+    print(render_fidelity(result))
 
 
 if __name__ == "__main__":

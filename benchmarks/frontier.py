@@ -27,7 +27,7 @@ top-20 (top-1 agreement, mean KL over the top-k support; see
 Workflows, built directly on ``/generate`` (so the teacher-forced replay is
 the same request, token for token): ``retrieval`` (``benchmarks.workloads.retrieval``:
 four agents, one lookup each in a shared 12-fact document) and the ``refer``
-workflow of GSM8K / HumanEval with the roles and instructions of
+workflow of GSM8K with the roles and instructions of
 ``benchmarks.workloads`` (three role agents read the shared query, the final
 agent reads the query and their answers; the first role agent is the producer).
 
@@ -35,8 +35,8 @@ Numbers per arm (``consumer`` = agents 2-4, where reuse can happen):
 ``reuse_ratio`` = shared tokens served by alignment or correction / shared
 tokens, over consumer requests, from the server reports (a recomputed head
 counts as prefilled); ``agreement_final`` = the final answer equals off's
-(retrieval: each consumer lookup's value; GSM8K: the final agent's number;
-HumanEval: its pass/fail); ``identical_text``; ``teacher_forced_top1`` and
+(retrieval: each consumer lookup's value; GSM8K: the final agent's number);
+``identical_text``; ``teacher_forced_top1`` and
 ``teacher_forced_kl``; ``accuracy`` (retrieval: consumer lookups right;
 otherwise the final answer) with the paired difference to off and its 95 %
 bootstrap interval; ``ttft_agents_2_4_s`` (client-side, streamed: request
@@ -67,7 +67,7 @@ from benchmarks.workloads.role_set import draw
 from sglang_kvshare.protocol import Segment
 from sglang_kvshare.frontend.builder import BuiltRequest, Piece, assemble
 
-TASKS = ("retrieval", "gsm8k", "humaneval")
+TASKS = ("retrieval", "gsm8k")
 TOP_K = 20
 END_USER = "<|im_end|>\n<|im_start|>assistant\n"
 
@@ -160,7 +160,7 @@ def retrieval_program(sample, enc, max_tokens: int, roles: Optional[str] = None)
 
 
 def refer_program(task, sample, enc, max_tokens: int, roles: Optional[str] = None) -> Program:
-    """GSM8K / HumanEval ``refer``: the roles read the query; the final agent reads query + answers.
+    """GSM8K ``refer``: the roles read the query; the final agent reads query + answers.
     ``roles``: a split of ``workloads.role_set`` drawn per sample (the final agent too), or None."""
     query = enc(sample.query)
     answers = []
@@ -315,11 +315,8 @@ def _refer_spec(name: str, roles: Optional[str] = None) -> TaskSpec:
     def score_rows(sample, rows, decode):
         text = decode(rows[-1]["output_ids"])
         ans = task.extract(text, sample)
-        correct = bool(task.score(ans, sample))
-        # HumanEval agreement compares pass/fail (as benchmarks.workflow does), GSM8K the number.
-        key = str(correct) if name == "humaneval" else ans
-        return [{"id": sample.id, "position": rows[-1]["position"], "text": text, "answer": key,
-                 "correct": correct, "consumer": True}]
+        return [{"id": sample.id, "position": rows[-1]["position"], "text": text, "answer": ans,
+                 "correct": bool(task.score(ans, sample)), "consumer": True}]
 
     return TaskSpec(name, lambda limit, offset: task.load(limit, offset),
                     lambda smp, enc, mt: refer_program(task, smp, enc, mt, roles), score_rows)
@@ -336,7 +333,7 @@ def load_warmup(spec: TaskSpec, limit: int, warmup: int) -> list:
     """``warmup`` unscored samples that share nothing with the ``limit`` scored ones.
 
     Why a function: a fixed offset past the scored samples (``limit + WARMUP_GAP``) runs
-    past the end of a small set (HumanEval has 164 problems) and would give no warm-up at
+    past the end of a small set and would give no warm-up at
     all, silently. A set too short for the gap gives its last ``warmup`` samples; one too
     short for any raises instead of warming up on scored items.
     """
@@ -358,7 +355,7 @@ def task_spec(name: str, seed: int, roles: Optional[str] = None, facts: Optional
     roles; ``facts``: the retrieval document's length in facts."""
     if name == "retrieval":
         return _retrieval_spec(seed, roles, facts)
-    if name in ("gsm8k", "humaneval"):
+    if name == "gsm8k":
         return _refer_spec(name, roles)
     raise ValueError(f"unknown task {name!r}; choose from {TASKS}")
 
@@ -437,7 +434,7 @@ def _encoder(tok):
 def summarize_arm(run: dict, off: dict, spec: TaskSpec, samples, decode) -> dict:
     arm: Arm = run["arm"]
     items = [it for smp, rows in zip(samples, run["raw"]) for it in spec.score_rows(smp, rows, decode)]
-    if "items" not in off:  # scored once (HumanEval runs a sandbox per answer)
+    if "items" not in off:  # scored once
         off["items"] = [it for smp, rows in zip(samples, off["raw"]) for it in spec.score_rows(smp, rows, decode)]
     off_items = off["items"] if run is not off else items
     cons = [(a, b) for a, b in zip(items, off_items) if a["consumer"]]
@@ -626,9 +623,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.frontier", description=__doc__.split("\n\n")[0])
     ap.add_argument("--task", choices=TASKS + ("all",), default="all")
     ap.add_argument("--limit", type=int, default=None,
-                    help="scored samples (default: retrieval 100 = 300 consumer lookups; gsm8k/humaneval 50)")
+                    help="scored samples (default: retrieval 100 = 300 consumer lookups; gsm8k 50)")
     ap.add_argument("--warmup", type=int, default=8, help="unscored samples each server sees first")
-    ap.add_argument("--max-tokens", type=int, default=None, help="default: retrieval 8, gsm8k/humaneval 128")
+    ap.add_argument("--max-tokens", type=int, default=None, help="default: retrieval 8, gsm8k 128")
     ap.add_argument("--heads", type=int, nargs="+", default=[0, 8, 32])
     ap.add_argument("--mix", type=float, nargs="*", default=[0.25, 0.5, 0.75])
     ap.add_argument("--ratios", type=float, nargs="*", default=[],
@@ -699,7 +696,7 @@ def run_task(name: str, args, tok, argv_used: Sequence[str]) -> dict:
            "definitions": {
                "reuse_ratio": "consumer requests (agents 2-4): shared_tokens_reused / shared_tokens (server reports)",
                "agreement_final": ("each consumer lookup's value equals off's" if name == "retrieval" else
-                                   "final agent's extracted answer equals off's (humaneval: pass/fail)"),
+                                   "final agent's extracted answer equals off's"),
                "teacher_forced": "off's prompt + off's continuation on the arm's server, top-20 per position; "
                                  "KL over off's top-20 support, renormalized; missing tokens get the arm's 20th logprob",
                "ttft": "client-side streamed, request sent -> first chunk; includes queueing at concurrency > 1"},

@@ -2,7 +2,7 @@
 scope, and what does it cost?
 
     python -m benchmarks.guard --quick                 # retrieval only, small sizes: under 10 minutes here
-    python -m benchmarks.guard --seed 13 --offset 700 --task-offset humaneval=110  # all three tasks: 2-4 hours here
+    python -m benchmarks.guard --seed 13 --offset 700  # both tasks: 1-3 hours here
 
 A run stopped part way keeps the tasks it finished; the same command with ``--task`` for each missing one, then
 ``--merge`` on the parts' files, gives the whole run's ``guard.json`` (``benchmarks.runs``).
@@ -88,7 +88,7 @@ from sglang_kvshare.guard.target import FidelityTarget
 
 COST_TOLERANCE = 0.05  # the guard's cost target: user TTFT and throughput within 5 % of the guard off
 TOP_K = 5  # the guard's default verify_top_k: the benchmark's replay compares what the guard compares
-VICTIM_SLOTS = {"retrieval": "doc", "gsm8k": "query", "humaneval": "query"}  # read by every consumer
+VICTIM_SLOTS = {"retrieval": "doc", "gsm8k": "query"}  # read by every consumer
 
 
 # ------------------------------------------------------------------ the server
@@ -432,7 +432,7 @@ def run_controlled(bench: Bench, spec: fr.TaskSpec, samples, off: dict, size: Si
     args = bench.args
     arm = GuardedArm("guarded", "fullshared", 0, verify_rate=args.verify_rate, target=args.target,
                      min_samples=min_samples)
-    warm = fr.load_warmup(spec, task_offset(args, spec.name) + size.limit, size.controlled_warmup)
+    warm = fr.load_warmup(spec, args.offset + size.limit, size.controlled_warmup)
     run = bench.run_arm(arm, spec, samples, [], off, size.max_tokens, server_warm=warm)
     summary = fr.summarize_arm(run, off, spec, samples, bench.decode)
     after, end = bench.after_warmup[arm.name], bench.server.fidelity()
@@ -450,7 +450,7 @@ def run_task(name: str, bench: Bench) -> dict:
     args = bench.args
     spec = fr.task_spec(name, args.seed)
     size = task_sizes(name, args)
-    offset = task_offset(args, name)
+    offset = args.offset
     samples = spec.load(size.limit, offset)
     warm = fr.load_warmup(spec, offset + size.limit, size.warmup)
     bound = FidelityTarget.parse(args.target).bound
@@ -474,22 +474,6 @@ def run_task(name: str, bench: Bench) -> dict:
     both = spec.load(2 * (n + 1), offset)  # + 1: the sample served after the loop
     out["detection"] = run_detection(bench, spec, both[:n + 1], both[n + 1:], size.max_tokens, choice["chosen"])
     out["detection_samples"] = out["detection"]["detection_samples"]
-    return out
-
-
-def task_offset(args: argparse.Namespace, name: str) -> int:
-    """Index of ``name``'s first scored sample: its ``--task-offset`` where given, else ``--offset``."""
-    return args.task_offset.get(name, args.offset)
-
-
-def parse_task_offsets(items: Sequence[str]) -> dict[str, int]:
-    """``["humaneval=60"]`` -> ``{"humaneval": 60}``; a clear error for anything else."""
-    out = {}
-    for item in items:
-        name, sep, value = item.partition("=")
-        if not sep or name not in fr.TASKS or not value.isdigit():
-            raise ValueError(f"--task-offset {item!r}: write TASK=N with TASK one of {', '.join(fr.TASKS)} and N >= 0")
-        out[name] = int(value)
     return out
 
 
@@ -708,7 +692,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                     help="retrieval only (unless --task), small sizes, heads 0 32 64, min samples at most 6")
     ap.add_argument("--task", choices=fr.TASKS + ("all",), default=None, help="default: all (--quick: retrieval)")
     ap.add_argument("--limit", type=int, default=None,
-                    help="scored samples (default retrieval 60, gsm8k/humaneval 10; --quick 8 / 3)")
+                    help="scored samples (default retrieval 60, gsm8k 10; --quick 8 / 3)")
     ap.add_argument("--warmup", type=int, default=None, help="unscored samples before each arm (default 4; quick 12)")
     ap.add_argument("--calibration-samples", type=int, default=None,
                     help="samples of the calibration run after its warm-up, at least --limit (default retrieval "
@@ -738,9 +722,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--offset", type=int, default=0,
                     help="index of the first scored, calibration and detection sample: held-out samples that an "
                          "earlier run, read while designing, did not score")
-    ap.add_argument("--task-offset", action="append", default=[], metavar="TASK=N",
-                    help="--offset for one task (repeatable): a small set (HumanEval: 164 problems) may need another "
-                         "start than the others to stay clear of samples an earlier run scored")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--out-dir", default=str(RESULTS))
     ap.add_argument("--no-progress", action="store_true")
@@ -757,10 +738,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if args.overhead_pairs < 4 or args.overhead_rounds < 4:
         ap.error("--overhead-pairs and --overhead-rounds need at least 4 (two paired ratios per half)")
     FidelityTarget.parse(args.target)
-    try:
-        args.task_offset = parse_task_offsets(args.task_offset)
-    except ValueError as exc:
-        ap.error(str(exc))
     return args
 
 
@@ -786,7 +763,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out: dict = {"meta": run_meta(command), "command": command, "machine": machine(), "model": args.model,
                  "quick": args.quick, "verify_rate": args.verify_rate, "target": args.target,
                  "target_bound": FidelityTarget.parse(args.target).bound, "heads": args.heads, "top_k": TOP_K,
-                 "seed": args.seed, "offset": args.offset, "task_offset": args.task_offset,
+                 "seed": args.seed, "offset": args.offset,
                  "concurrency": args.concurrency, "controller": rule(),
                  "complete": False,
                  "tasks": {}}

@@ -204,16 +204,6 @@ def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
 
 
-def write_op_timings(path: Path, module: str, argv: Optional[Sequence[str]], shapes: dict, rows: list) -> None:
-    """Write an offline CPU-op benchmark's JSON (meta, command, machine, torch threads, shapes, rows) and say so."""
-    import torch
-
-    command = f"python -m {module} " + " ".join(argv if argv is not None else sys.argv[1:])
-    write_json(path, {"meta": run_meta(command.strip()), "command": command, "machine": machine(),
-                      "torch_threads": torch.get_num_threads(), "shapes": shapes, "rows": rows})
-    print(f"wrote {path}")
-
-
 def _process_tree(pid: int) -> list:
     """A server's process and its children (scheduler, detokenizer), as ``psutil`` processes."""
     import psutil

@@ -6,11 +6,10 @@ question it answers and how to read it). This module reads those files and
 writes ``docs/RESULTS.md``: an index, the headline table, and one short
 section per benchmark (question, reading, the hardware, date, revision, serving
 digest and command recorded in the file's ``meta`` by
-``benchmarks.harness.run_meta``, and its key table); the research benchmarks'
-tables go to ``docs/research/RESULTS_DETAIL.md``. Plots go to ``docs/results/``
+``benchmarks.harness.run_meta``, and its key table). Plots go to ``docs/results/``
 through the benchmarks' own plot functions.
 
-    python -m benchmarks.report               # write docs/RESULTS.md, RESULTS_DETAIL.md, the plots, README's headline block
+    python -m benchmarks.report               # write docs/RESULTS.md, the plots, README's headline block
     python -m benchmarks.report --no-plots    # the documents only
     python -m benchmarks.report --check       # exit 1 (and a diff) if the documents are not what the files give
     python -m benchmarks.report --check-fresh # exit 1 if a headline row was measured on other serving code
@@ -41,20 +40,16 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from benchmarks.report_sections import (date_of, hardware, interval, meta_line, plot_chain, plot_from, render_adversary,
-                                        render_assembly_cost, render_chain, render_demo, render_fidelity,
-                                        render_fidelity_variants, render_frontier, render_roles_study,
-                                        render_guard, render_kernels, render_langgraph,
-                                        render_learn_cost, render_profile, render_scaleout, render_serving,
-                                        render_soak, render_stock_vs_off, render_text, render_tp_kvcmas,
-                                        render_warm_start, render_workflow, table)
+                                        render_chain, render_demo, render_fidelity, render_frontier, render_guard,
+                                        render_kernels, render_langgraph, render_roles_study, render_scaleout,
+                                        render_serving, render_soak, render_stock_vs_off,
+                                        render_tp_kvcmas, render_warm_start, table)
 from benchmarks.serving_digest import serving_digest
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 DOC = ROOT / "docs" / "RESULTS.md"
 PLOTS = ROOT / "docs" / "results"
-DETAIL = ROOT / "docs" / "research" / "RESULTS_DETAIL.md"
-TEXT_META = "# meta: "
 
 
 class ReportError(RuntimeError):
@@ -119,18 +114,9 @@ class Benchmark:
     results_png: bool = False  # the benchmark itself draws ``<file stem>.png`` beside its JSON
     optional: bool = False  # not measured yet: the report leaves it out while its file is missing
 
-    @property
-    def detail(self) -> bool:
-        """A research benchmark: its tables go to docs/research/RESULTS_DETAIL.md, its section links them."""
-        return "benchmarks.research." in self.command
-
-    @property
-    def is_json(self) -> bool:
-        return self.file.endswith(".json")
-
 
 def load(entry: Benchmark, results: Path = RESULTS) -> Any:
-    """The canonical file of ``entry``: the parsed JSON, or for a script's saved output ``{"meta", "text"}``.
+    """The canonical file of ``entry``, parsed.
 
     Raises ``ReportError`` naming the file when it is missing, not parseable, or lacks ``meta``'s
     command, machine, date or git revision.
@@ -139,15 +125,8 @@ def load(entry: Benchmark, results: Path = RESULTS) -> Any:
     if not path.is_file():
         raise ReportError(f"{path}: the canonical results file of benchmark {entry.name!r} is missing "
                           f"(written by: {entry.command})")
-    text = path.read_text()
     try:
-        if entry.is_json:
-            data = json.loads(text)
-        else:  # a script's saved output: its first line is ``# meta: {...}``
-            first, _, rest = text.partition("\n")
-            if not first.startswith(TEXT_META):
-                raise ReportError(f"{path}: the first line must be '{TEXT_META}{{...}}' (benchmarks.harness.run_meta)")
-            data = {"meta": json.loads(first[len(TEXT_META):]), "text": rest}
+        data = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ReportError(f"{path}: not valid JSON ({exc})") from exc
     if not isinstance(data, dict):
@@ -225,23 +204,6 @@ REGISTRY: list[Benchmark] = [
         "arithmetic ceiling 1/(1-rho) for the share rho of prefill tokens saved. Speed only.",
         render_serving, plot_from("benchmarks.serving", "make_plot"), results_png=True),
     Benchmark(
-        "workflow_gsm8k", "workflow_gsm8k.json",
-        "python -m benchmarks.workflow --task gsm8k --topology refer --agents 4 --limit 50 --max-tokens 128 "
-        "--concurrency 8 --mode off,kvcmas --compare off",
-        "On the GSM8K `refer` workflow (3 role agents answer, a final agent reads all three answers), how fast are "
-        "agents 2-4 and how many final answers stay those of `off`?",
-        "Agreement with `off` is the fidelity measure (the 135M model solves almost none of the questions, so "
-        "accuracy moves by single samples). TTFT includes queueing behind the other samples in flight.",
-        render_workflow),
-    Benchmark(
-        "workflow_humaneval", "workflow_humaneval.json",
-        "python -m benchmarks.workflow --task humaneval --topology refer --agents 4 --limit 50 --max-tokens 128 "
-        "--concurrency 8 --mode off,fullshared,kvcmas --compare off",
-        "On the HumanEval `refer` workflow, how much is reused and how many final programs stay those of `off`?",
-        "Pass/fail agreement is high in every mode because the model fails most problems either way; identical "
-        "final text is the sharper measure. Read this file's note before comparing TTFT.",
-        render_workflow),
-    Benchmark(
         "frontier_retrieval", "frontier_retrieval.json",
         "python -m benchmarks.frontier --task retrieval --limit 100 --warmup 8 --heads 0 8 32 --mix 0.5 "
         "--arms off,fullshared_k0,mix_p0.5,kvcmas_k0,kvcmas_k8,fullshared_k8,kvcmas_k32,fullshared_k32",
@@ -263,12 +225,6 @@ REGISTRY: list[Benchmark] = [
         "python -m benchmarks.frontier --task gsm8k --limit 50 --max-tokens 128 --concurrency 8 --heads 0 8 16 32 "
         "--mix 0.5",
         "On the GSM8K `refer` workflow, which mode keeps `off`'s answers and distributions at which reuse?",
-        FRONTIER_READING, render_frontier, plot_from("benchmarks.frontier", "plot"), results_png=True),
-    Benchmark(
-        "frontier_humaneval", "frontier_humaneval.json",
-        "python -m benchmarks.frontier --task humaneval --limit 50 --max-tokens 128 --concurrency 8 --heads 0 8 32 "
-        "--mix 0.5",
-        "On the HumanEval `refer` workflow, which mode keeps `off`'s programs and distributions at which reuse?",
         FRONTIER_READING, render_frontier, plot_from("benchmarks.frontier", "plot"), results_png=True),
     Benchmark(
         "fidelity", "fidelity.json", "python -m benchmarks.fidelity",
@@ -300,7 +256,7 @@ REGISTRY: list[Benchmark] = [
         "extra keys and the guard file's key, looked for in every answer, admin route and `/metrics`.",
         render_adversary, optional=True),
     Benchmark(
-        "guard", "guard.json", "python -m benchmarks.guard --seed 13 --offset 700 --task-offset humaneval=110",
+        "guard", "guard.json", "python -m benchmarks.guard --seed 13 --offset 700",
         "Does the fidelity guard's estimate hold the truth, does it keep a target at more reuse than one global "
         "recomputed head, does it catch a bad scope, and what does it cost?",
         "Calibration: every request served approximated KV is replayed densely by the benchmark; each agent's mean "
@@ -341,28 +297,6 @@ REGISTRY: list[Benchmark] = [
         "it learns); `warm`: the same server launched with the saved file. One run of this machine; the arms "
         "ran one after another on the same documents.",
         render_warm_start, optional=True),
-    Benchmark(
-        "assembly_cost", "assembly_cost.json",
-        "python -m benchmarks.research.assembly_cost --lengths 512 1024 4096 --anchors 3 6 10 --repeats 7",
-        "What does assembling one corrected segment cost, by phase, with the server's own calls?",
-        "The same calls the server makes (read the source, estimate, plan, write), alone on the CPU.",
-        render_assembly_cost),
-    Benchmark(
-        "learn_cost", "learn_cost.json", "python -m benchmarks.research.learn_cost --repeats 3",
-        "What does learning one observation cost per factorization method, and is each method exact?",
-        "`residual / exact SVD's` = 1.0 is the optimal rank-32 truncation.",
-        render_learn_cost),
-    Benchmark(
-        "profile_scheduler", "profile_kvcmas.json", "python -m benchmarks.research.profile_scheduler",
-        "Where does a kvcmas server's scheduler spend its CPU time under the chain workload?",
-        "py-spy samples of the scheduler process; read the shares, not the seconds (sampling slows the server).",
-        render_profile),
-    Benchmark(
-        "fidelity_variants", "fidelity_variants.json", "python -m benchmarks.research.fidelity_variants",
-        "Does any form of the correction lower the KL of `fullshared` + the same recomputed head?",
-        "Variants are chosen on the warm contents only (leave one out) by a rule fixed before the run, then checked "
-        "once on the held-out contents of the fidelity benchmark.",
-        render_fidelity_variants),
 ]
 BY_NAME = {b.name: b for b in REGISTRY}
 
@@ -382,39 +316,6 @@ def canonical_files(results: Path = RESULTS) -> set[str]:
 
 
 # ------------------------------------------------------------------ headline
-def _frontier_headline(d: dict) -> tuple[str, str, str]:
-    """The arm with the highest teacher-forced top-1 at reuse >= 0.7 (lowest KL on a tie; at any reuse when no arm
-    reaches 0.7), with its fidelity and its TTFT against `off`'s."""
-    arms = d["arms"]
-    cands = [(n, a) for n, a in arms.items() if n != "off" and a.get("random_mix_p") is None
-             and a.get("teacher_forced_top1") is not None]
-    high = [(n, a) for n, a in cands if (a.get("reuse_ratio") or 0) >= 0.7]
-    name, a = max(high or cands, key=lambda na: (na[1]["teacher_forced_top1"], -na[1]["teacher_forced_kl"]))
-    base = (arms.get("fullshared_k0") or {}).get("teacher_forced_kl")
-    paired = a.get("accuracy_vs_off_paired") or {}
-    what = "pass/fail agreement" if d["task"] == "humaneval" else "final-answer agreement"
-    fidelity = (f"reuse {a['reuse_ratio']:.2f}; teacher-forced top-1 {a['teacher_forced_top1']:.4f}, KL "
-                f"{a['teacher_forced_kl']:.5f}" + (f" ({a['teacher_forced_kl'] / base:.2f}x `fullshared` K=0)"
-                                                   if base else "")
-                + f"; {what} {a['agreement_final']:.2f}; accuracy {paired.get('mean', 0):+.3f} "
-                  f"{interval(paired.get('ci95'))} vs `off` ({d['scored_items']} items)")
-    t = (a.get("ttft_agents_2_4_s") or {}).get("median")
-    off_t = (arms["off"].get("ttft_agents_2_4_s") or {}).get("median")
-    own_off = a.get("off_ttft_agents_2_4_median_same_run")
-    if t is None:  # pooled runs: medians do not pool
-        speed = "TTFT per run in the section"
-    elif d.get("commands") and own_off:  # merged parts: the ratio within the arm's own part
-        speed = (f"TTFT agents 2-4 median {t:.2f} s against its own part's `off` {own_off:.2f} s "
-                 f"({own_off / t:.2f}x)")
-    elif d.get("commands"):  # merged parts: each part had its own off, so no ratio across parts
-        speed = (f"TTFT agents 2-4 median {t:.2f} s (`off` {off_t:.2f} s; the arms ran in parts, each with its "
-                 f"own `off`)")
-    else:
-        speed = f"TTFT agents 2-4 median {t:.2f} s against `off`'s {off_t:.2f} s ({off_t / t:.2f}x)"
-    figure = f"best top-1{' at reuse >= 0.7' if high else ''}: `{name}`; {speed}"
-    return f"Fidelity frontier, {d['task']}", figure, fidelity
-
-
 def _chain_headline(d: dict) -> tuple[str, str, str]:
     """Each plain mode's (no ``:K`` or ``@setting``) speedup against `off` and ratio to the exact hit, per length."""
     figs = []
@@ -541,13 +442,11 @@ def body_of(entry: Benchmark, data: Any, results: Path) -> str:
 
 def section(entry: Benchmark, data: Any, results: Path, stale: Optional[str] = None) -> str:
     """One benchmark's short section: a paragraph (question, reading, file, plot, measurement, the body's opening
-    note) and its key table; a research benchmark's tables stand in RESULTS_DETAIL.md, linked."""
+    note) and its key table."""
     body = body_of(entry, data, results)
     meta = data["meta"]
     recipe = "" if meta.get("command") == entry.command else f" Recipe: `{entry.command}`."
     plot = f", plot [`{entry.name}.png`](results/{entry.name}.png)" if entry.plot is not None else ""
-    if entry.detail:
-        body = f"Tables: [research/RESULTS_DETAIL.md](research/RESULTS_DETAIL.md#{entry.name})."
     note, _, rest = body.partition("\n\n")
     if note.startswith(("|", "```")):
         note, rest = "", body
@@ -556,18 +455,6 @@ def section(entry: Benchmark, data: Any, results: Path, stale: Optional[str] = N
            f"[`benchmarks/results/{entry.file}`](../benchmarks/results/{entry.file}){plot}. {meta_line(meta)}"
            f"{recipe}" + (f" {note}" if note else ""), ""]
     return "\n".join(out + ([rest, ""] if rest else []))
-
-
-def render_detail(results: Path = RESULTS) -> str:
-    """docs/research/RESULTS_DETAIL.md's text: the tables of the research benchmarks (``detail`` entries)."""
-    parts = ["# Results: research benchmarks' tables", "",
-             "<!-- Generated by `python -m benchmarks.report` from benchmarks/results/. Do not edit by hand. -->", "",
-             "The tables of the research benchmarks (`benchmarks/research/`); what each asks, how it was measured "
-             "and whether its serving code is this tree's: [docs/RESULTS.md](../RESULTS.md).", ""]
-    for entry in present(results):
-        if entry.detail:
-            parts += [f"## {entry.name}", "", body_of(entry, load(entry, results), results), ""]
-    return "\n".join(parts).rstrip("\n") + "\n"
 
 
 def render(results: Path = RESULTS, tree: Optional[str] = None) -> str:
@@ -618,8 +505,8 @@ def write_plots(results: Path = RESULTS, out_dir: Path = PLOTS) -> list[Path]:
 
 
 def check(doc: Path = DOC, results: Path = RESULTS, readme: Optional[Path] = README,
-          tree: Optional[str] = None, detail: Optional[Path] = DETAIL) -> tuple[bool, str]:
-    """Whether ``doc`` (and README's headline block, and ``detail``) is what the results give: (ok, what to say).
+          tree: Optional[str] = None) -> tuple[bool, str]:
+    """Whether ``doc`` (and README's headline block) is what the results give: (ok, what to say).
 
     Freshness marks are left out of the comparison: a change of the serving code turns results stale without
     making the documents wrong about what the files hold (``--check-fresh`` fails on that). When only the marks
@@ -628,8 +515,6 @@ def check(doc: Path = DOC, results: Path = RESULTS, readme: Optional[Path] = REA
     pairs = [(doc, render(results, tree))]
     if readme is not None:
         pairs.append((readme, readme_with_headline(readme.read_text(), results, tree)))
-    if detail is not None:
-        pairs.append((detail, render_detail(results)))
     diff: list[str] = []
     marks = []
     for path, want in pairs:
@@ -679,8 +564,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             status = 0
             if args.check:
                 default = args.out == DOC
-                ok, message = check(args.out, args.results, README if default else None,
-                                    detail=DETAIL if default else None)
+                ok, message = check(args.out, args.results, README if default else None)
                 if not ok:
                     print(f"{args.out} differs from what the results give; run python -m benchmarks.report\n"
                           f"{message}", file=sys.stderr)
@@ -699,9 +583,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.out == DOC:
             README.write_text(readme_with_headline(README.read_text(), args.results))
             print(f"wrote the headline block of {README}")
-            DETAIL.parent.mkdir(parents=True, exist_ok=True)
-            DETAIL.write_text(render_detail(args.results))
-            print(f"wrote {DETAIL}")
         if not args.no_plots:
             for path in write_plots(args.results, PLOTS if args.out == DOC else args.out.parent / "results"):
                 print(f"wrote {path}")

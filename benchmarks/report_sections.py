@@ -132,30 +132,6 @@ def render_serving(d: dict) -> str:
             + f"\n\nPeak server memory (RSS, all processes): {rss}.")
 
 
-def render_workflow(d: dict) -> str:
-    agree = d.get("agreement_with_off", {})
-    header = ["mode", "accuracy", "agrees with `off`: final answer / identical final text", "reuse ratio",
-              "of which corrected", "dense-fallback rate", "mean TTFT agents 2-4", "median TTFT agents 2 / 3 / 4",
-              "mean TTFT agent 1", "wall", "n samples"]
-    rows, reasons = [], []
-    for mode, r in d["runs"].items():
-        a = agree.get(mode)
-        pos = r.get("ttft_s_by_position", {})
-        meds = " / ".join(num(pos.get(str(i), {}).get("p50")) for i in (2, 3, 4)) + " s"
-        rows.append([f"`{mode}`", num(r["accuracy"]),
-                     "1 / 1 (reference)" if mode == "off" else
-                     (f"{num(a['final_answer_agreement'])} / {num(a['identical_final_text'])}" if a else "-"),
-                     num(r.get("reuse_ratio")), num(r.get("shared_corrected_ratio")), num(r.get("dense_fallback_rate")),
-                     num(r["ttft_s_mean_agents_2_on"], ".2f", " s"), meds, num(r["ttft_s_mean_agent_1"], ".2f", " s"),
-                     num(r["wall_s"] / 60, ".1f", " min"), str(r["samples"])])
-        if r.get("fallback_reasons"):
-            reasons.append(f"`{mode}`: {fallbacks(r['fallback_reasons'])}")
-    note = f"\n\nRecorded with the run: {d['note']}" if d.get("note") else ""
-    return (f"{d['task']} `{d['topology']}` workflow, {d['agents']} agents, {d['samples']} samples, "
-            f"{d['max_tokens']} tokens per agent, {d['concurrency']} samples in flight.\n\n" + table(header, rows)
-            + ("\n\nShared-segment fallbacks: " + "; ".join(reasons) + "." if reasons else "") + note)
-
-
 def render_demo(d: dict) -> str:
     s, sm = d["settings"], d["summary"]
     rows = []
@@ -207,8 +183,7 @@ def _ttft_cell(a: dict) -> str:
 def frontier_rows(d: dict) -> tuple[list[str], list[list[str]]]:
     arms = d["arms"]
     base_kl = (arms.get("fullshared_k0") or {}).get("teacher_forced_kl")
-    agreement = "pass/fail agreement" if d["task"] == "humaneval" else "final-answer agreement"
-    header = ["arm", "reuse ratio", agreement, "vs random-mix line [95% CI]", "identical text",
+    header = ["arm", "reuse ratio", "final-answer agreement", "vs random-mix line [95% CI]", "identical text",
               "teacher-forced top-1 (vs line)", "teacher-forced KL (x fullshared K=0)", "TF reuse",
               "accuracy (paired diff vs off [95% CI])", "TTFT agents 2-4 median (p10-p90)", "shared-segment fallbacks"]
     rows = []
@@ -370,24 +345,6 @@ def render_fidelity(d: dict) -> str:
             + table(FIDELITY_COLUMNS, rows) + target)
 
 
-def render_fidelity_variants(d: dict) -> str:
-    rows = []
-    for k, c in d["choice"].items():
-        rows.append([k, f"`{c['best_variant']}`", num(c["kl_mean"], ".5f"), num(c["fullshared_kl_mean"], ".5f"),
-                     num(c["ratio_to_random_mix_line"], ".3f"), num(c["win_rate_vs_fullshared"]),
-                     "yes" if c["beats_head_recompute_alone"] else "no"])
-    held = [[f"`{k}`", num(v["kl_mean"], ".5f"), num(v.get("kl_p90"), ".5f"), num(v.get("top1"), ".4f"),
-             num(v.get("greedy_match")), num(v["reuse_ratio"]), num(v.get("fallback_rate"))]
-            for k, v in d.get("heldout", {}).items()]
-    return (f"{d['n_warm']} warm and {d['n_heldout']} held-out contents, tau {d['tau']}, rank {d['rank']}. "
-            f"Rule: {d['win_rule']}.\n\nWarm study (leave one content out), the best variant per head length:\n\n"
-            + table(["head K", "best variant", "warm KL mean", "fullshared + head KL mean",
-                     "x the random-mix line", "lower KL than fullshared + head (share of instances)",
-                     "beats head recompute alone"], rows)
-            + "\n\nHeld-out check:\n\n"
-            + table(["arm", "KL mean", "KL p90", "top-1", "greedy 32 equal", "reuse", "fallback"], held))
-
-
 KERNEL_LABELS = {"align_only": "align only (gather, re-rotate, scatter)", "align_correct": "align + correct",
                  "gate_sq_distances": "gate distances (all L rows)", "token_distances": "token distances"}
 
@@ -519,49 +476,6 @@ def render_warm_start(d: dict) -> str:
             "prompt.\n\n"
             + table(["arm", "anchors loaded", "B's document served as", "reuse", "corrected", "B TTFT, median (min-max)",
                      "B TTFT, all requests", "B / A TTFT (median)", "top-1", "KL", "positions"], rows))
-
-
-def _phase(cell: dict, unit: float = 1e3, fmt: str = ".1f") -> str:
-    return (f"{format(cell['median_s'] * unit, fmt)} ({format(cell['min_s'] * unit, fmt)}-"
-            f"{format(cell['max_s'] * unit, fmt)})")
-
-
-def render_assembly_cost(d: dict) -> str:
-    rows = [[str(r["length"]), str(r["anchors"]), _phase(r["read"]), _phase(r["estimate"]), _phase(r["plan_args"]),
-             _phase(r["write"]), f"{r['corrected_total_s'] * 1e3:.1f}", _phase(r["align_only"])] for r in d["rows"]]
-    return (f"{d['torch_threads']} torch threads; pool of {d['shapes']['pool_rows']} rows, rank "
-            f"{d['shapes']['rank']}. Milliseconds, median (min-max).\n\n"
-            + table(["tokens", "anchors", "read", "estimate", "plan args", "write", "corrected total",
-                     "align only (fullshared)"], rows))
-
-
-def render_learn_cost(d: dict) -> str:
-    rows = [[str(r["length"]), r["method"], num(r["residual_over_svd"], ".5f"), _phase(r["with_base"], 1, ".3f"),
-             _phase(r["deltas_only"], 1, ".3f")] for r in d["rows"]]
-    return (f"{d['torch_threads']} torch threads; rank {d['shapes']['rank']}. Seconds, median (min-max).\n\n"
-            + table(["tokens", "method", "residual / exact SVD's", "with base (first observation of a content)",
-                     "deltas only (a known content)"], rows))
-
-
-def render_profile(d: dict) -> str:
-    threads = ", ".join(f"{k} {v:.2f}" for k, v in d["scheduler_threads_share"].items())
-    top = [[f"`{r['function']}`", f"{r['share_of_loop']:.3f}"] for r in d["event_loop_self_top"][:5]]
-    kv = [[f"`{r['function']}`", f"{r['share_of_loop']:.3f}"] for r in d["event_loop_inclusive_kvshare"][:5]]
-    return (f"Mode `{d['mode']}`, {d['length']} shared tokens, {d['chains']} chains, py-spy at {d['rate_hz']} Hz. "
-            f"{d['note']}. Scheduler samples {d['scheduler_samples']}; share by thread: {threads}.\n\n"
-            "Event loop, self time (top 5):\n\n" + table(["function", "share of loop"], top)
-            + "\n\nEvent loop, inclusive time of kvshare functions (top 5):\n\n" + table(["function", "share of loop"], kv))
-
-
-TEXT_TAIL = 4
-
-
-def render_text(d: dict) -> str:
-    """The last lines of a script's saved output (the whole of it is the linked file)."""
-    lines = d["text"].rstrip("\n").splitlines()
-    head = (f"The last {TEXT_TAIL} of the script's {len(lines)} output lines:" if len(lines) > TEXT_TAIL
-            else "The script's output:")
-    return head + "\n\n```\n" + "\n".join(lines[-TEXT_TAIL:]) + "\n```"
 
 
 # ------------------------------------------------------------------ plots

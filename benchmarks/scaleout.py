@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Iterator
 
@@ -87,8 +89,23 @@ def spread(stats_urls: list[str]) -> list[dict]:
     return rows
 
 
+def summarize(results: list[dict]) -> dict:
+    """One arm's reuse (shared tokens served aligned, corrected or as an estimate hit, over shared tokens, from the
+    server reports), accuracy, shared tokens and the mean TTFT of agents 2 on."""
+    shared: Counter = Counter()
+    for res in results:
+        for rec in res["records"]:
+            for seg in (rec.get("report") or {}).get("segments", []):
+                if seg.get("kind") == "shared":
+                    shared[seg.get("resolved_by", "dense")] += seg["tokens"]
+    n = sum(shared.values())
+    later = [rec["ttft_s"] for res in results for rec in res["records"][1:] if rec["ttft_s"] is not None]
+    return {"reuse_ratio": (shared["alignment"] + shared["correction"] + shared["estimate_hit"]) / n if n else None,
+            "accuracy": statistics.fmean(1.0 if r["correct"] else 0.0 for r in results) if results else None,
+            "shared_tokens": n, "ttft_s_mean_agents_2_on": statistics.fmean(later) if later else None}
+
+
 def run_arm(arm: str, args, task, samples, model_path: str) -> dict:
-    from benchmarks.workflow import summarize
     from benchmarks.workloads.workflows import run_workflow
     from sglang_kvshare.frontend.backend import KVShareEndpoint
 

@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from benchmarks.harness import (RESULTS, SCRATCH, machine, prefilled_tokens, process_tree_rss_mb, run_meta, start_server,
                                 stream_generate, summary, wait_learning, write_json)
+from benchmarks.report_sections import render_serving
 from benchmarks.texts import context_tokens
 from sglang_kvshare.frontend.builder import build_request, private_part, shared_part
 
@@ -188,7 +189,7 @@ def main(argv=None) -> int:
     summarize(result)
     write_json(out, result)
     make_plot(result, plot)
-    print_table(result)
+    print(render_serving(result))
     print(f"wrote {out} and {plot}")
     return 0
 
@@ -261,15 +262,6 @@ def make_plot(result: dict, path: Path) -> None:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-
-
-def print_table(result: dict) -> None:
-    for mode, info in result["modes"].items():
-        for length, per_rate in info["cells"].items():
-            for rate, c in per_rate.items():
-                print(f"{mode:10s} L={length:5s} rate={rate:5s} TTFT p50={c['ttft_p50']:.2f}s p90={c['ttft_p90']:.2f}s"
-                      f" reuse={c['reuse_ratio']:.2f} speedup={c.get('speedup_p50_vs_off') or float('nan'):.2f}"
-                      f" spread={c.get('speedup_spread')} bound={c.get('bound', float('nan')):.2f}")
 
 
 if __name__ == "__main__":

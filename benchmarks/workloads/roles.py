@@ -31,17 +31,3 @@ GSM8K_ROLES = (
 GSM8K_FINAL = Role("final", "The final agent",
                    "You are the final decision maker. Read the question and the team's answers, check "
                    "them, and give the correct result. End with 'The answer is N.' where N is a number.")
-
-HUMANEVAL_ROLES = (
-    Role("manager", "The project manager",
-         "You are a project manager. Read the Python function signature and docstring, and list the "
-         "requirements and edge cases the implementation must handle, briefly."),
-    Role("designer", "The algorithm designer",
-         "You are an algorithm designer. Describe a simple, correct algorithm for the function in "
-         "a few numbered steps. Do not write the full code."),
-    Role("coder", "The programming expert",
-         "You are a programming expert. Write the complete Python function in one ```python code block."),
-)
-HUMANEVAL_FINAL = Role("final", "The final agent",
-                       "You are the final programmer. Read the task and the team's notes, then write the "
-                       "complete, correct Python function in one ```python code block, with any imports.")

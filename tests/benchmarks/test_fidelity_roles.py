@@ -57,7 +57,7 @@ def test_the_scored_answer_is_the_exact_contexts_greedy_answer_up_to_its_end_tok
 
 
 def test_the_answer_takes_the_length_it_is_asked_for():
-    """``--answer-tokens`` scores the longer answers the live GSM8K/HumanEval frontier generates."""
+    """``--answer-tokens`` scores the longer answers the live GSM8K frontier generates."""
     from benchmarks.common import prefill
     from tests.tiny_models import tiny_llama
 

@@ -375,18 +375,16 @@ def test_an_arm_name_the_run_does_not_have_is_refused_not_dropped():
 
 
 def test_warmup_samples_exist_and_are_never_scored_ones():
-    # HumanEval has 164 problems: the old fixed offset (limit + 500) gave no warm-up at all.
-    he = fr.task_spec("humaneval", 0)
-    scored = {s.id for s in he.load(50, 0)}
-    warm = fr.load_warmup(he, 50, 8)
-    assert len(warm) == 8 and not scored & {s.id for s in warm}
-    assert [s.id for s in warm] == [f"HumanEval/{i}" for i in range(156, 164)]
-    with pytest.raises(ValueError, match="only 4 samples after the 160 scored"):
-        fr.load_warmup(he, 160, 8)
-    assert fr.load_warmup(he, 50, 0) == []
     # GSM8K keeps the warm-up its committed runs used (questions 550-557 for 50 scored).
     gsm = fr.task_spec("gsm8k", 0)
     assert [s.id for s in fr.load_warmup(gsm, 50, 8)] == [f"gsm8k/{i}" for i in range(550, 558)]
+    # Too few samples past the scored ones for the gap: the set's last ones, never a scored one.
+    scored = {s.id for s in gsm.load(1300, 0)}
+    warm = fr.load_warmup(gsm, 1300, 8)
+    assert [s.id for s in warm] == [f"gsm8k/{i}" for i in range(1311, 1319)] and not scored & {s.id for s in warm}
+    with pytest.raises(ValueError, match="only 4 samples after the 1315 scored"):
+        fr.load_warmup(gsm, 1315, 8)
+    assert fr.load_warmup(gsm, 50, 0) == []
     ret = fr.task_spec("retrieval", 0)
     assert [s.id for s in fr.load_warmup(ret, 100, 2)] == [s.id for s in rt.load(2, 100_000, 0)]
 

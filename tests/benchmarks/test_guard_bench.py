@@ -140,14 +140,6 @@ def test_small_helpers():
                             "fidelity_target": "top1>=0.99", "fidelity_min_samples": 6}
 
 
-def test_task_offsets_parse_and_default_to_the_common_offset():
-    args = g.parse_args(["--offset", "300", "--task-offset", "humaneval=60"])
-    assert g.task_offset(args, "humaneval") == 60 and g.task_offset(args, "gsm8k") == 300
-    for bad in ("humaneval", "mbpp=3", "gsm8k=-1", "gsm8k=x"):
-        with pytest.raises(SystemExit):
-            g.parse_args(["--task-offset", bad])
-
-
 def _results() -> dict:
     """A small guard.json as ``benchmarks.guard`` writes it."""
     ttft = {"n": 3, "median": 0.4, "p10": 0.3, "p90": 0.5}
@@ -211,12 +203,12 @@ RUN = "python -m benchmarks.guard --seed 12 --offset 210"
 
 def test_parts_of_one_run_merge_into_the_whole_run_in_task_order(tmp_path):
     task = _results()["tasks"]["retrieval"]
-    stopped = _part(RUN, {"retrieval": task, "gsm8k": task}, overhead=False)
-    rest = _part(RUN + " --task humaneval --out-dir tmp/x", {"humaneval": task}, overhead=True,
+    stopped = _part(RUN, {"retrieval": task}, overhead=False)
+    rest = _part(RUN + " --task gsm8k --out-dir tmp/x", {"gsm8k": task}, overhead=True,
                  date="2026-01-03T00:00:00")
     rest["meta"]["serving_digest"] = stopped["meta"]["serving_digest"] = "d"
     merged = runs.merge_tasks([rest, stopped], "python -m benchmarks.guard --merge b a", g.parse_args, fr.TASKS)
-    assert list(merged["tasks"]) == ["retrieval", "gsm8k", "humaneval"] and merged["complete"] is True
+    assert list(merged["tasks"]) == ["retrieval", "gsm8k"] and merged["complete"] is True
     assert merged["meta"]["serving_digest"] == "d"  # the serving code every part measured
     assert merged["commands"] == [rest["command"], stopped["command"]] and len(merged["parts_meta"]) == 2
     assert merged["meta"]["command"] == "python -m benchmarks.guard --merge b a"
@@ -225,17 +217,17 @@ def test_parts_of_one_run_merge_into_the_whole_run_in_task_order(tmp_path):
     assert merged["wall_s"] is None  # the stopped part did not record its time
     assert merged["seed"] == 12 and merged["target_bound"] == 0.99
     text = report.render_guard(merged)
-    assert merged["parts_measured"] == [["humaneval", "overhead"], ["retrieval", "gsm8k"]]
+    assert merged["parts_measured"] == [["gsm8k", "overhead"], ["retrieval"]]
     assert "joined with `--merge`" in text
-    assert f"`{rest['command']}` (started " in text and " UTC): humaneval, overhead" in text
-    without = runs.merge_tasks([stopped, _part(RUN + " --task humaneval --no-overhead", {"humaneval": task}, False)],
+    assert f"`{rest['command']}` (started " in text and " UTC): gsm8k, overhead" in text
+    without = runs.merge_tasks([stopped, _part(RUN + " --task gsm8k --no-overhead", {"gsm8k": task}, False)],
                                "m", g.parse_args, fr.TASKS)
     assert without["complete"] is False and "overhead" not in without and "guard_queue" not in without
 
 
 @pytest.mark.parametrize("change, reason", [
-    (lambda p: p.update(command=RUN.replace("12", "13") + " --task humaneval"), "not the same run"),
-    (lambda p: p.update(command="python -m benchmarks.frontier --task humaneval"), "not a benchmarks.guard command"),
+    (lambda p: p.update(command=RUN.replace("12", "13") + " --task gsm8k"), "not the same run"),
+    (lambda p: p.update(command="python -m benchmarks.frontier --task gsm8k"), "not a benchmarks.guard command"),
     (lambda p: p.update(heads=[0, 8]), "differs from"),
     (lambda p: p["meta"].update(git_revision="b" * 40), "different code"),
     (lambda p: p["meta"].update(git_dirty=True), "uncommitted"),
@@ -244,7 +236,7 @@ def test_parts_of_one_run_merge_into_the_whole_run_in_task_order(tmp_path):
 def test_parts_that_are_not_one_measurement_are_refused(change, reason):
     task = _results()["tasks"]["retrieval"]
     stopped = _part(RUN, {"retrieval": task}, overhead=True)
-    rest = _part(RUN + " --task humaneval", {"humaneval": task}, overhead=False)
+    rest = _part(RUN + " --task gsm8k", {"gsm8k": task}, overhead=False)
     change(rest)
     with pytest.raises(runs.MergeError, match=reason):
         runs.merge_tasks([stopped, rest], "m", g.parse_args, fr.TASKS)
@@ -280,8 +272,8 @@ def _overhead_part(revision: str = "c" * 40, dirty: bool = False, model: str = "
 
 def test_an_overhead_measured_again_replaces_the_runs_and_keeps_what_it_replaced():
     task = _results()["tasks"]["retrieval"]
-    whole = runs.merge_tasks([_part(RUN, {"retrieval": task, "gsm8k": task}, overhead=False),
-                           _part(RUN + " --task humaneval", {"humaneval": task}, overhead=True)], "m", g.parse_args, fr.TASKS)
+    whole = runs.merge_tasks([_part(RUN, {"retrieval": task}, overhead=False),
+                           _part(RUN + " --task gsm8k", {"gsm8k": task}, overhead=True)], "m", g.parse_args, fr.TASKS)
     whole["model"] = "smollm2-135m"
     asked = []
     out = runs.replace_overhead(whole, _overhead_part(), lambda a, b: asked.append((a, b)) or [], fr.TASKS)

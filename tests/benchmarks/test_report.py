@@ -100,16 +100,16 @@ def test_an_optional_entry_is_left_out_while_its_file_is_missing(tmp_path):
 
 
 def test_a_malformed_canonical_file_is_an_error_naming_it(tmp_path):
-    folder = _copy_of_results(tmp_path, without="learn_cost.json")
-    (folder / "learn_cost.json").write_text("{not json")
-    with pytest.raises(report.ReportError, match=r"learn_cost\.json: not valid JSON"):
+    folder = _copy_of_results(tmp_path, without="kernels_cpu.json")
+    (folder / "kernels_cpu.json").write_text("{not json")
+    with pytest.raises(report.ReportError, match=r"kernels_cpu\.json: not valid JSON"):
         report.render(folder)
-    data = json.loads((report.RESULTS / "learn_cost.json").read_text())
-    (folder / "learn_cost.json").write_text(json.dumps({k: v for k, v in data.items() if k != "meta"}))
-    with pytest.raises(report.ReportError, match=r"learn_cost\.json: meta lacks command"):
+    data = json.loads((report.RESULTS / "kernels_cpu.json").read_text())
+    (folder / "kernels_cpu.json").write_text(json.dumps({k: v for k, v in data.items() if k != "meta"}))
+    with pytest.raises(report.ReportError, match=r"kernels_cpu\.json: meta lacks command"):
         report.render(folder)
-    (folder / "learn_cost.json").write_text(json.dumps({"meta": data["meta"], "rows": [{}]}))
-    with pytest.raises(report.ReportError, match=r"learn_cost\.json: malformed"):
+    (folder / "kernels_cpu.json").write_text(json.dumps({"meta": data["meta"], "rows": [{}]}))
+    with pytest.raises(report.ReportError, match=r"kernels_cpu\.json: malformed"):
         report.render(folder)
 
 
