@@ -8,8 +8,7 @@ Public API::
 who speaks, ``workflow(name)`` names the run (the reuse scope; its requests stay
 on one server behind SGLang's router); ``KVShareEndpoint(url)`` is a ``RuntimeEndpoint`` that turns the
 marks into the kvshare request annotation. The workloads written with it
-(roles, topologies, GSM8K / HumanEval tasks) live in ``benchmarks.workloads``;
-``python -m benchmarks.workflow --help`` runs them.
+(roles, topologies, GSM8K tasks) live in ``benchmarks.workloads``.
 """
 
 from sglang_kvshare.frontend.primitives import agent, shared, workflow

@@ -106,8 +106,8 @@ def factorize(x: torch.Tensor, rank: int | None, method: Literal["svd", "randomi
             ``D = kv_heads * head_dim``), so one ``L x D x D`` product and a
             subspace iteration on the small Gram matrix replace the SVD of
             the tall matrix; residual within 1e-4 of the exact truncation and
-            no global RNG draw (the learner's default in the server;
-            ``python -m benchmarks.research.learn_cost`` times the three).
+            no global RNG draw (the learner's default in the server; the three
+            methods' times: docs/research/PROFILE.md).
         dtype: storage dtype; defaults to ``x.dtype``.
     Returns: new ``Factors``; ``x`` is not modified.
     """
