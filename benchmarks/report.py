@@ -41,7 +41,7 @@ from typing import Any, Callable, Optional
 
 from benchmarks.report_sections import (date_of, hardware, interval, meta_line, plot_chain, plot_from, render_adversary,
                                         render_chain, render_demo, render_fidelity, render_frontier, render_guard,
-                                        render_kernels, render_langgraph, render_roles_study, render_scaleout,
+                                        render_kernels, render_roles_study, render_scaleout,
                                         render_serving, render_soak, render_stock_vs_off,
                                         render_tp_kvcmas, render_warm_start, table)
 from benchmarks.serving_digest import serving_digest
@@ -267,12 +267,6 @@ REGISTRY: list[Benchmark] = [
         "were served dense, while renamed twins of the workflow on intact slots "
         "keep their reuse. Overhead: two servers up, paired requests in ABBA order, roles swapped halfway.",
         render_guard, plot_from("benchmarks.guard", "plot"), results_png=True, optional=True),
-    Benchmark(
-        "langgraph_reuse", "langgraph_reuse.json", "python -m benchmarks.langgraph_reuse",
-        "Pointed at a `--kvshare-auto` server, how much of the text an unchanged LangGraph team sends more than "
-        "once is reused, and do its answers stay those of a stock server?",
-        "`reuse of repeated message tokens`: message tokens reused by alignment over those not new to the server.",
-        render_langgraph),
     Benchmark(
         "scaleout", "scaleout.json", "python -m benchmarks.scaleout --limit 16",
         "On two workers (`--dp-size 2`, or two servers behind SGLang's router), does a workflow keep the reuse it "

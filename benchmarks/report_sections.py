@@ -409,17 +409,6 @@ def render_adversary(d: dict) -> str:
             f"Long chats: {sizes or '-'}. " + verdicts_line(d["verdicts"]))
 
 
-def render_langgraph(d: dict) -> str:
-    rows = []
-    for mode, r in d["summary"].items():
-        agents = ", ".join(f"{k} {num(v)}" for k, v in (r.get("agreement_text") or {}).items())
-        rows.append([f"`{mode}`", num(r["seconds"], ".1f", " s"), str(r["message_tokens"]),
-                     num(r.get("reuse_ratio_repeated")), num(r.get("agreement_final_number")), agents])
-    return (f"{len(d['questions'])} questions, {d['max_tokens']} tokens per answer, greedy.\n\n"
-            + table(["mode", "wall", "message tokens", "reuse of repeated message tokens",
-                     "final number equals `off`'s", "answer text equals `off`'s, per agent"], rows))
-
-
 def render_scaleout(d: dict) -> str:
     rows = []
     for arm, r in d["arms"].items():
