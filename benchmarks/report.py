@@ -43,7 +43,7 @@ from benchmarks.report_sections import (date_of, hardware, interval, meta_line, 
                                         render_chain, render_demo, render_fidelity, render_frontier, render_guard,
                                         render_kernels, render_roles_study, render_scaleout,
                                         render_serving, render_soak, render_stock_vs_off,
-                                        render_tp_kvcmas, render_warm_start, table)
+                                        render_tp_kvcmas, table)
 from benchmarks.serving_digest import serving_digest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -283,14 +283,6 @@ REGISTRY: list[Benchmark] = [
         "size is scored against its own dense numerics. Targets: reuse >= 0.9x TP=1's, top-1 within 0.005, agent 1's "
         "greedy answers identical, every rank's gate digest equal.",
         render_tp_kvcmas, optional=True),
-    Benchmark(
-        "warm_start", "warm_start.json", "python -m benchmarks.warm_start",
-        "How does a new kvcmas server serve its first requests, with empty pools and with pools saved by an earlier "
-        "server of the same agents (`--kvshare-pool-file`), and how does that compare with `fullshared`?",
-        "`cold`: empty pools (a new edge is aligned, and about every other new document prefilled densely, while "
-        "it learns); `warm`: the same server launched with the saved file. One run of this machine; the arms "
-        "ran one after another on the same documents.",
-        render_warm_start, optional=True),
 ]
 BY_NAME = {b.name: b for b in REGISTRY}
 

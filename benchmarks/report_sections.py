@@ -443,30 +443,6 @@ def render_tp_kvcmas(d: dict) -> str:
             + "".join(f"\n\nSoak, {line}" for line in soaks))
 
 
-def render_warm_start(d: dict) -> str:
-    rows = []
-    for arm in ("cold", "warm", "fullshared"):
-        r = d.get(arm)
-        if not r:
-            continue
-        served = ", ".join(f"{n} {how}" for how, n in sorted(r["served_as"].items(), key=lambda kv: -kv[1]))
-        t = r["b_ttft_s"]
-        total = sum(q["b_ttft_s"] for q in r["requests"])
-        rows.append([arm, str(r["anchors_loaded"]), served, num(r["reuse"]), num(r["corrected_share"]),
-                     f"{num(t['median'], '.3f')} ({num(t['min'], '.3f')}-{num(t['max'], '.3f')}) s",
-                     num(total, ".1f", " s"), num(r["b_over_a_ttft"]), num(r["top1"], ".4f"), num(r["kl"], ".5f"),
-                     str(r["positions"])])
-    saved = d["saved"]
-    return (f"{d['eval']} new documents of {d['length']} tokens, each read by agent `{d['agents'][0]}` (dense) and "
-            f"then by `{d['agents'][1]}` behind its own system prompt, on one fresh server per arm. The pool file "
-            f"came from a server that read {d['teach']} other documents with the same agents: "
-            f"{saved['anchors']} anchors of {saved['slots']} slot(s), {saved['bytes'] / 2**20:.0f} MiB. Top-1 and "
-            f"KL: B's own {d['max_tokens']}-token answer teacher-forced through an exact prefill of the same "
-            "prompt.\n\n"
-            + table(["arm", "anchors loaded", "B's document served as", "reuse", "corrected", "B TTFT, median (min-max)",
-                     "B TTFT, all requests", "B / A TTFT (median)", "top-1", "KL", "positions"], rows))
-
-
 # ------------------------------------------------------------------ plots
 def plot_from(module: str, function: str) -> Callable[[Any, Path], None]:
     """A benchmark module's own plot function, imported only when plots are drawn (the imports are heavy)."""
