@@ -41,7 +41,7 @@ from typing import Any, Callable, Optional
 
 from benchmarks.report_sections import (date_of, hardware, interval, meta_line, plot_chain, plot_from, render_adversary,
                                         render_chain, render_demo, render_fidelity, render_frontier, render_guard,
-                                        render_kernels, render_roles_study, render_scaleout,
+                                        render_kernels, render_roles_study,
                                         render_serving, render_soak, render_stock_vs_off,
                                         render_tp_kvcmas, table)
 from benchmarks.serving_digest import serving_digest
@@ -267,14 +267,6 @@ REGISTRY: list[Benchmark] = [
         "were served dense, while renamed twins of the workflow on intact slots "
         "keep their reuse. Overhead: two servers up, paired requests in ABBA order, roles swapped halfway.",
         render_guard, plot_from("benchmarks.guard", "plot"), results_png=True, optional=True),
-    Benchmark(
-        "scaleout", "scaleout.json", "python -m benchmarks.scaleout --limit 16",
-        "On two workers (`--dp-size 2`, or two servers behind SGLang's router), does a workflow keep the reuse it "
-        "gets on one, with affinity, and how much does it lose without?",
-        "Fresh servers per arm, one core per worker. `reuse` = a workflow's shared tokens served without prefill "
-        "over its shared tokens; `dp2_none` names no workflow (SGLang's round robin), `router_none` sends no routing "
-        "header (the router's random choice; the annotation still arrives).",
-        render_scaleout, optional=True),
     Benchmark(
         "tp_kvcmas", "tp_kvcmas.json", "python -m benchmarks.tp_kvcmas --chains 12 --soak 200",
         "Does `kvcmas` at tensor-parallel size 3 (each rank learning its own KV heads, the gate reduced over the "

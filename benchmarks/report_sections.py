@@ -409,19 +409,6 @@ def render_adversary(d: dict) -> str:
             f"Long chats: {sizes or '-'}. " + verdicts_line(d["verdicts"]))
 
 
-def render_scaleout(d: dict) -> str:
-    rows = []
-    for arm, r in d["arms"].items():
-        spread = ", ".join(f"{w['shared_tokens_seen']}" for w in r["workers"])
-        rows.append([f"`{arm}`", num(r["reuse_ratio"]), num(r.get("reuse_gap_to_one_worker")),
-                     num(r.get("same_answers_as_one_worker")), spread, num(r["ttft_s_mean_agents_2_on"], ".2f", " s")])
-    return (f"GSM8K `refer` workflow, {d['samples']} samples (one workflow each), {d['agents']} agents, "
-            f"{d['max_tokens']} tokens per answer, mode `{d['mode']}`, {d['concurrency']} workflows in flight. "
-            f"Target: the affinity arms' reuse within {d['target_gap']} of `one_worker`'s.\n\n"
-            + table(["arm", "reuse", "gap to one worker", "final answers equal one worker's",
-                     "shared tokens seen per worker", "TTFT agents 2-4 (mean)"], rows))
-
-
 def render_tp_kvcmas(d: dict) -> str:
     rows = []
     for tp, r in d["sizes"].items():
