@@ -41,9 +41,8 @@ from typing import Any, Callable, Optional
 
 from benchmarks.report_sections import (date_of, hardware, interval, meta_line, plot_chain, plot_from, render_adversary,
                                         render_chain, render_demo, render_fidelity, render_frontier, render_guard,
-                                        render_kernels, render_roles_study,
-                                        render_serving, render_soak, render_stock_vs_off,
-                                        render_tp_kvcmas, table)
+                                        render_kernels, render_roles_study, render_serving, render_soak,
+                                        render_stock_vs_off, table)
 from benchmarks.serving_digest import serving_digest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -267,14 +266,6 @@ REGISTRY: list[Benchmark] = [
         "were served dense, while renamed twins of the workflow on intact slots "
         "keep their reuse. Overhead: two servers up, paired requests in ABBA order, roles swapped halfway.",
         render_guard, plot_from("benchmarks.guard", "plot"), results_png=True, optional=True),
-    Benchmark(
-        "tp_kvcmas", "tp_kvcmas.json", "python -m benchmarks.tp_kvcmas --chains 12 --soak 200",
-        "Does `kvcmas` at tensor-parallel size 3 (each rank learning its own KV heads, the gate reduced over the "
-        "ranks) reuse and keep `off`'s distributions as it does at size 1?",
-        "One server per TP size; its `off` references come from the same server (mode switched at runtime), so each "
-        "size is scored against its own dense numerics. Targets: reuse >= 0.9x TP=1's, top-1 within 0.005, agent 1's "
-        "greedy answers identical, every rank's gate digest equal.",
-        render_tp_kvcmas, optional=True),
 ]
 BY_NAME = {b.name: b for b in REGISTRY}
 

@@ -409,27 +409,6 @@ def render_adversary(d: dict) -> str:
             f"Long chats: {sizes or '-'}. " + verdicts_line(d["verdicts"]))
 
 
-def render_tp_kvcmas(d: dict) -> str:
-    rows = []
-    for tp, r in d["sizes"].items():
-        vs = r.get("vs_tp1") or {}
-        digests = "-" if r.get("digests_equal") is None else ("equal" if r["digests_equal"] else "**differ**")
-        rows.append([tp, str(r["requests"]), num(r["reuse_ratio"]), str(r["tokens_corrected"]),
-                     num(r["top1_agents_2_4"], ".4f"), num(r["kl_agents_2_4"], ".5f"), num(vs.get("reuse_ratio")),
-                     num(vs.get("top1_difference"), "+.4f"),
-                     "-" if not vs else ("yes" if vs.get("agent1_greedy_identical") else "no"), digests])
-    soaks = [f"TP={tp}: {r['soak']['sent']} more requests over new contexts, {r['soak']['ok']} answered, "
-             f"{r['soak']['aborted']} aborted mid-answer, {r['soak']['failed']} failed, {r['soak']['mode_switches']} "
-             f"mode switches; rank digests {'equal' if r['soak']['digests_equal'] else '**differ**'} after it "
-             f"({r['soak']['tp_ranks'][0]['gate_decisions']} decisions each)."
-             for tp, r in d["sizes"].items() if r.get("soak")]
-    return (f"{d['chains']} chains of {d['agents']} agents over {d['length']} shared tokens, {d['max_tokens']} "
-            "answer tokens per agent; top-1 and KL of agents 2-4 against `off` at the same TP size.\n\n"
-            + table(["TP", "requests", "reuse", "tokens corrected", "top-1", "KL", "reuse / TP=1's",
-                     "top-1 - TP=1's", "agent 1 greedy = TP=1's", "rank digests"], rows)
-            + "".join(f"\n\nSoak, {line}" for line in soaks))
-
-
 # ------------------------------------------------------------------ plots
 def plot_from(module: str, function: str) -> Callable[[Any, Path], None]:
     """A benchmark module's own plot function, imported only when plots are drawn (the imports are heavy)."""
