@@ -44,8 +44,6 @@ between the two processes cancels too. After each request of the guarded server 
 guard queue to drain, so its dense references never run beside the other server's measured request on this
 shared CPU: the ratios are the on-path cost; ``drain_s`` (those waits) bounds the off-path compute. And the
 guard's queue (``GET /kvshare/stats`` -> ``fidelity``): peak ``approx_bytes`` and jobs seen, limits.
-``--overhead-only`` measures the overhead again, with more pairs when its interval was left unresolved, into the
-run's ``guard.json`` (``runs.replace_overhead``: only on the serving code the tasks ran on).
 
 Servers: one kvshare server serves every arm of every task, reconfigured at runtime (``POST /kvshare/config``:
 mode, head, verify rate, target and min samples are all runtime settings) and emptied before each
@@ -56,7 +54,6 @@ start costs about 40 s here. The overhead adds a second server.
 from __future__ import annotations
 
 import argparse
-import json
 import secrets
 import sys
 import time
@@ -73,7 +70,6 @@ from tqdm import tqdm
 from benchmarks import frontier as fr
 from benchmarks.chain_ttft import AGENTS, SUFFIX, system
 from benchmarks import runs
-from benchmarks.runs import MergeError, check_overhead_source, git_serving_diff
 from benchmarks.guard_metrics import (CONTROL, actions_since, approximated, best_global_k, choose_min_samples,
                                       counter_diff, detection_counts, pairs, reuse_ratio, score_calibration,
                                       fault_program, settings, twin_program)
@@ -714,9 +710,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--overhead-length", type=int, default=512, help="shared context tokens of an overhead request")
     ap.add_argument("--overhead-tokens", type=int, default=16, help="output tokens of an overhead consumer")
     ap.add_argument("--no-overhead", action="store_true")
-    ap.add_argument("--overhead-only", action="store_true",
-                    help="measure only the overhead and put it in place of the one in OUT_DIR/guard.json (kept "
-                         "there as overhead_replaced); refused unless that run's serving code is this checkout's")
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0, help="retrieval: which generated documents (a new seed, new ones)")
     ap.add_argument("--offset", type=int, default=0,
@@ -749,8 +742,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         command = command_line(argv)
         return runs.join("merge", args.merge, lambda parts: runs.merge_tasks(parts, command, parse_args, fr.TASKS),
                          lambda out: save(out, Path(args.out_dir)))
-    if args.overhead_only:
-        return overhead_only(args, command_line(argv))
     signal.signal(signal.SIGTERM, fr._on_sigterm)
     from transformers import AutoTokenizer
 
@@ -798,46 +789,6 @@ def queue_record(server: GuardServer) -> dict:
     stats = server.stats()
     return {"peak_approx_bytes": server.peak["approx_bytes"], "peak_jobs": server.peak["jobs"],
             "limits": stats.get("limits"), "usage_at_end": stats.get("usage")}
-
-
-def overhead_only(args: argparse.Namespace, command: str) -> int:
-    """``--overhead-only``: the overhead measured again, into the run's ``guard.json``; 2 with the reason when the
-    run's file is missing or its serving code is not this checkout's (checked before any server starts)."""
-    from transformers import AutoTokenizer
-
-    from devtools.models import prepare
-
-    out_dir = Path(args.out_dir)
-    meta = run_meta(command)
-    try:
-        whole = json.loads((out_dir / "guard.json").read_text())
-        check_overhead_source(whole, meta, args.model, git_serving_diff)
-    except (MergeError, OSError, ValueError, KeyError) as exc:
-        print(f"cannot measure the overhead into {out_dir / 'guard.json'}: {exc}", file=sys.stderr)
-        return 2
-    args.model_path = str(prepare(args.model))
-    tok = AutoTokenizer.from_pretrained(args.model_path)
-    t0 = time.monotonic()
-    server = GuardServer(args.model_path).start()
-    try:
-        overhead = run_overhead(server, tok, args)
-        queue = queue_record(server)
-    finally:
-        server.stop()
-    part = {"meta": meta, "command": command, "model": args.model, "overhead": overhead,
-            "overhead_ttft_ratio": overhead["ttft"]["verdict"],
-            "overhead_throughput_ratio": overhead["throughput"]["verdict"], "guard_queue": queue,
-            "wall_s": round(time.monotonic() - t0, 1)}
-    try:
-        out = runs.replace_overhead(whole, part, git_serving_diff, fr.TASKS)
-    except MergeError as exc:  # the checkout changed while it ran
-        print(f"cannot put the overhead into {out_dir / 'guard.json'}: {exc}", file=sys.stderr)
-        write_json(out_dir / "guard_overhead_part.json", part)
-        return 2
-    save(out, out_dir)
-    print(f"overhead: TTFT {part['overhead_ttft_ratio']}; throughput {part['overhead_throughput_ratio']}",
-          file=sys.stderr)
-    return 0
 
 
 def save(out: dict, out_dir: Path) -> None:
