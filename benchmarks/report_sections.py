@@ -370,31 +370,25 @@ def render_kernels(d: dict) -> str:
                      "reconstructed)", "repeats"], rows))
 
 
-def verdicts_line(verdicts: dict) -> str:
-    """How many verdicts passed, naming each one that failed or was not checked."""
-    passed = sum(1 for v in verdicts.values() if v is True)
+def run_outcome(d: dict, setup: str, findings: str) -> str:
+    """A soak-like run (``passed``, ``totals``, ``verdicts``): its setup, the verdict and request totals, what it
+    found, and how many verdicts passed, naming each one that failed or was not checked."""
+    t, verdicts = d["totals"], d["verdicts"]
     failed = [f"`{k}`" for k, v in verdicts.items() if v is not True and v != "not checked"]
     unchecked = [f"`{k}`" for k, v in verdicts.items() if v == "not checked"]
-    return (f"Verdicts: {passed} of {len(verdicts)} pass"
+    return (f"{setup} Passed: **{'yes' if d['passed'] else 'no'}**. Requests {t['requests']}: 2xx {t['ok_2xx']}, "
+            f"4xx {t['client_4xx']}, 5xx {t['server_5xx']}, lost {t['lost']}; {findings} Verdicts: "
+            f"{sum(1 for v in verdicts.values() if v is True)} of {len(verdicts)} pass"
             + (f"; **FAIL**: {', '.join(failed)}" if failed else "")
             + (f"; not checked: {', '.join(unchecked)}" if unchecked else "") + ".")
 
 
-def passed_and_requests(d: dict) -> str:
-    """The verdict and the request totals of a soak-like run (``passed``, ``totals``)."""
-    t = d["totals"]
-    return (f"Passed: **{'yes' if d['passed'] else 'no'}**. Requests {t['requests']}: 2xx {t['ok_2xx']}, 4xx "
-            f"{t['client_4xx']}, 5xx {t['server_5xx']}, lost {t['lost']}")
-
-
 def render_soak(d: dict) -> str:
-    s = d["settings"]
-    rep = d["replay"]
-    return (f"Mode `{s['mode']}`, tau {s['tau']}, {s['clients']} clients for {s['minutes']} min, KV pool "
-            f"{s['max_total_tokens']} tokens, {s['slot_names']} slot names; wall {d['wall_s']} s. "
-            f"{passed_and_requests(d)}; faults injected "
-            f"{d['faults_injected_total']}; plain requests replayed against `off`: {rep['same']} of {rep['n']} "
-            f"identical. " + verdicts_line(d["verdicts"]))
+    s, rep = d["settings"], d["replay"]
+    return run_outcome(d, f"Mode `{s['mode']}`, tau {s['tau']}, {s['clients']} clients for {s['minutes']} min, KV "
+                          f"pool {s['max_total_tokens']} tokens, {s['slot_names']} slot names; wall {d['wall_s']} s.",
+                       f"faults injected {d['faults_injected_total']}; plain requests replayed against `off`: "
+                       f"{rep['same']} of {rep['n']} identical.")
 
 
 def render_adversary(d: dict) -> str:
@@ -402,11 +396,11 @@ def render_adversary(d: dict) -> str:
     chats = (d["attacks"].get("long_chats") or {}).get("sizes") or {}
     sizes = ", ".join(f"{n} messages: {c['auto_status']} in {num(c['auto_s'])} s (stock {c['stock_status']}), "
                       f"short chat delayed {num(c['short_delay_s'])} s" for n, c in chats.items())
-    return (f"Form `{d['form']}`, {d['server_s']} s against the server. {passed_and_requests(d)}; "
-            f"{d['secrets']['count']} secrets looked for in {d['secrets']['answers_scanned']} answers, "
-            f"{len(d['secrets']['leaks'])} found; name flood {flood.get('flood_requests', '-')} agents, guard scope "
-            f"series {(flood.get('series') or {}).get('scopes', '-')} (cap {flood.get('series_cap', '-')}). "
-            f"Long chats: {sizes or '-'}. " + verdicts_line(d["verdicts"]))
+    return run_outcome(d, f"Form `{d['form']}`, {d['server_s']} s against the server.",
+                       f"{d['secrets']['count']} secrets looked for in {d['secrets']['answers_scanned']} answers, "
+                       f"{len(d['secrets']['leaks'])} found; name flood {flood.get('flood_requests', '-')} agents, "
+                       f"guard scope series {(flood.get('series') or {}).get('scopes', '-')} (cap "
+                       f"{flood.get('series_cap', '-')}). Long chats: {sizes or '-'}.")
 
 
 # ------------------------------------------------------------------ plots
