@@ -59,6 +59,16 @@ def date_of(meta: dict) -> str:
     return str(meta.get("date", "-"))[:10]
 
 
+def started(meta: dict) -> str:
+    return str(meta.get("date", "-"))[:16].replace("T", " ") + " UTC"
+
+
+def paired(v: dict, label: str, tolerance: bool = True) -> str:
+    """A paired ratio's verdict: median [95 % interval] (pairs, verdict and tolerance)."""
+    return (f"{label} {num(v['median'], '.3f')} {interval(v['ci95'], '.3f')} ({v['n']} pairs, {v['verdict']}"
+            + (f" {v['tolerance']:.0%})" if tolerance else ")"))
+
+
 def meta_line(meta: dict) -> str:
     """Where, when, from which code and with which command a file was measured."""
     rev = meta.get("git_revision") or "-"
@@ -252,12 +262,6 @@ def _guard_row(name: str, t: dict) -> list[str]:
             kept[det.get("others_kept_reuse")]]
 
 
-# What a guard.json that does not record its controller was measured with.
-OLD_GUARD_RULE = {"tighten": "one step per decision (straight to dense when missed by far); on the mean once "
-                             "3 x min_samples verified requests leave the interval straddling the target",
-                  "relax": "one step, the whole interval past the target by the margin, 2 x min_samples"}
-
-
 def render_guard(d: dict) -> str:
     header = ["task", "truth inside the guard's 95 % interval (share of scopes)", "min_samples (warm data)",
               "guarded: reuse / teacher-forced top-1", "TTFT agents 2-4 median: guarded / K=0 / `off`",
@@ -272,22 +276,18 @@ def render_guard(d: dict) -> str:
                          f"warm-up" for n, t in d["tasks"].items())
              + f"; seed {d.get('seed', 0)}. "
                f"Complete: {'yes' if d.get('complete') else 'no'}.", "", table(header, rows)]
-    ctl = d.get("controller") or OLD_GUARD_RULE
-    notes = [f"Controller: tightens {ctl['tighten']}; relaxes {ctl['relax']}."]
+    ctl = d.get("controller")
+    notes = [f"Controller: tightens {ctl['tighten']}; relaxes {ctl['relax']}."] if ctl else []
     if d.get("commands"):
         n = len(d["commands"])
         notes.append("The run was measured in parts on the same revision, joined with `--merge` (which refuses "
                      "parts that differ in arguments or code, or measure a task twice): " + "; ".join(
-                         f"`{c}` (started {str(m.get('date', '-'))[:16].replace('T', ' ')} UTC): {', '.join(w) or '-'}"
+                         f"`{c}` (started {started(m)}): {', '.join(w) or '-'}"
                          for c, m, w in zip(d["commands"], d.get("parts_meta") or [{}] * n,
                                             d.get("parts_measured") or [[]] * n)) + ".")
     ov = d.get("overhead")
     if ov:
-        cells = []
-        for key, label in (("ttft", "TTFT"), ("throughput", "throughput")):
-            v = ov[key]["verdict"]
-            cells.append(f"{label} {num(v['median'], '.3f')} {interval(v['ci95'], '.3f')} ({v['n']} pairs, "
-                         f"{v['verdict']} {v['tolerance']:.0%})")
+        cells = [paired(ov[key]["verdict"], label) for key, label in (("ttft", "TTFT"), ("throughput", "throughput"))]
         notes += [f"Overhead, guard at {ov['verify_rate']:g} against 0 (guarded / plain, median [95 % bootstrap "
                       f"interval]): {'; '.join(cells)}; {ov['verified_requests']} requests verified; waiting for "
                       f"the guarded server's queue after its requests (its references, off the request path, and "
@@ -296,13 +296,11 @@ def render_guard(d: dict) -> str:
         if src:
             rev = str(src["meta"].get("git_revision") or "-")[:7]
             text = (f"The overhead was measured again, on its own, by `{src['command']}` (revision {rev}, started "
-                    f"{str(src['meta'].get('date', '-'))[:16].replace('T', ' ')} UTC; the serving code is the tasks' "
-                    f"run's, checked with `git diff`)")
+                    f"{started(src['meta'])}; the serving code is the tasks' run's, checked with `git diff`)")
             if old:
-                replaced = [f"{label} {num(old[key]['median'], '.3f')} {interval(old[key]['ci95'], '.3f')} "
-                            f"({old[key]['n']} pairs, {old[key]['verdict']})"
-                            for key, label in (("ttft", "TTFT"), ("throughput", "throughput"))]
-                text += "; the run's own overhead, which it replaced: " + "; ".join(replaced)
+                text += "; the run's own overhead, which it replaced: " + "; ".join(
+                    paired(old[key], label, tolerance=False) for key, label in (("ttft", "TTFT"),
+                                                                                ("throughput", "throughput")))
             notes.append(text + ".")
     q = d.get("guard_queue")
     if q:
