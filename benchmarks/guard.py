@@ -396,8 +396,7 @@ def task_sizes(name: str, args: argparse.Namespace) -> Sizes:
     limit = args.limit or ((8 if q else 60) if retrieval else (3 if q else 10))
     return Sizes(limit=limit,
                  warmup=args.warmup if args.warmup is not None else (12 if q else 4),
-                 calibration=max(limit, args.calibration_samples or ((40 if q else 120) if retrieval else
-                                                                     (4 if q else 50))),
+                 calibration=max(limit, (40 if q else 120) if retrieval else (4 if q else 50)),
                  controlled_warmup=args.controlled_warmup if args.controlled_warmup is not None else (
                      (24 if q else 80) if retrieval else (4 if q else 40)),
                  max_tokens=args.max_tokens or (8 if retrieval else (32 if q else 48)))
@@ -690,9 +689,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--limit", type=int, default=None,
                     help="scored samples (default retrieval 60, gsm8k 10; --quick 8 / 3)")
     ap.add_argument("--warmup", type=int, default=None, help="unscored samples before each arm (default 4; quick 12)")
-    ap.add_argument("--calibration-samples", type=int, default=None,
-                    help="samples of the calibration run after its warm-up, at least --limit (default retrieval "
-                         "120, others 50; --quick 40 / 4)")
     ap.add_argument("--controlled-warmup", type=int, default=None,
                     help="unscored samples the guarded arm runs first, so the controller can act before scoring "
                          "(default retrieval 80, others 40; --quick 24 / 4)")
