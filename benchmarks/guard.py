@@ -521,10 +521,10 @@ class Overhead:
             self.drain_s += time.perf_counter() - t0
 
     def ttft_pair(self, i: int) -> dict:
-        ctx = context_tokens(self.tok, self.args.overhead_length, seed=170_000 + i)
+        ctx = context_tokens(self.tok, OVERHEAD_LENGTH, seed=170_000 + i)
         row: dict = {"order": list(overhead_order(i))}
         for role in overhead_order(i):
-            timed = _consumer(self.roles[role].url, self.tok, ctx, f"ctx{i}", self.args.overhead_tokens)
+            timed = _consumer(self.roles[role].url, self.tok, ctx, f"ctx{i}", OVERHEAD_TOKENS)
             row[role] = timed.ttft
             row[f"{role}_approximated"] = approximated(timed.report)
             self.settle(role)
@@ -532,8 +532,8 @@ class Overhead:
         return row
 
     def throughput_round(self, r: int) -> dict:
-        ctxs = [context_tokens(self.tok, self.args.overhead_length // 2, seed=190_000 + 100 * r + j)
-                for j in range(self.args.overhead_batch)]
+        ctxs = [context_tokens(self.tok, OVERHEAD_LENGTH // 2, seed=190_000 + 100 * r + j)
+                for j in range(OVERHEAD_BATCH)]
         row: dict = {"order": list(overhead_order(r))}
         for role in overhead_order(r):
             url = self.roles[role].url
@@ -544,7 +544,7 @@ class Overhead:
             t0 = time.perf_counter()
             with ThreadPoolExecutor(len(reqs)) as pool:
                 done = list(pool.map(lambda q: stream_generate(url, q[0], custom_params=q[1], ignore_eos=True,
-                                                               max_new_tokens=self.args.overhead_tokens), reqs))
+                                                               max_new_tokens=OVERHEAD_TOKENS), reqs))
             wall = time.perf_counter() - t0
             tokens = sum(len(q[0]) for q in reqs) + sum(len(t.output_ids) for t in done)
             row[role] = {"wall_s": wall, "tokens_per_s": tokens / wall,
@@ -584,8 +584,8 @@ def run_overhead(main_server: GuardServer, tok: Any, args: argparse.Namespace) -
         other.stop()
         for key, value in other.peak.items():  # one record of the queue's peak over every server of the run
             main_server.peak[key] = max(main_server.peak[key], value)
-    return {"verify_rate": args.overhead_rate, "length": args.overhead_length, "output_tokens": args.overhead_tokens,
-            "batch": args.overhead_batch, "ratio": "guarded / plain, per pair (same requests, ABBA order)",
+    return {"verify_rate": args.overhead_rate, "length": OVERHEAD_LENGTH, "output_tokens": OVERHEAD_TOKENS,
+            "batch": OVERHEAD_BATCH, "ratio": "guarded / plain, per pair (same requests, ABBA order)",
             "ttft": {"pairs": ttft, "verdict": verdict([r["ratio"] for r in ttft], COST_TOLERANCE)},
             "throughput": {"pairs": rounds, "verdict": verdict([r["ratio"] for r in rounds], COST_TOLERANCE)},
             "verified_requests": sum(c.get("verified", 0) for c in counters.values()),
@@ -702,9 +702,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--overhead-rate", type=float, default=0.05)
     ap.add_argument("--overhead-pairs", type=int, default=None, help="paired TTFT requests (default 40; quick 12)")
     ap.add_argument("--overhead-rounds", type=int, default=None, help="paired batches (default 12; quick 4)")
-    ap.add_argument("--overhead-batch", type=int, default=4)
-    ap.add_argument("--overhead-length", type=int, default=512, help="shared context tokens of an overhead request")
-    ap.add_argument("--overhead-tokens", type=int, default=16, help="output tokens of an overhead consumer")
     ap.add_argument("--no-overhead", action="store_true")
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0, help="retrieval: which generated documents (a new seed, new ones)")

@@ -532,14 +532,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.check or args.check_fresh:
             status = 0
             if args.check:
-                default = args.out == DOC
-                ok, message = check(args.out, args.results, README if default else None)
-                if not ok:
-                    print(f"{args.out} differs from what the results give; run python -m benchmarks.report\n"
-                          f"{message}", file=sys.stderr)
-                    status = 1
-                else:
-                    print(f"{args.out} is up to date" + (f"\n{message}" if message else ""))
+                ok, message = check(args.out, args.results, README if args.out == DOC else None)
+                print(f"{args.out} is up to date" + (f"\n{message}" if message else "") if ok else
+                      f"{args.out} differs from what the results give; run python -m benchmarks.report\n{message}",
+                      file=sys.stdout if ok else sys.stderr)
+                status = 0 if ok else 1
             if args.check_fresh:
                 ok, message = check_fresh(args.results)
                 print(message, file=sys.stdout if ok else sys.stderr)
