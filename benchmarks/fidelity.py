@@ -46,7 +46,7 @@ from .baselines import make_estimator
 from .harness import RESULTS, SCRATCH, run_meta
 from .report_sections import render_fidelity
 from .texts import gsm8k_questions
-from .common import KV, load_model, partial_recompute, prefill, recompute_rows, set_threads, suffix_eval
+from .common import KV, load_model, partial_recompute, prefill, recompute_rows, suffix_eval
 
 HEAD_KS = [4, 8, 16, 32]  # head recompute arms (K = 0 is the plain mode's own arm)
 TAU, GATE_LEN, GREEDY_TOKENS = 0.3, 256, 32  # the gate's threshold and length cap; tokens of a greedy continuation
@@ -277,7 +277,7 @@ def contents(tok, args) -> tuple[list, list]:
 
 def run(args, out_path: Path | None = None) -> dict:
     """The whole study: every arm served online over the warm, then the held-out contents."""
-    set_threads(1)
+    torch.set_num_threads(1)  # NOTE: two OpenMP threads spin against other processes on a shared 2-core machine
     torch.manual_seed(args.seed)
     t_start = time.perf_counter()
     model, tok, path = load_model(args.model)

@@ -89,10 +89,6 @@ def cell_mark(stale: Optional[str]) -> str:
     return "fresh" if stale is None else f"**stale** ({stale})"
 
 
-def header_mark(stale: Optional[str]) -> str:
-    return "" if stale is None else f" - **stale** ({stale})"
-
-
 def without_marks(text: str) -> str:
     return MARK.sub("", text)
 
@@ -371,20 +367,6 @@ def headline_markdown(results: Path = RESULTS, link: str = "", tree: Optional[st
                   headline_rows(results, link, tree)) + "\n\n" + LEGEND)
 
 
-def stale_headline(results: Path = RESULTS, tree: Optional[str] = None) -> list[tuple[str, str, list[str]]]:
-    """(name, why stale, the commands that measure it again) of every stale headline row, in table order.
-
-    A merged or pooled file names its parts' commands, then its own (the merge)."""
-    tree = serving_digest() if tree is None else tree
-    out = []
-    for entry in headline_entries(results):
-        data = load(entry, results)
-        why = freshness(data, tree)
-        if why is not None:
-            out.append((entry.name, why, [*(data.get("commands") or []), data["meta"]["command"]]))
-    return out
-
-
 README = ROOT / "README.md"
 README_BEGIN, README_END = "<!-- headline-results:begin -->", "<!-- headline-results:end -->"
 
@@ -401,25 +383,22 @@ def readme_with_headline(text: str, results: Path = RESULTS, tree: Optional[str]
 
 
 # ------------------------------------------------------------------ the document
-def body_of(entry: Benchmark, data: Any, results: Path) -> str:
-    try:
-        return entry.render(data)
-    except (KeyError, TypeError, ValueError, IndexError, AttributeError, ZeroDivisionError) as exc:
-        raise ReportError(f"{results / entry.file}: malformed for benchmark {entry.name!r} "
-                          f"(its section cannot read {exc!r})") from exc
-
-
 def section(entry: Benchmark, data: Any, results: Path, stale: Optional[str] = None) -> str:
     """One benchmark's short section: a paragraph (question, reading, file, plot, measurement, the body's opening
     note) and its key table."""
-    body = body_of(entry, data, results)
+    try:
+        body = entry.render(data)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, ZeroDivisionError) as exc:
+        raise ReportError(f"{results / entry.file}: malformed for benchmark {entry.name!r} "
+                          f"(its section cannot read {exc!r})") from exc
     meta = data["meta"]
     recipe = "" if meta.get("command") == entry.command else f" Recipe: `{entry.command}`."
     plot = f", plot [`{entry.name}.png`](results/{entry.name}.png)" if entry.plot is not None else ""
     note, _, rest = body.partition("\n\n")
     if note.startswith(("|", "```")):
         note, rest = "", body
-    out = [f'## <a id="{entry.name}"></a>{entry.name}{header_mark(stale)}', "",
+    mark = "" if stale is None else f" - **stale** ({stale})"
+    out = [f'## <a id="{entry.name}"></a>{entry.name}{mark}', "",
            f"**Question.** {entry.question} **Reading.** {entry.reading} File "
            f"[`benchmarks/results/{entry.file}`](../benchmarks/results/{entry.file}){plot}. {meta_line(meta)}"
            f"{recipe}" + (f" {note}" if note else ""), ""]
@@ -505,8 +484,15 @@ def check(doc: Path = DOC, results: Path = RESULTS, readme: Optional[Path] = REA
 
 def check_fresh(results: Path = RESULTS, tree: Optional[str] = None) -> tuple[bool, str]:
     """Whether every headline row was measured on the serving code of this tree: (ok, what to say), naming each
-    stale row and the commands that measure it again."""
-    stale = stale_headline(results, tree)
+    stale row, in table order, and the commands that measure it again (a merged or pooled file: its parts'
+    commands, then its own, the merge)."""
+    tree = serving_digest() if tree is None else tree
+    stale = []
+    for entry in headline_entries(results):
+        data = load(entry, results)
+        why = freshness(data, tree)
+        if why is not None:
+            stale.append((entry.name, why, [*(data.get("commands") or []), data["meta"]["command"]]))
     if not stale:
         return True, "every headline row was measured on this tree's serving code"
     lines = [f"{len(stale)} headline row(s) measured on other serving code; measure them again:"]
