@@ -61,7 +61,7 @@ NO_DIGEST = "measured before digests were recorded"
 PARTS_DIFFER = "parts measured on different serving code"
 MARK = re.compile(r"(?: - )?\*\*stale\*\* \((?:" + "|".join(map(re.escape, (CHANGED, NO_DIGEST, PARTS_DIFFER)))
                   + r")\)|(?<=\| )fresh(?= \|)")
-"""Every freshness mark the report writes (``cell_mark``, ``header_mark``): ``--check`` compares the documents
+"""Every freshness mark the report writes (``cell_mark``, a section header's): ``--check`` compares the documents
 with them taken out, so a change of the serving code alone does not fail it (``--check-fresh`` does that)."""
 LEGEND = (f"Code: `fresh` = measured on the serving code of this tree (`benchmarks/serving_digest.py`); **stale** = "
           f"{CHANGED}, {NO_DIGEST}, or {PARTS_DIFFER} (a merged or pooled file); "
