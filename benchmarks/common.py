@@ -19,12 +19,6 @@ import torch.nn.functional as F
 from .baselines import select_tokens, token_deviation
 
 
-def set_threads(n: int = 1) -> None:
-    # NOTE: on a shared 2-core machine two OpenMP threads spin against other
-    # processes (an SVD went from 0.1 s to 15 s); one thread is the default.
-    torch.set_num_threads(n)
-
-
 def load_model(name: str = "smollm2-135m"):
     """(model, tokenizer, path) of a prepared model, fp32, eval mode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -46,9 +46,10 @@ from .baselines import make_estimator
 from .harness import RESULTS, SCRATCH, run_meta
 from .report_sections import render_fidelity
 from .texts import gsm8k_questions
-from .common import KV, load_model, partial_recompute, prefill, recompute_rows, set_threads, suffix_eval
+from .common import KV, load_model, partial_recompute, prefill, recompute_rows, suffix_eval
 
 HEAD_KS = [4, 8, 16, 32]  # head recompute arms (K = 0 is the plain mode's own arm)
+TAU, GATE_LEN, GREEDY_TOKENS = 0.3, 256, 32  # the gate's threshold and length cap; tokens of a greedy continuation
 HEAD_MODES = ["fullshared", "kvcmas"]
 SELECT_POLICIES = ("head", "random", "kv_deviation", "query_aware", "head_query", "head_kv_deviation", "correction")
 COARSE_BUCKETS = [(0, 4), (4, 16), (16, 64), (64, 100000)]  # token positions of the per-position error evidence
@@ -276,14 +277,14 @@ def contents(tok, args) -> tuple[list, list]:
 
 def run(args, out_path: Path | None = None) -> dict:
     """The whole study: every arm served online over the warm, then the held-out contents."""
-    set_threads(args.threads)
+    torch.set_num_threads(1)  # NOTE: two OpenMP threads spin against other processes on a shared 2-core machine
     torch.manual_seed(args.seed)
     t_start = time.perf_counter()
     model, tok, path = load_model(args.model)
     spec = RopeSpec.from_hf_config(model.config)
     parts = {a.name: agent_token_parts(tok, a) for a in AGENTS}
     prefix_kv = {name: prefill(model, pre)[0] for name, (pre, _) in parts.items()}
-    arms = make_arms(spec, args.tau, args.rank, args.gate_len, args.sweep_taus, args.sweep_ranks, args.head_ks,
+    arms = make_arms(spec, TAU, args.rank, GATE_LEN, args.sweep_taus, args.sweep_ranks, args.head_ks,
                      args.select_policies, args.select_ratios)
     if args.only:  # NOTE: a subset of arms (fullshared is always kept: other rows compare to it)
         arms = [a for a in arms if a.label in set(args.only) | {"fullshared"}]
@@ -308,7 +309,7 @@ def run(args, out_path: Path | None = None) -> dict:
                 served[arm.label] = serve_chain(model, arm, slot, key, ids, exact, ref, prefix_kv, phase,
                                                 tails={name: tail for name, (_, tail) in parts.items()})
             if phase == "eval":
-                evaluate(model, arms, served, exact, prefix_kv, parts, slot, len(ids), args.greedy_tokens,
+                evaluate(model, arms, served, exact, prefix_kv, parts, slot, len(ids), GREEDY_TOKENS,
                          score=args.score, answer_tokens=args.answer_tokens)
                 done += 1
                 if out_path is not None and done < len(held):  # checkpoint: a partial result survives a kill
@@ -547,10 +548,10 @@ def summarize(args, arms, spec, model, dense_spt, n_eval, n_warm, wall, path) ->
     command = "python -m benchmarks.fidelity " + " ".join(getattr(args, "argv", sys.argv[1:]))
     fs = next(a for a in arms if a.label == "fullshared")
     out = {"meta": run_meta(command.strip()), "model": "SmolLM2-135M-Instruct", "model_path": path, "command": command,
-           "quick": bool(args.quick), "seed": args.seed, "tau": args.tau, "rank": args.rank, "gate_len": args.gate_len,
+           "quick": bool(args.quick), "seed": args.seed, "tau": TAU, "rank": args.rank, "gate_len": GATE_LEN,
            "n_eval_samples": n_eval, "n_warm_samples": n_warm, "consumers_per_sample": len(CHAIN) - 1, "chain": CHAIN,
-           "sources": args.sources, "content_lengths": args.lengths, "greedy_tokens": args.greedy_tokens,
-           "dense_prefill_seconds_per_token": dense_spt, "wall_seconds": wall, "threads": args.threads,
+           "sources": args.sources, "content_lengths": args.lengths, "greedy_tokens": GREEDY_TOKENS,
+           "dense_prefill_seconds_per_token": dense_spt, "wall_seconds": wall, "threads": 1,
            "modes": MAIN_MODES, "instances": fs.inst_where}
     for arm in arms:
         est = arm.est
@@ -680,14 +681,9 @@ def main(argv=None) -> None:
                          "a smoke run is not a result)")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tau", type=float, default=0.3)
     ap.add_argument("--rank", type=int, default=32)
-    ap.add_argument("--gate-len", type=int, default=256, help="gate comparison length cap k")
     ap.add_argument("--sources", nargs="+", default=["gsm8k", "humaneval", "pydoc"],
                     choices=["gsm8k", "humaneval", "pydoc", "retrieval"])
-    ap.add_argument("--greedy-tokens", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--plot", type=Path, default=None, help="PNG path (default: next to --out)")
     ap.add_argument("--warm", type=int, default=None, help="warm contents per source")
     ap.add_argument("--eval", type=int, default=None, help="held-out contents per source")
     ap.add_argument("--lengths", type=int, nargs="+", default=None, help="content lengths in tokens (cycled)")
@@ -727,7 +723,7 @@ def main(argv=None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     result = run(args, out)
     out.write_text(json.dumps(result, indent=1))
-    png = args.plot or out.with_suffix(".png")
+    png = out.with_suffix(".png")
     plot(result, png)
     print(f"wrote {out} and {png}", file=sys.stderr)
     print(render_fidelity(result))

@@ -46,7 +46,6 @@ sent -> first chunk; with ``--concurrency`` > 1 it includes queueing).
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import signal
 import sys
@@ -105,8 +104,7 @@ def default_arm() -> Arm:
     return Arm("default", d.mode, 0, None, d.recompute_ratio, d.min_reuse_tokens, plain=True)
 
 
-def default_arms(heads: Sequence[int], mix: Sequence[float], noise_floor: bool = False,
-                 ratios: Sequence[float] = ()) -> list[Arm]:
+def default_arms(heads: Sequence[int], mix: Sequence[float], ratios: Sequence[float] = ()) -> list[Arm]:
     """Off first (every arm is compared with it), then the random-mix line, then the modes under test
     (heads of K rows, then heads of a share r of each segment)."""
     arms = [Arm("off", "off")]
@@ -117,11 +115,6 @@ def default_arms(heads: Sequence[int], mix: Sequence[float], noise_floor: bool =
     arms += [Arm(f"fullshared_k{k}", "fullshared", k) for k in heads if k != 0]
     arms += [Arm(f"{mode}_r{r:g}", mode, 0, None, r) for mode in ("fullshared", "kvcmas") for r in ratios]
     arms.append(default_arm())
-    if noise_floor:
-        # A second off server, same samples and the same request history: bit-identical on this
-        # CPU server. It does not show the float32 floor of another history (a kvshare server
-        # evicts other rows), see benchmarks/results/diagnose_dense_consumers.txt.
-        arms.append(Arm("off_repeat", "off"))
     return arms
 
 
@@ -632,7 +625,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="arms recomputing a share r of each reused segment: fullshared_r<r> and kvcmas_r<r> its "
                          "first rows")
     ap.add_argument("--arms", default=None, help="comma-separated subset of arm names (off is always run)")
-    ap.add_argument("--noise-floor", action="store_true", help="add off_repeat: a second off server")
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--roles", choices=("project", "dev", "heldout"), default="project",
                     help="the task's own roles, or a split of benchmarks.workloads.role_set drawn per sample "
@@ -644,12 +636,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out-dir", default=str(RESULTS))
     ap.add_argument("--tag", default="", help="suffix of the output names (frontier_<task><tag>.json)")
     ap.add_argument("--no-progress", action="store_true")
-    ap.add_argument("--reports", default=None, metavar="JSONL",
-                    help="also write every request's kvshare report (generation and teacher-forced passes), one "
-                         "JSON line each: how each segment was served, its source agent, gate and pool")
-    ap.add_argument("--rescore", nargs="+", metavar="JSON", default=None,
-                    help="start no server: recompute the line gaps (and their intervals) of finished results "
-                         "files from their recorded per-item answers, rewrite them and their plots")
     ap.add_argument("--merge", nargs="+", metavar=("OUT", "JSON"), default=None,
                     help="start no server: OUT = the arms of the finished results files JSON... (same task and "
                          "samples, off's answers identical in every file), with line gaps and a plot")
@@ -664,8 +650,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def selected_arms(args: argparse.Namespace) -> list[Arm]:
     """The arms a run goes through: the defaults of ``--heads``/``--mix``, cut to ``--arms`` (off always)."""
-    arms = default_arms(args.heads, args.mix, args.noise_floor or bool(args.arms and "off_repeat" in args.arms),
-                        args.ratios)
+    arms = default_arms(args.heads, args.mix, args.ratios)
     if args.arms:
         keep = {"off", *(name.strip() for name in args.arms.split(",") if name.strip())}
         unknown = sorted(keep - {a.name for a in arms})
@@ -707,8 +692,6 @@ def run_task(name: str, args, tok, argv_used: Sequence[str]) -> dict:
         run = run_arm(arm, spec, samples, warm, tok, args, off, max_tokens)
         if arm.name == "off":
             off = run
-        if args.reports:
-            write_reports(Path(args.reports), name, arm.name, samples, run)
         out["arms"][arm.name] = summarize_arm(run, off, spec, samples, decode)
         if arm.mode != "off" and "segment_tokens" not in out:  # what the length rule sees (an off server reports none)
             lengths = [s["tokens"] for rows in run["raw"] for row in rows if row["position"] > 1
@@ -726,19 +709,6 @@ def run_task(name: str, args, tok, argv_used: Sequence[str]) -> dict:
     return out
 
 
-def write_reports(path: Path, task: str, arm: str, samples, run: dict) -> None:
-    """Append the kvshare reports of one arm's scored requests to ``path`` (a diagnostic: which copy each
-    consumer reused, and how; the results files keep only the totals)."""
-    with path.open("a") as f:
-        for si, rows in enumerate(run["raw"]):
-            for ri, row in enumerate(rows):
-                replay = run["tf"].get((si, ri), {}).get("report")
-                for kind, rep in (("generate", row["report"]), ("teacher_forced", replay)):
-                    if rep is not None:
-                        f.write(json.dumps({"task": task, "arm": arm, "sample": samples[si].id, "agent": row["agent"],
-                                            "position": row["position"], "pass": kind, "report": rep}) + "\n")
-
-
 def main(argv=None, *, arm_server: Optional[ArmServer] = None) -> int:
     """``arm_server`` replaces the fresh server per arm (the test suite passes its shared servers)."""
     args = parse_args(argv)
@@ -753,14 +723,6 @@ def main(argv=None, *, arm_server: Optional[ArmServer] = None) -> int:
         return runs.join("merge" if args.merge else "pool", joined[1:], build,
                          lambda out: save({"meta": runs.joined_meta(command, out["parts_meta"]), **out},
                                           Path(joined[0])))
-    if args.rescore:
-        for name in args.rescore:
-            path = Path(name)
-            out = json.loads(path.read_text())
-            fm.add_line_gaps(out["arms"])
-            save(out, path)
-            print(f"{path}: line gaps recomputed", file=sys.stderr)
-        return 0
     args.arm_server = arm_server or fresh_server
     signal.signal(signal.SIGTERM, _on_sigterm)
     from transformers import AutoTokenizer

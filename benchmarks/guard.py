@@ -44,8 +44,6 @@ between the two processes cancels too. After each request of the guarded server 
 guard queue to drain, so its dense references never run beside the other server's measured request on this
 shared CPU: the ratios are the on-path cost; ``drain_s`` (those waits) bounds the off-path compute. And the
 guard's queue (``GET /kvshare/stats`` -> ``fidelity``): peak ``approx_bytes`` and jobs seen, limits.
-``--overhead-only`` measures the overhead again, with more pairs when its interval was left unresolved, into the
-run's ``guard.json`` (``runs.replace_overhead``: only on the serving code the tasks ran on).
 
 Servers: one kvshare server serves every arm of every task, reconfigured at runtime (``POST /kvshare/config``:
 mode, head, verify rate, target and min samples are all runtime settings) and emptied before each
@@ -56,7 +54,6 @@ start costs about 40 s here. The overhead adds a second server.
 from __future__ import annotations
 
 import argparse
-import json
 import secrets
 import sys
 import time
@@ -73,7 +70,6 @@ from tqdm import tqdm
 from benchmarks import frontier as fr
 from benchmarks.chain_ttft import AGENTS, SUFFIX, system
 from benchmarks import runs
-from benchmarks.runs import MergeError, check_overhead_source, git_serving_diff
 from benchmarks.guard_metrics import (CONTROL, actions_since, approximated, best_global_k, choose_min_samples,
                                       counter_diff, detection_counts, pairs, reuse_ratio, score_calibration,
                                       fault_program, settings, twin_program)
@@ -400,8 +396,7 @@ def task_sizes(name: str, args: argparse.Namespace) -> Sizes:
     limit = args.limit or ((8 if q else 60) if retrieval else (3 if q else 10))
     return Sizes(limit=limit,
                  warmup=args.warmup if args.warmup is not None else (12 if q else 4),
-                 calibration=max(limit, args.calibration_samples or ((40 if q else 120) if retrieval else
-                                                                     (4 if q else 50))),
+                 calibration=max(limit, (40 if q else 120) if retrieval else (4 if q else 50)),
                  controlled_warmup=args.controlled_warmup if args.controlled_warmup is not None else (
                      (24 if q else 80) if retrieval else (4 if q else 40)),
                  max_tokens=args.max_tokens or (8 if retrieval else (32 if q else 48)))
@@ -526,10 +521,10 @@ class Overhead:
             self.drain_s += time.perf_counter() - t0
 
     def ttft_pair(self, i: int) -> dict:
-        ctx = context_tokens(self.tok, self.args.overhead_length, seed=170_000 + i)
+        ctx = context_tokens(self.tok, OVERHEAD_LENGTH, seed=170_000 + i)
         row: dict = {"order": list(overhead_order(i))}
         for role in overhead_order(i):
-            timed = _consumer(self.roles[role].url, self.tok, ctx, f"ctx{i}", self.args.overhead_tokens)
+            timed = _consumer(self.roles[role].url, self.tok, ctx, f"ctx{i}", OVERHEAD_TOKENS)
             row[role] = timed.ttft
             row[f"{role}_approximated"] = approximated(timed.report)
             self.settle(role)
@@ -537,8 +532,8 @@ class Overhead:
         return row
 
     def throughput_round(self, r: int) -> dict:
-        ctxs = [context_tokens(self.tok, self.args.overhead_length // 2, seed=190_000 + 100 * r + j)
-                for j in range(self.args.overhead_batch)]
+        ctxs = [context_tokens(self.tok, OVERHEAD_LENGTH // 2, seed=190_000 + 100 * r + j)
+                for j in range(OVERHEAD_BATCH)]
         row: dict = {"order": list(overhead_order(r))}
         for role in overhead_order(r):
             url = self.roles[role].url
@@ -549,7 +544,7 @@ class Overhead:
             t0 = time.perf_counter()
             with ThreadPoolExecutor(len(reqs)) as pool:
                 done = list(pool.map(lambda q: stream_generate(url, q[0], custom_params=q[1], ignore_eos=True,
-                                                               max_new_tokens=self.args.overhead_tokens), reqs))
+                                                               max_new_tokens=OVERHEAD_TOKENS), reqs))
             wall = time.perf_counter() - t0
             tokens = sum(len(q[0]) for q in reqs) + sum(len(t.output_ids) for t in done)
             row[role] = {"wall_s": wall, "tokens_per_s": tokens / wall,
@@ -589,8 +584,8 @@ def run_overhead(main_server: GuardServer, tok: Any, args: argparse.Namespace) -
         other.stop()
         for key, value in other.peak.items():  # one record of the queue's peak over every server of the run
             main_server.peak[key] = max(main_server.peak[key], value)
-    return {"verify_rate": args.overhead_rate, "length": args.overhead_length, "output_tokens": args.overhead_tokens,
-            "batch": args.overhead_batch, "ratio": "guarded / plain, per pair (same requests, ABBA order)",
+    return {"verify_rate": args.overhead_rate, "length": OVERHEAD_LENGTH, "output_tokens": OVERHEAD_TOKENS,
+            "batch": OVERHEAD_BATCH, "ratio": "guarded / plain, per pair (same requests, ABBA order)",
             "ttft": {"pairs": ttft, "verdict": verdict([r["ratio"] for r in ttft], COST_TOLERANCE)},
             "throughput": {"pairs": rounds, "verdict": verdict([r["ratio"] for r in rounds], COST_TOLERANCE)},
             "verified_requests": sum(c.get("verified", 0) for c in counters.values()),
@@ -694,9 +689,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--limit", type=int, default=None,
                     help="scored samples (default retrieval 60, gsm8k 10; --quick 8 / 3)")
     ap.add_argument("--warmup", type=int, default=None, help="unscored samples before each arm (default 4; quick 12)")
-    ap.add_argument("--calibration-samples", type=int, default=None,
-                    help="samples of the calibration run after its warm-up, at least --limit (default retrieval "
-                         "120, others 50; --quick 40 / 4)")
     ap.add_argument("--controlled-warmup", type=int, default=None,
                     help="unscored samples the guarded arm runs first, so the controller can act before scoring "
                          "(default retrieval 80, others 40; --quick 24 / 4)")
@@ -710,13 +702,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--overhead-rate", type=float, default=0.05)
     ap.add_argument("--overhead-pairs", type=int, default=None, help="paired TTFT requests (default 40; quick 12)")
     ap.add_argument("--overhead-rounds", type=int, default=None, help="paired batches (default 12; quick 4)")
-    ap.add_argument("--overhead-batch", type=int, default=4)
-    ap.add_argument("--overhead-length", type=int, default=512, help="shared context tokens of an overhead request")
-    ap.add_argument("--overhead-tokens", type=int, default=16, help="output tokens of an overhead consumer")
     ap.add_argument("--no-overhead", action="store_true")
-    ap.add_argument("--overhead-only", action="store_true",
-                    help="measure only the overhead and put it in place of the one in OUT_DIR/guard.json (kept "
-                         "there as overhead_replaced); refused unless that run's serving code is this checkout's")
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0, help="retrieval: which generated documents (a new seed, new ones)")
     ap.add_argument("--offset", type=int, default=0,
@@ -749,8 +735,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         command = command_line(argv)
         return runs.join("merge", args.merge, lambda parts: runs.merge_tasks(parts, command, parse_args, fr.TASKS),
                          lambda out: save(out, Path(args.out_dir)))
-    if args.overhead_only:
-        return overhead_only(args, command_line(argv))
     signal.signal(signal.SIGTERM, fr._on_sigterm)
     from transformers import AutoTokenizer
 
@@ -798,46 +782,6 @@ def queue_record(server: GuardServer) -> dict:
     stats = server.stats()
     return {"peak_approx_bytes": server.peak["approx_bytes"], "peak_jobs": server.peak["jobs"],
             "limits": stats.get("limits"), "usage_at_end": stats.get("usage")}
-
-
-def overhead_only(args: argparse.Namespace, command: str) -> int:
-    """``--overhead-only``: the overhead measured again, into the run's ``guard.json``; 2 with the reason when the
-    run's file is missing or its serving code is not this checkout's (checked before any server starts)."""
-    from transformers import AutoTokenizer
-
-    from devtools.models import prepare
-
-    out_dir = Path(args.out_dir)
-    meta = run_meta(command)
-    try:
-        whole = json.loads((out_dir / "guard.json").read_text())
-        check_overhead_source(whole, meta, args.model, git_serving_diff)
-    except (MergeError, OSError, ValueError, KeyError) as exc:
-        print(f"cannot measure the overhead into {out_dir / 'guard.json'}: {exc}", file=sys.stderr)
-        return 2
-    args.model_path = str(prepare(args.model))
-    tok = AutoTokenizer.from_pretrained(args.model_path)
-    t0 = time.monotonic()
-    server = GuardServer(args.model_path).start()
-    try:
-        overhead = run_overhead(server, tok, args)
-        queue = queue_record(server)
-    finally:
-        server.stop()
-    part = {"meta": meta, "command": command, "model": args.model, "overhead": overhead,
-            "overhead_ttft_ratio": overhead["ttft"]["verdict"],
-            "overhead_throughput_ratio": overhead["throughput"]["verdict"], "guard_queue": queue,
-            "wall_s": round(time.monotonic() - t0, 1)}
-    try:
-        out = runs.replace_overhead(whole, part, git_serving_diff, fr.TASKS)
-    except MergeError as exc:  # the checkout changed while it ran
-        print(f"cannot put the overhead into {out_dir / 'guard.json'}: {exc}", file=sys.stderr)
-        write_json(out_dir / "guard_overhead_part.json", part)
-        return 2
-    save(out, out_dir)
-    print(f"overhead: TTFT {part['overhead_ttft_ratio']}; throughput {part['overhead_throughput_ratio']}",
-          file=sys.stderr)
-    return 0
 
 
 def save(out: dict, out_dir: Path) -> None:

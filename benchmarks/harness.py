@@ -88,14 +88,6 @@ def stream_generate(url: str, input_ids: list[int], *, custom_params: Optional[d
     return Timed(ttft=ttft, e2e=e2e, output_ids=list(last.get("output_ids") or []), meta=last["meta_info"])
 
 
-def post_generate(url: str, body: dict, timeout: float = 1800) -> dict:
-    """One non-streamed ``/generate`` call; its JSON answer, or a RuntimeError with the server's message."""
-    r = requests.post(url + "/generate", json=body, timeout=timeout)
-    if r.status_code != 200:
-        raise RuntimeError(f"request failed ({r.status_code}): {r.text[:300]}")
-    return r.json()
-
-
 def prefilled_tokens(meta: dict) -> int:
     """Prompt tokens the server prefilled: the prompt minus SGLang's exact cache hits (``cached_tokens``) minus
     what kvshare served approximately (aligned, corrected, an earlier estimate; listed in the report)."""

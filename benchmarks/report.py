@@ -41,9 +41,8 @@ from typing import Any, Callable, Optional
 
 from benchmarks.report_sections import (date_of, hardware, interval, meta_line, plot_chain, plot_from, render_adversary,
                                         render_chain, render_demo, render_fidelity, render_frontier, render_guard,
-                                        render_kernels, render_langgraph, render_roles_study, render_scaleout,
-                                        render_serving, render_soak, render_stock_vs_off,
-                                        render_tp_kvcmas, render_warm_start, table)
+                                        render_kernels, render_roles_study, render_serving, render_soak,
+                                        render_stock_vs_off, table)
 from benchmarks.serving_digest import serving_digest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,7 +61,7 @@ NO_DIGEST = "measured before digests were recorded"
 PARTS_DIFFER = "parts measured on different serving code"
 MARK = re.compile(r"(?: - )?\*\*stale\*\* \((?:" + "|".join(map(re.escape, (CHANGED, NO_DIGEST, PARTS_DIFFER)))
                   + r")\)|(?<=\| )fresh(?= \|)")
-"""Every freshness mark the report writes (``cell_mark``, ``header_mark``): ``--check`` compares the documents
+"""Every freshness mark the report writes (``cell_mark``, a section header's): ``--check`` compares the documents
 with them taken out, so a change of the serving code alone does not fail it (``--check-fresh`` does that)."""
 LEGEND = (f"Code: `fresh` = measured on the serving code of this tree (`benchmarks/serving_digest.py`); **stale** = "
           f"{CHANGED}, {NO_DIGEST}, or {PARTS_DIFFER} (a merged or pooled file); "
@@ -88,10 +87,6 @@ def freshness(data: dict, tree: str) -> Optional[str]:
 
 def cell_mark(stale: Optional[str]) -> str:
     return "fresh" if stale is None else f"**stale** ({stale})"
-
-
-def header_mark(stale: Optional[str]) -> str:
-    return "" if stale is None else f" - **stale** ({stale})"
 
 
 def without_marks(text: str) -> str:
@@ -267,36 +262,6 @@ REGISTRY: list[Benchmark] = [
         "were served dense, while renamed twins of the workflow on intact slots "
         "keep their reuse. Overhead: two servers up, paired requests in ABBA order, roles swapped halfway.",
         render_guard, plot_from("benchmarks.guard", "plot"), results_png=True, optional=True),
-    Benchmark(
-        "langgraph_reuse", "langgraph_reuse.json", "python -m benchmarks.langgraph_reuse",
-        "Pointed at a `--kvshare-auto` server, how much of the text an unchanged LangGraph team sends more than "
-        "once is reused, and do its answers stay those of a stock server?",
-        "`reuse of repeated message tokens`: message tokens reused by alignment over those not new to the server.",
-        render_langgraph),
-    Benchmark(
-        "scaleout", "scaleout.json", "python -m benchmarks.scaleout --limit 16",
-        "On two workers (`--dp-size 2`, or two servers behind SGLang's router), does a workflow keep the reuse it "
-        "gets on one, with affinity, and how much does it lose without?",
-        "Fresh servers per arm, one core per worker. `reuse` = a workflow's shared tokens served without prefill "
-        "over its shared tokens; `dp2_none` names no workflow (SGLang's round robin), `router_none` sends no routing "
-        "header (the router's random choice; the annotation still arrives).",
-        render_scaleout, optional=True),
-    Benchmark(
-        "tp_kvcmas", "tp_kvcmas.json", "python -m benchmarks.tp_kvcmas --chains 12 --soak 200",
-        "Does `kvcmas` at tensor-parallel size 3 (each rank learning its own KV heads, the gate reduced over the "
-        "ranks) reuse and keep `off`'s distributions as it does at size 1?",
-        "One server per TP size; its `off` references come from the same server (mode switched at runtime), so each "
-        "size is scored against its own dense numerics. Targets: reuse >= 0.9x TP=1's, top-1 within 0.005, agent 1's "
-        "greedy answers identical, every rank's gate digest equal.",
-        render_tp_kvcmas, optional=True),
-    Benchmark(
-        "warm_start", "warm_start.json", "python -m benchmarks.warm_start",
-        "How does a new kvcmas server serve its first requests, with empty pools and with pools saved by an earlier "
-        "server of the same agents (`--kvshare-pool-file`), and how does that compare with `fullshared`?",
-        "`cold`: empty pools (a new edge is aligned, and about every other new document prefilled densely, while "
-        "it learns); `warm`: the same server launched with the saved file. One run of this machine; the arms "
-        "ran one after another on the same documents.",
-        render_warm_start, optional=True),
 ]
 BY_NAME = {b.name: b for b in REGISTRY}
 
@@ -402,20 +367,6 @@ def headline_markdown(results: Path = RESULTS, link: str = "", tree: Optional[st
                   headline_rows(results, link, tree)) + "\n\n" + LEGEND)
 
 
-def stale_headline(results: Path = RESULTS, tree: Optional[str] = None) -> list[tuple[str, str, list[str]]]:
-    """(name, why stale, the commands that measure it again) of every stale headline row, in table order.
-
-    A merged or pooled file names its parts' commands, then its own (the merge)."""
-    tree = serving_digest() if tree is None else tree
-    out = []
-    for entry in headline_entries(results):
-        data = load(entry, results)
-        why = freshness(data, tree)
-        if why is not None:
-            out.append((entry.name, why, [*(data.get("commands") or []), data["meta"]["command"]]))
-    return out
-
-
 README = ROOT / "README.md"
 README_BEGIN, README_END = "<!-- headline-results:begin -->", "<!-- headline-results:end -->"
 
@@ -432,25 +383,22 @@ def readme_with_headline(text: str, results: Path = RESULTS, tree: Optional[str]
 
 
 # ------------------------------------------------------------------ the document
-def body_of(entry: Benchmark, data: Any, results: Path) -> str:
-    try:
-        return entry.render(data)
-    except (KeyError, TypeError, ValueError, IndexError, AttributeError, ZeroDivisionError) as exc:
-        raise ReportError(f"{results / entry.file}: malformed for benchmark {entry.name!r} "
-                          f"(its section cannot read {exc!r})") from exc
-
-
 def section(entry: Benchmark, data: Any, results: Path, stale: Optional[str] = None) -> str:
     """One benchmark's short section: a paragraph (question, reading, file, plot, measurement, the body's opening
     note) and its key table."""
-    body = body_of(entry, data, results)
+    try:
+        body = entry.render(data)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, ZeroDivisionError) as exc:
+        raise ReportError(f"{results / entry.file}: malformed for benchmark {entry.name!r} "
+                          f"(its section cannot read {exc!r})") from exc
     meta = data["meta"]
     recipe = "" if meta.get("command") == entry.command else f" Recipe: `{entry.command}`."
     plot = f", plot [`{entry.name}.png`](results/{entry.name}.png)" if entry.plot is not None else ""
     note, _, rest = body.partition("\n\n")
     if note.startswith(("|", "```")):
         note, rest = "", body
-    out = [f'## <a id="{entry.name}"></a>{entry.name}{header_mark(stale)}', "",
+    mark = "" if stale is None else f" - **stale** ({stale})"
+    out = [f'## <a id="{entry.name}"></a>{entry.name}{mark}', "",
            f"**Question.** {entry.question} **Reading.** {entry.reading} File "
            f"[`benchmarks/results/{entry.file}`](../benchmarks/results/{entry.file}){plot}. {meta_line(meta)}"
            f"{recipe}" + (f" {note}" if note else ""), ""]
@@ -536,8 +484,15 @@ def check(doc: Path = DOC, results: Path = RESULTS, readme: Optional[Path] = REA
 
 def check_fresh(results: Path = RESULTS, tree: Optional[str] = None) -> tuple[bool, str]:
     """Whether every headline row was measured on the serving code of this tree: (ok, what to say), naming each
-    stale row and the commands that measure it again."""
-    stale = stale_headline(results, tree)
+    stale row, in table order, and the commands that measure it again (a merged or pooled file: its parts'
+    commands, then its own, the merge)."""
+    tree = serving_digest() if tree is None else tree
+    stale = []
+    for entry in headline_entries(results):
+        data = load(entry, results)
+        why = freshness(data, tree)
+        if why is not None:
+            stale.append((entry.name, why, [*(data.get("commands") or []), data["meta"]["command"]]))
     if not stale:
         return True, "every headline row was measured on this tree's serving code"
     lines = [f"{len(stale)} headline row(s) measured on other serving code; measure them again:"]
@@ -563,14 +518,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.check or args.check_fresh:
             status = 0
             if args.check:
-                default = args.out == DOC
-                ok, message = check(args.out, args.results, README if default else None)
-                if not ok:
-                    print(f"{args.out} differs from what the results give; run python -m benchmarks.report\n"
-                          f"{message}", file=sys.stderr)
-                    status = 1
-                else:
-                    print(f"{args.out} is up to date" + (f"\n{message}" if message else ""))
+                ok, message = check(args.out, args.results, README if args.out == DOC else None)
+                print(f"{args.out} is up to date" + (f"\n{message}" if message else "") if ok else
+                      f"{args.out} differs from what the results give; run python -m benchmarks.report\n{message}",
+                      file=sys.stdout if ok else sys.stderr)
+                status = 0 if ok else 1
             if args.check_fresh:
                 ok, message = check_fresh(args.results)
                 print(message, file=sys.stdout if ok else sys.stderr)

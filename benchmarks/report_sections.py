@@ -59,6 +59,16 @@ def date_of(meta: dict) -> str:
     return str(meta.get("date", "-"))[:10]
 
 
+def started(meta: dict) -> str:
+    return str(meta.get("date", "-"))[:16].replace("T", " ") + " UTC"
+
+
+def paired(v: dict, label: str, tolerance: bool = True) -> str:
+    """A paired ratio's verdict: median [95 % interval] (pairs, verdict and tolerance)."""
+    return (f"{label} {num(v['median'], '.3f')} {interval(v['ci95'], '.3f')} ({v['n']} pairs, {v['verdict']}"
+            + (f" {v['tolerance']:.0%})" if tolerance else ")"))
+
+
 def meta_line(meta: dict) -> str:
     """Where, when, from which code and with which command a file was measured."""
     rev = meta.get("git_revision") or "-"
@@ -252,12 +262,6 @@ def _guard_row(name: str, t: dict) -> list[str]:
             kept[det.get("others_kept_reuse")]]
 
 
-# What a guard.json that does not record its controller was measured with.
-OLD_GUARD_RULE = {"tighten": "one step per decision (straight to dense when missed by far); on the mean once "
-                             "3 x min_samples verified requests leave the interval straddling the target",
-                  "relax": "one step, the whole interval past the target by the margin, 2 x min_samples"}
-
-
 def render_guard(d: dict) -> str:
     header = ["task", "truth inside the guard's 95 % interval (share of scopes)", "min_samples (warm data)",
               "guarded: reuse / teacher-forced top-1", "TTFT agents 2-4 median: guarded / K=0 / `off`",
@@ -272,22 +276,18 @@ def render_guard(d: dict) -> str:
                          f"warm-up" for n, t in d["tasks"].items())
              + f"; seed {d.get('seed', 0)}. "
                f"Complete: {'yes' if d.get('complete') else 'no'}.", "", table(header, rows)]
-    ctl = d.get("controller") or OLD_GUARD_RULE
-    notes = [f"Controller: tightens {ctl['tighten']}; relaxes {ctl['relax']}."]
+    ctl = d.get("controller")
+    notes = [f"Controller: tightens {ctl['tighten']}; relaxes {ctl['relax']}."] if ctl else []
     if d.get("commands"):
         n = len(d["commands"])
         notes.append("The run was measured in parts on the same revision, joined with `--merge` (which refuses "
                      "parts that differ in arguments or code, or measure a task twice): " + "; ".join(
-                         f"`{c}` (started {str(m.get('date', '-'))[:16].replace('T', ' ')} UTC): {', '.join(w) or '-'}"
+                         f"`{c}` (started {started(m)}): {', '.join(w) or '-'}"
                          for c, m, w in zip(d["commands"], d.get("parts_meta") or [{}] * n,
                                             d.get("parts_measured") or [[]] * n)) + ".")
     ov = d.get("overhead")
     if ov:
-        cells = []
-        for key, label in (("ttft", "TTFT"), ("throughput", "throughput")):
-            v = ov[key]["verdict"]
-            cells.append(f"{label} {num(v['median'], '.3f')} {interval(v['ci95'], '.3f')} ({v['n']} pairs, "
-                         f"{v['verdict']} {v['tolerance']:.0%})")
+        cells = [paired(ov[key]["verdict"], label) for key, label in (("ttft", "TTFT"), ("throughput", "throughput"))]
         notes += [f"Overhead, guard at {ov['verify_rate']:g} against 0 (guarded / plain, median [95 % bootstrap "
                       f"interval]): {'; '.join(cells)}; {ov['verified_requests']} requests verified; waiting for "
                       f"the guarded server's queue after its requests (its references, off the request path, and "
@@ -296,13 +296,11 @@ def render_guard(d: dict) -> str:
         if src:
             rev = str(src["meta"].get("git_revision") or "-")[:7]
             text = (f"The overhead was measured again, on its own, by `{src['command']}` (revision {rev}, started "
-                    f"{str(src['meta'].get('date', '-'))[:16].replace('T', ' ')} UTC; the serving code is the tasks' "
-                    f"run's, checked with `git diff`)")
+                    f"{started(src['meta'])}; the serving code is the tasks' run's, checked with `git diff`)")
             if old:
-                replaced = [f"{label} {num(old[key]['median'], '.3f')} {interval(old[key]['ci95'], '.3f')} "
-                            f"({old[key]['n']} pairs, {old[key]['verdict']})"
-                            for key, label in (("ttft", "TTFT"), ("throughput", "throughput"))]
-                text += "; the run's own overhead, which it replaced: " + "; ".join(replaced)
+                text += "; the run's own overhead, which it replaced: " + "; ".join(
+                    paired(old[key], label, tolerance=False) for key, label in (("ttft", "TTFT"),
+                                                                                ("throughput", "throughput")))
             notes.append(text + ".")
     q = d.get("guard_queue")
     if q:
@@ -370,31 +368,25 @@ def render_kernels(d: dict) -> str:
                      "reconstructed)", "repeats"], rows))
 
 
-def verdicts_line(verdicts: dict) -> str:
-    """How many verdicts passed, naming each one that failed or was not checked."""
-    passed = sum(1 for v in verdicts.values() if v is True)
+def run_outcome(d: dict, setup: str, findings: str) -> str:
+    """A soak-like run (``passed``, ``totals``, ``verdicts``): its setup, the verdict and request totals, what it
+    found, and how many verdicts passed, naming each one that failed or was not checked."""
+    t, verdicts = d["totals"], d["verdicts"]
     failed = [f"`{k}`" for k, v in verdicts.items() if v is not True and v != "not checked"]
     unchecked = [f"`{k}`" for k, v in verdicts.items() if v == "not checked"]
-    return (f"Verdicts: {passed} of {len(verdicts)} pass"
+    return (f"{setup} Passed: **{'yes' if d['passed'] else 'no'}**. Requests {t['requests']}: 2xx {t['ok_2xx']}, "
+            f"4xx {t['client_4xx']}, 5xx {t['server_5xx']}, lost {t['lost']}; {findings} Verdicts: "
+            f"{sum(1 for v in verdicts.values() if v is True)} of {len(verdicts)} pass"
             + (f"; **FAIL**: {', '.join(failed)}" if failed else "")
             + (f"; not checked: {', '.join(unchecked)}" if unchecked else "") + ".")
 
 
-def passed_and_requests(d: dict) -> str:
-    """The verdict and the request totals of a soak-like run (``passed``, ``totals``)."""
-    t = d["totals"]
-    return (f"Passed: **{'yes' if d['passed'] else 'no'}**. Requests {t['requests']}: 2xx {t['ok_2xx']}, 4xx "
-            f"{t['client_4xx']}, 5xx {t['server_5xx']}, lost {t['lost']}")
-
-
 def render_soak(d: dict) -> str:
-    s = d["settings"]
-    rep = d["replay"]
-    return (f"Mode `{s['mode']}`, tau {s['tau']}, {s['clients']} clients for {s['minutes']} min, KV pool "
-            f"{s['max_total_tokens']} tokens, {s['slot_names']} slot names; wall {d['wall_s']} s. "
-            f"{passed_and_requests(d)}; faults injected "
-            f"{d['faults_injected_total']}; plain requests replayed against `off`: {rep['same']} of {rep['n']} "
-            f"identical. " + verdicts_line(d["verdicts"]))
+    s, rep = d["settings"], d["replay"]
+    return run_outcome(d, f"Mode `{s['mode']}`, tau {s['tau']}, {s['clients']} clients for {s['minutes']} min, KV "
+                          f"pool {s['max_total_tokens']} tokens, {s['slot_names']} slot names; wall {d['wall_s']} s.",
+                       f"faults injected {d['faults_injected_total']}; plain requests replayed against `off`: "
+                       f"{rep['same']} of {rep['n']} identical.")
 
 
 def render_adversary(d: dict) -> str:
@@ -402,80 +394,11 @@ def render_adversary(d: dict) -> str:
     chats = (d["attacks"].get("long_chats") or {}).get("sizes") or {}
     sizes = ", ".join(f"{n} messages: {c['auto_status']} in {num(c['auto_s'])} s (stock {c['stock_status']}), "
                       f"short chat delayed {num(c['short_delay_s'])} s" for n, c in chats.items())
-    return (f"Form `{d['form']}`, {d['server_s']} s against the server. {passed_and_requests(d)}; "
-            f"{d['secrets']['count']} secrets looked for in {d['secrets']['answers_scanned']} answers, "
-            f"{len(d['secrets']['leaks'])} found; name flood {flood.get('flood_requests', '-')} agents, guard scope "
-            f"series {(flood.get('series') or {}).get('scopes', '-')} (cap {flood.get('series_cap', '-')}). "
-            f"Long chats: {sizes or '-'}. " + verdicts_line(d["verdicts"]))
-
-
-def render_langgraph(d: dict) -> str:
-    rows = []
-    for mode, r in d["summary"].items():
-        agents = ", ".join(f"{k} {num(v)}" for k, v in (r.get("agreement_text") or {}).items())
-        rows.append([f"`{mode}`", num(r["seconds"], ".1f", " s"), str(r["message_tokens"]),
-                     num(r.get("reuse_ratio_repeated")), num(r.get("agreement_final_number")), agents])
-    return (f"{len(d['questions'])} questions, {d['max_tokens']} tokens per answer, greedy.\n\n"
-            + table(["mode", "wall", "message tokens", "reuse of repeated message tokens",
-                     "final number equals `off`'s", "answer text equals `off`'s, per agent"], rows))
-
-
-def render_scaleout(d: dict) -> str:
-    rows = []
-    for arm, r in d["arms"].items():
-        spread = ", ".join(f"{w['shared_tokens_seen']}" for w in r["workers"])
-        rows.append([f"`{arm}`", num(r["reuse_ratio"]), num(r.get("reuse_gap_to_one_worker")),
-                     num(r.get("same_answers_as_one_worker")), spread, num(r["ttft_s_mean_agents_2_on"], ".2f", " s")])
-    return (f"GSM8K `refer` workflow, {d['samples']} samples (one workflow each), {d['agents']} agents, "
-            f"{d['max_tokens']} tokens per answer, mode `{d['mode']}`, {d['concurrency']} workflows in flight. "
-            f"Target: the affinity arms' reuse within {d['target_gap']} of `one_worker`'s.\n\n"
-            + table(["arm", "reuse", "gap to one worker", "final answers equal one worker's",
-                     "shared tokens seen per worker", "TTFT agents 2-4 (mean)"], rows))
-
-
-def render_tp_kvcmas(d: dict) -> str:
-    rows = []
-    for tp, r in d["sizes"].items():
-        vs = r.get("vs_tp1") or {}
-        digests = "-" if r.get("digests_equal") is None else ("equal" if r["digests_equal"] else "**differ**")
-        rows.append([tp, str(r["requests"]), num(r["reuse_ratio"]), str(r["tokens_corrected"]),
-                     num(r["top1_agents_2_4"], ".4f"), num(r["kl_agents_2_4"], ".5f"), num(vs.get("reuse_ratio")),
-                     num(vs.get("top1_difference"), "+.4f"),
-                     "-" if not vs else ("yes" if vs.get("agent1_greedy_identical") else "no"), digests])
-    soaks = [f"TP={tp}: {r['soak']['sent']} more requests over new contexts, {r['soak']['ok']} answered, "
-             f"{r['soak']['aborted']} aborted mid-answer, {r['soak']['failed']} failed, {r['soak']['mode_switches']} "
-             f"mode switches; rank digests {'equal' if r['soak']['digests_equal'] else '**differ**'} after it "
-             f"({r['soak']['tp_ranks'][0]['gate_decisions']} decisions each)."
-             for tp, r in d["sizes"].items() if r.get("soak")]
-    return (f"{d['chains']} chains of {d['agents']} agents over {d['length']} shared tokens, {d['max_tokens']} "
-            "answer tokens per agent; top-1 and KL of agents 2-4 against `off` at the same TP size.\n\n"
-            + table(["TP", "requests", "reuse", "tokens corrected", "top-1", "KL", "reuse / TP=1's",
-                     "top-1 - TP=1's", "agent 1 greedy = TP=1's", "rank digests"], rows)
-            + "".join(f"\n\nSoak, {line}" for line in soaks))
-
-
-def render_warm_start(d: dict) -> str:
-    rows = []
-    for arm in ("cold", "warm", "fullshared"):
-        r = d.get(arm)
-        if not r:
-            continue
-        served = ", ".join(f"{n} {how}" for how, n in sorted(r["served_as"].items(), key=lambda kv: -kv[1]))
-        t = r["b_ttft_s"]
-        total = sum(q["b_ttft_s"] for q in r["requests"])
-        rows.append([arm, str(r["anchors_loaded"]), served, num(r["reuse"]), num(r["corrected_share"]),
-                     f"{num(t['median'], '.3f')} ({num(t['min'], '.3f')}-{num(t['max'], '.3f')}) s",
-                     num(total, ".1f", " s"), num(r["b_over_a_ttft"]), num(r["top1"], ".4f"), num(r["kl"], ".5f"),
-                     str(r["positions"])])
-    saved = d["saved"]
-    return (f"{d['eval']} new documents of {d['length']} tokens, each read by agent `{d['agents'][0]}` (dense) and "
-            f"then by `{d['agents'][1]}` behind its own system prompt, on one fresh server per arm. The pool file "
-            f"came from a server that read {d['teach']} other documents with the same agents: "
-            f"{saved['anchors']} anchors of {saved['slots']} slot(s), {saved['bytes'] / 2**20:.0f} MiB. Top-1 and "
-            f"KL: B's own {d['max_tokens']}-token answer teacher-forced through an exact prefill of the same "
-            "prompt.\n\n"
-            + table(["arm", "anchors loaded", "B's document served as", "reuse", "corrected", "B TTFT, median (min-max)",
-                     "B TTFT, all requests", "B / A TTFT (median)", "top-1", "KL", "positions"], rows))
+    return run_outcome(d, f"Form `{d['form']}`, {d['server_s']} s against the server.",
+                       f"{d['secrets']['count']} secrets looked for in {d['secrets']['answers_scanned']} answers, "
+                       f"{len(d['secrets']['leaks'])} found; name flood {flood.get('flood_requests', '-')} agents, "
+                       f"guard scope series {(flood.get('series') or {}).get('scopes', '-')} (cap "
+                       f"{flood.get('series_cap', '-')}). Long chats: {sizes or '-'}.")
 
 
 # ------------------------------------------------------------------ plots

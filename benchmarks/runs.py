@@ -8,7 +8,6 @@ join only when they are one measurement cut in pieces; every join records where 
 * ``merge_arms``: frontier parts on the same samples, each with its own ``off``, joined arm by arm.
 * ``pool_arms``: frontier runs of the same arms on other seeds, every item and position pooled.
 * ``merge_tasks``: guard parts that measured some of the tasks (and the overhead), each exactly once.
-* ``replace_overhead``: a guard run's overhead measured again, on the serving code its tasks ran on.
 
 Each raises ``MergeError`` (a ``ValueError``) naming what differs; ``join`` is the CLI step around them.
 """
@@ -18,17 +17,12 @@ from __future__ import annotations
 import json
 import shlex
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from benchmarks import frontier_metrics as fm
 from benchmarks.serving_digest import common_digest
-
-# The code a server runs: the guard, the cache, the kernels, the launcher. A benchmark's own code may change
-# between two measurements of one run (a new flag) without changing what they measured on the server.
-SERVING_PATHS = ("sglang_kvshare", "kernels", "frontend", "devtools", "pyproject.toml")
 
 
 class MergeError(ValueError):
@@ -70,17 +64,6 @@ def committed_revision(meta: Mapping) -> str:
     if meta.get("git_dirty") or not meta.get("git_revision"):
         raise MergeError(f"{meta.get('command')!r} ran on uncommitted code: its revision does not name what ran")
     return meta["git_revision"]
-
-
-def git_serving_diff(rev_a: str, rev_b: str) -> list[str]:
-    """The files under ``SERVING_PATHS`` that differ between two commits of this checkout."""
-    from benchmarks.harness import ROOT
-
-    done = subprocess.run(["git", "diff", "--name-only", rev_a, rev_b, "--", *SERVING_PATHS],
-                          cwd=ROOT, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise MergeError(f"git cannot compare {rev_a[:12]} and {rev_b[:12]}: {done.stderr.strip()}")
-    return [line for line in done.stdout.splitlines() if line]
 
 
 def joined_meta(command: str, parts_meta: Sequence[Mapping]) -> dict:
@@ -223,7 +206,7 @@ def pool_arms(runs: Sequence[dict]) -> dict:
 
 # ------------------------------------------------------------------ guard: tasks and the overhead
 # Arguments that say which part of the run a part measured, or where it wrote: free to differ between parts.
-PART_ARGS = frozenset({"task", "out_dir", "no_progress", "no_overhead", "overhead_only", "merge"})
+PART_ARGS = frozenset({"task", "out_dir", "no_progress", "no_overhead", "merge"})
 # Fields a part measured (the rest of a part describes the run and must be equal across parts).
 MEASURED = frozenset({"meta", "command", "complete", "tasks", "overhead", "overhead_ttft_ratio",
                       "overhead_throughput_ratio", "guard_queue", "wall_s", "commands", "parts_meta",
@@ -280,46 +263,3 @@ def merge_tasks(parts: Sequence[Mapping], command: str, parse: Callable[[Sequenc
     merged["wall_s"] = round(sum(walls), 1) if all(w is not None for w in walls) else None
     merged["complete"] = set(tasks) <= set(merged["tasks"]) and overhead is not None
     return merged
-
-
-def check_overhead_source(whole: Mapping, meta: Mapping, model: str,
-                          serving_diff: Callable[[str, str], Sequence[str]]) -> list[str]:
-    """The revisions of ``whole``'s tasks, when an overhead measured on ``meta``'s code with ``model`` may join
-    them; raises when it ran on uncommitted code, another model, or serving code other than the tasks'."""
-    rev = committed_revision(meta)
-    if model != whole.get("model"):
-        raise MergeError(f"the overhead ran on {model!r}, the tasks on {whole.get('model')!r}")
-    revisions = sorted({m["git_revision"] for m in whole.get("parts_meta") or [whole["meta"]]})
-    for task_rev in revisions:
-        differ = list(serving_diff(task_rev, rev))
-        if differ:
-            raise MergeError(f"the serving code differs between {task_rev[:12]} and {rev[:12]}: "
-                             + ", ".join(differ[:5]))
-    return revisions
-
-
-def replace_overhead(whole: Mapping, part: Mapping, serving_diff: Callable[[str, str], Sequence[str]],
-                     tasks: Sequence[str]) -> dict:
-    """``whole`` (a guard run) with its overhead taken from ``part`` (a ``--overhead-only`` run): the overhead's
-    interval narrows only with more paired rounds, which do not need the tasks measured again. The earlier
-    verdicts stay under ``overhead_replaced``; ``overhead_source`` names the part's command and code."""
-    if "overhead" not in part:
-        raise MergeError(f"{part.get('command')!r} measured no overhead")
-    revisions = check_overhead_source(whole, part["meta"], part.get("model"), serving_diff)
-    out = dict(whole)
-    out["meta"] = {**whole["meta"], "serving_digest": common_digest([whole["meta"], part["meta"]])}
-    if "overhead" in whole:
-        old = whole["overhead"]
-        out["overhead_replaced"] = {"ttft": old["ttft"]["verdict"], "throughput": old["throughput"]["verdict"]}
-    out.update({k: part[k] for k in OVERHEAD_FIELDS})
-    out["overhead_source"] = {"command": part["command"], "meta": part["meta"], "serving_code_same_as": revisions,
-                              "wall_s": part.get("wall_s")}
-    queue = part.get("guard_queue")
-    if queue:
-        before = whole.get("guard_queue") or {}
-        out["guard_queue"] = {**queue,
-                              "peak_approx_bytes": max(queue["peak_approx_bytes"], before.get("peak_approx_bytes", 0)),
-                              "peak_jobs": max(queue["peak_jobs"], before.get("peak_jobs", 0)),
-                              "parts_recorded": before.get("parts_recorded", 1 if before else 0) + 1}
-    out["complete"] = set(tasks) <= set(whole.get("tasks", {}))
-    return out

@@ -71,8 +71,7 @@ def run_workflow(url: str, tok, ctx: list[int], output_tokens: int) -> list[dict
     return rows
 
 
-def run_rate(url: str, tok, length: int, rate: float, n: int, output_tokens: int, seed: int,
-             max_seconds: float) -> list[dict]:
+def run_rate(url: str, tok, length: int, rate: float, n: int, output_tokens: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
     arrivals, t = [], 0.0
     for _ in range(n):
@@ -80,7 +79,7 @@ def run_rate(url: str, tok, length: int, rate: float, n: int, output_tokens: int
         arrivals.append(t)
     contexts = [context_tokens(tok, length, seed=seed * 1000 + i) for i in range(n)]
     start = time.perf_counter()
-    deadline = start + max_seconds
+    deadline = start + 240.0  # a bound on the arrivals of one (length, rate)
 
     def launch(i: int) -> list[dict]:
         delay = arrivals[i] - (time.perf_counter() - start)
@@ -116,23 +115,17 @@ def main(argv=None) -> int:
     ap.add_argument("--warm", type=int, default=2,
                     help="workflows run before measuring, per length (kvcmas learns from them; "
                          "measuring starts once they are learned)")
-    ap.add_argument("--tau", type=float, default=0.3)
-    ap.add_argument("--kvshare-extra", default="",
-                    help="more kvshare launch flags for the fullshared/kvcmas servers, one string "
-                         "(e.g. \"--kvshare-learn-async false\"; settings without a flag: --kvshare-config FILE)")
-    ap.add_argument("--max-seconds", type=float, default=240.0, help="bound on arrivals per (length, rate)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None,
                     help="JSON path (default benchmarks/results/serving.json, the canonical sweep; with --quick "
                          "tmp/serving_quick.json: a smoke run is not a result)")
-    ap.add_argument("--plot", default=None)
     args = ap.parse_args(argv)
     if args.quick:
         # fullshared too: kvcmas's speedup is read against fullshared's (the target is >= 0.9x of it)
         args.modes, args.lengths, args.rates = ["off", "fullshared", "kvcmas"], [512], [0.2]
         args.workflows, args.repeats, args.output_tokens, args.warm = 3, 2, 32, 2
     out = Path(args.out or (SCRATCH / "serving_quick.json" if args.quick else RESULTS / "serving.json"))
-    plot = Path(args.plot or out.with_suffix(".png"))
+    plot = out.with_suffix(".png")
 
     from transformers import AutoTokenizer
 
@@ -143,13 +136,12 @@ def main(argv=None) -> int:
     command = "python -m benchmarks.serving " + shlex.join(argv if argv is not None else __import__("sys").argv[1:])
     result: dict = {"meta": run_meta(command.strip()), "command": command, "machine": machine(),
                     "model": "SmolLM2-135M-Instruct", "agents": list(AGENTS),
-                    "settings": {k: v for k, v in vars(args).items() if k not in ("out", "plot")},
+                    "settings": {k: v for k, v in vars(args).items() if k != "out"},
                     "ttft_definition": "time to the first streamed chunk", "modes": {}}
     cells = len(args.modes) * len(args.lengths) * len(args.rates) * args.repeats
     bar = tqdm(total=cells, desc="serving")
     for mode in args.modes:
-        server = start_server(model_path, mode, kvshare_extra=["--kvshare-tau", str(args.tau),
-                                                               *shlex.split(args.kvshare_extra)])
+        server = start_server(model_path, mode, kvshare_extra=["--kvshare-tau", "0.3"])
         peak = {"rss_mb": 0.0}
         stop = threading.Event()
 
@@ -173,8 +165,7 @@ def main(argv=None) -> int:
                     reps = []
                     for rep in range(args.repeats):
                         reps.append(run_rate(server.url, tok, length, rate, args.workflows, args.output_tokens,
-                                             seed=args.seed + 7 * r_i + 1000 * rep + length,
-                                             max_seconds=args.max_seconds))
+                                             seed=args.seed + 7 * r_i + 1000 * rep + length))
                         bar.update()
                     per_rate[str(rate)] = {"repeats": reps}
                 per_len[str(length)] = per_rate

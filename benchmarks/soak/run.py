@@ -183,17 +183,15 @@ def stock_statuses(url: str, rows: list[dict]) -> None:
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 clients x 1.25 min, 8 replays: < 5 minutes here")
-    ap.add_argument("--mode", default="kvcmas", choices=["fullshared", "kvcmas"])
-    ap.add_argument("--tau", type=float, default=1.0, help="gate threshold (1 accepts every correction)")
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--replay", type=int, default=40, help="plain requests replayed against mode off")
     ap.add_argument("--max-total-tokens", type=int, default=3072, help="KV pool of the soak server (small: evicts)")
     ap.add_argument("--slot-names", type=int, default=10000, help="distinct slot names to send over the run")
-    ap.add_argument("--warm-rounds", type=int, default=3, help="team rounds before the clients start")
     ap.add_argument("--retract-burst", type=int, default=32,
                     help="concurrent decodes per retraction burst (0: no bursts)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.set_defaults(mode="kvcmas", tau=1.0, warm_rounds=3)  # tau 1 accepts every correction; team rounds first
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/soak[_quick].json)")
     ap.add_argument("--reference-url", default=None,
                     help="replay on this running mode-off server (flushed before each replay) instead of "

@@ -5,5 +5,5 @@
 * ``workflows``: the topologies (chain, refer, debate) as ``sgl.function`` programs.
 
 They live with the benchmarks, not in the library, because they are what we
-measure with, not what a user imports; ``python -m benchmarks.scaleout`` runs them.
+measure with, not what a user imports.
 """

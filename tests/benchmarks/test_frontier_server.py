@@ -35,17 +35,8 @@ def test_frontier_retrieval_off_and_fullshared(tmp_path, server_pool):
 
     frontier.main(["--task", "retrieval", "--limit", "2", "--warmup", "0", "--heads", "0", "--mix",
                    "--arms", "off,fullshared_k0", "--concurrency", "2", "--out-dir", str(tmp_path),
-                   "--no-progress", "--reports", str(tmp_path / "reports.jsonl")], arm_server=pooled)
+                   "--no-progress"], arm_server=pooled)
     out = json.loads((tmp_path / "frontier_retrieval.json").read_text())
-    reports = [json.loads(line) for line in (tmp_path / "reports.jsonl").read_text().splitlines()]
-    # Every request of both arms: 2 samples x 4 agents generating, 3 consumers replayed teacher-forced.
-    assert sorted({(r["arm"], r["pass"]) for r in reports}) == [
-        ("fullshared_k0", "generate"), ("fullshared_k0", "teacher_forced"), ("off", "generate"),
-        ("off", "teacher_forced")]
-    assert len(reports) == 2 * (2 * 4 + 2 * 3)
-    consumers = [r for r in reports if r["arm"] == "fullshared_k0" and r["pass"] == "generate" and r["position"] > 1]
-    assert all(s["resolved_by"] == "alignment" and s["source_agent"]
-               for r in consumers for s in r["report"]["segments"] if s["kind"] == "shared")
     assert out["complete"] and (tmp_path / "frontier_retrieval.png").stat().st_size > 0
     off, full = out["arms"]["off"], out["arms"]["fullshared_k0"]
     assert off["scored_items"] == full["scored_items"] == 6  # 2 samples x 3 consumer lookups

@@ -1,8 +1,7 @@
-"""Workload pieces that need no server: GSM8K answers, the workflow summary."""
+"""Workload pieces that need no server: GSM8K answers, the role set, the task programs."""
 
 from __future__ import annotations
 
-from benchmarks.scaleout import summarize
 from benchmarks.workloads.tasks import extract_gsm8k_answer, load_gsm8k, normalize_number
 
 
@@ -13,19 +12,6 @@ def test_gsm8k_answers():
     assert normalize_number("2.50") == "2.5"
     samples = load_gsm8k(2)
     assert samples[0].reference == "18" and samples[1].reference == "3"
-
-
-def test_the_scaleout_summary_counts_reuse_and_ttft():
-    def rec(agent, ttft, segs):
-        return {"agent": agent, "ttft_s": ttft, "report": {"segments": [
-            dict(kind="shared", slot="query", tokens=n, resolved_by=how) for how, n in segs]}}
-
-    results = [{"records": [rec("a", 2.0, [("dense", 10)]), rec("b", 1.0, [("alignment", 10)]),
-                            rec("c", 0.5, [("correction", 10)]), rec("d", 1.5, [("dense", 10)])],
-                "correct": True, "seconds": 5.0, "answer": "3", "final": "x"}]
-    s = summarize(results)
-    assert s["reuse_ratio"] == 0.5 and s["shared_tokens"] == 40 and s["accuracy"] == 1.0
-    assert s["ttft_s_mean_agents_2_on"] == 1.0
 
 
 def test_the_role_set_splits_24_distinct_roles_and_draws_them_per_sample():
