@@ -16,7 +16,7 @@ import sglang as sgl
 from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
 
 from benchmarks.workloads.tasks import GSM8K, load_gsm8k
-from benchmarks.workloads.workflows import multi_agent, run_workflow
+from tests.frontend.workflows import multi_agent, run_workflow
 import sglang_kvshare.frontend.backend as backend_module
 from sglang_kvshare.frontend import KVShareEndpoint, agent, shared
 from tests.servers import shared_server
