@@ -275,7 +275,7 @@ def test_the_headline_renders_optional_rows_whose_file_exists_and_skips_them_sil
     assert [r[-1].split("]")[0][1:] for r in rows] == ["chain_ttft", "demo", "frontier_roles_heldout", "stock_vs_off"]
     demo_row = rows[1]
     assert "(1.40x); reuse 0.64 of 280 shared tokens" in demo_row[1] and demo_row[-2] == "fresh"
-    assert "held-out roles" in rows[2][0] and "retrieval_1k (512-token segments)" in rows[2][2]
+    assert "held-out roles" in rows[2][0] and "retrieval_1k (512-token segments, " in rows[2][2]
     assert "gap [-0.010, +0.020]" in rows[2][2] and rows[2][-2] == "fresh"
     text = report.render(folder, tree=tree)
     assert '## <a id="demo"></a>demo\n' in text and '<a id="frontier_roles_heldout"></a>frontier_roles_heldout\n' in text
