@@ -2,9 +2,10 @@
 
 Starts a real SGLang server (the shipped SmolLM2-135M on this machine's CPU
 unless ``--model-path`` says otherwise) and runs a 4-agent team on GSM8K
-questions: a solver, an analyst, a programmer and a judge each read a
-retrieved reference sheet (about ``--sheet-tokens`` tokens of worked problems
-and notes, the same for the whole team: shared slot ``sheet``), the question
+questions: a solver, an analyst, a programmer and a judge each read the
+reference sheet retrieved for the question (about ``--sheet-tokens`` tokens of
+worked problems and notes, one per question, the same for the whole team:
+shared slot ``sheet``), the question
 (slot ``query``) and the previous agent's answer (slot ``out:<agent>``),
 behind their own system prompts. It runs the team twice, each time on a fresh
 server with the same flags: ``off`` (stock SGLang's radix cache) and the
@@ -42,7 +43,7 @@ ROLES = {
     "judge": "You are the judge. State the final numeric answer.",
 }
 ARMS = {"off": ["--kvshare-mode", "off"], "kvshare": []}  # kvshare: the defaults of a plain launch
-SHEET_SEED = 7  # the reference sheet's text (benchmarks.texts), the same in both arms
+SHEET_SEED = 7  # question i's reference sheet is text SHEET_SEED + i (benchmarks.texts), the same in both arms
 
 
 def load_questions(n: int) -> list[str]:
@@ -85,10 +86,10 @@ def totals(rows: list[dict]) -> dict:
             "ttft_s_mean_agents_2_4": statistics.fmean(later) if later else None}
 
 
-def run_team(server: ServerProcess, tok, sheet: list[int], questions: list[str], max_new_tokens: int) -> list[dict]:
+def run_team(server: ServerProcess, tok, sheets: list[list[int]], questions: list[str], max_new_tokens: int) -> list[dict]:
     rows = []
     print(f"{'q':>2} {'agent':10s} {'prompt':>6} {'prefill':>7} {'reused':>6} {'recomputed':>10} {'ttft s':>6}  fallbacks")
-    for qi, question in enumerate(questions):
+    for qi, (question, sheet) in enumerate(zip(questions, sheets)):
         previous = None
         for position, agent in enumerate(ROLES, start=1):
             ids, cp = agent_request(tok, agent, sheet, question, previous)
@@ -124,15 +125,15 @@ def main(argv: list[str] | None = None) -> int:
 
         args.model_path = str(prepare("smollm2-135m"))
     tok = AutoTokenizer.from_pretrained(args.model_path)
-    sheet = context_tokens(tok, args.sheet_tokens, seed=SHEET_SEED)
     questions = load_questions(args.questions)
+    sheets = [context_tokens(tok, args.sheet_tokens, seed=SHEET_SEED + i) for i in range(len(questions))]
     arms: dict[str, dict] = {}
     for arm, kv_args in ARMS.items():
         print(f"\n== {arm}: starting a server ({' '.join(kv_args) or 'no kvshare option: the defaults'}) ...",
               flush=True)
         with ServerProcess(model_path=args.model_path, kvshare_args=kv_args) as server:
             config = requests.get(server.url + "/kvshare/stats", timeout=30).json().get("config", {})
-            rows = run_team(server, tok, sheet, questions, args.max_new_tokens)
+            rows = run_team(server, tok, sheets, questions, args.max_new_tokens)
         arms[arm] = {"config": {k: config.get(k) for k in ("mode", "recompute_ratio", "min_reuse_tokens")},
                      "totals": totals(rows), "requests": rows}
     off, kv = arms["off"], arms["kvshare"]
