@@ -167,11 +167,12 @@ REGISTRY: list[Benchmark] = [
         render_chain, plot_chain),
     Benchmark(
         "demo", "demo.json", "python -m benchmarks.demo --out benchmarks/results/demo.json",
-        "What does the shipped demo, a 4-agent GSM8K team on one kvshare server in the recommended setting, prefill "
-        "and reuse per request, and how soon does each agent get its first token?",
-        "Each agent reads the question and the previous agent's answer as shared segments behind its own system "
-        "prompt. `prefilled` counts what the server computed (a recomputed share of a reused segment included); "
-        "`reused` what it served aligned or corrected. Speed and reuse only: fidelity is in the frontier sections.",
+        "What does the shipped demo, a 4-agent GSM8K team on a plain kvshare launch (the defaults) and on `off`, "
+        "prefill and reuse per request, and how soon do agents 2-4 get their first token?",
+        "Each agent reads the question's retrieved 1K-token sheet, the question and the previous agent's answer as "
+        "shared segments behind its own system prompt; the question and the answers are shorter than the minimum "
+        "reusable length and are prefilled (`short_segment`). `prefilled` counts what the server computed (the "
+        "recomputed share included); `reused` what it served aligned or corrected.",
         render_demo, optional=True),
     Benchmark(
         "frontier_roles_heldout", "frontier_roles_heldout.json", "python -m benchmarks.roles_study --split heldout",
