@@ -312,13 +312,6 @@ def _demo_headline(d: dict) -> tuple[str, str, str]:
             f"{sm['judged_questions']} questions")
 
 
-def _stock_headline(d: dict) -> tuple[str, str, str]:
-    t, tp = d["ttft"]["verdict"], d["throughput"]["verdict"]
-    return ("`off` against stock SGLang (paired ABBA requests)",
-            f"TTFT ratio {t['median']:.3f} {interval(t['ci95'], '.3f')}, throughput {tp['median']:.3f} "
-            f"{interval(tp['ci95'], '.3f')} (median [95 % interval])", "`off` serves exact KV only")
-
-
 def _roles_headline(d: dict) -> tuple[str, str, str]:
     speed, fidelity = [], []
     for task, f in d["tasks"].items():
@@ -338,8 +331,7 @@ def _roles_headline(d: dict) -> tuple[str, str, str]:
 
 
 HEADLINE: dict[str, Callable[[dict], tuple[str, str, str]]] = {
-    "chain_ttft": _chain_headline, "demo": _demo_headline, "frontier_roles_heldout": _roles_headline,
-    "stock_vs_off": _stock_headline}
+    "chain_ttft": _chain_headline, "demo": _demo_headline, "frontier_roles_heldout": _roles_headline}
 """The headline rows, in order: (result, figure, fidelity) from a canonical file. A row whose file is an optional
 entry's and missing is left out."""
 

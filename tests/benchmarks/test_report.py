@@ -260,7 +260,7 @@ def test_the_headline_renders_optional_rows_whose_file_exists_and_skips_them_sil
     for name in ("frontier_roles_heldout.json", "frontier_roles_dev.json"):
         (folder / name).unlink(missing_ok=True)
     rows = report.headline_rows(folder, tree=tree)
-    assert [r[-1] for r in rows] == ["[chain_ttft](#chain_ttft)", "[stock_vs_off](#stock_vs_off)"]
+    assert [r[-1] for r in rows] == ["[chain_ttft](#chain_ttft)"]
     _demo_file(folder / "demo.json", tree)
     task = json.loads((report.RESULTS / "frontier_gsm8k.json").read_text())
     task["arms"] = {"off": task["arms"]["off"], "fullshared_k0": task["arms"]["fullshared_k0"],
@@ -272,7 +272,7 @@ def test_the_headline_renders_optional_rows_whose_file_exists_and_skips_them_sil
                "roles": "heldout", "tasks": {"retrieval_1k": task}}
     (folder / "frontier_roles_heldout.json").write_text(json.dumps(heldout))
     rows = report.headline_rows(folder, tree=tree)
-    assert [r[-1].split("]")[0][1:] for r in rows] == ["chain_ttft", "demo", "frontier_roles_heldout", "stock_vs_off"]
+    assert [r[-1].split("]")[0][1:] for r in rows] == ["chain_ttft", "demo", "frontier_roles_heldout"]
     demo_row = rows[1]
     assert "(1.40x); reuse 0.64 of 280 shared tokens" in demo_row[1] and demo_row[-2] == "fresh"
     assert "held-out roles" in rows[2][0] and "retrieval_1k (512-token segments, " in rows[2][2]
