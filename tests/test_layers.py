@@ -189,26 +189,17 @@ def test_no_step_of_the_cache_imports_the_adapter():
     assert "sglang_kvshare.cache.pipeline" in MODULES and offenders == []
 
 
-@pytest.mark.parametrize("checker", ["cycle", "upward", "adapter"])
-def test_the_checks_catch_a_planted_violation(checker, monkeypatch):
+@pytest.mark.parametrize("module, planted_import, check", [
+    ("sglang_kvshare.cache.registry", ("sglang_kvshare.cache.adapter", ""), "test_no_import_cycles"),
+    ("sglang_kvshare.correction.rope", ("sglang_kvshare.cache.adapter", ""),
+     "test_no_module_imports_a_higher_or_a_sibling_layer"),
+    ("sglang_kvshare.cache.tree_paths", ("sglang_kvshare.cache", "adapter"),
+     "test_no_step_of_the_cache_imports_the_adapter"),
+])
+def test_the_checks_catch_a_planted_violation(module, planted_import, check, monkeypatch):
     """The rules above can fail: a planted cycle, a planted upward import and a step that imports the adapter
     are all reported."""
-    if checker == "adapter":
-        planted = {**MODULES, "sglang_kvshare.cache.tree_paths": MODULES["sglang_kvshare.cache.tree_paths"]
-                   | {("sglang_kvshare.cache", "adapter")}}
-        monkeypatch.setattr(__import__(__name__, fromlist=["MODULES"]), "MODULES", planted)
-        with pytest.raises(AssertionError):
-            test_no_step_of_the_cache_imports_the_adapter()
-        return
-    if checker == "cycle":
-        planted = {**MODULES, "sglang_kvshare.cache.registry": MODULES["sglang_kvshare.cache.registry"]
-                   | {("sglang_kvshare.cache.adapter", "")}}
-        monkeypatch.setattr(__import__(__name__, fromlist=["MODULES"]), "MODULES", planted)
-        with pytest.raises(AssertionError):
-            test_no_import_cycles()
-    else:
-        planted = {**MODULES, "sglang_kvshare.correction.rope": MODULES["sglang_kvshare.correction.rope"]
-                   | {("sglang_kvshare.cache.adapter", "")}}
-        monkeypatch.setattr(__import__(__name__, fromlist=["MODULES"]), "MODULES", planted)
-        with pytest.raises(AssertionError):
-            test_no_module_imports_a_higher_or_a_sibling_layer()
+    planted = {**MODULES, module: MODULES[module] | {planted_import}}
+    monkeypatch.setattr(__import__(__name__, fromlist=["MODULES"]), "MODULES", planted)
+    with pytest.raises(AssertionError):
+        globals()[check]()
