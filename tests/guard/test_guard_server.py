@@ -231,6 +231,16 @@ def _shape(answers: list[dict]) -> list:
     return shape
 
 
+def _stream_shape(chunks: list) -> tuple:
+    """What a streaming client reads, apart from where the chunks break (which follows timing, not KV): the keys
+    the interim chunks carry, the final chunk whole, and that each chunk's text extends the one before."""
+    texts = [chunk[2] or "" for chunk in chunks]
+    assert all(later.startswith(earlier) for earlier, later in zip(texts, texts[1:])), texts
+    interim_keys = (sorted({key for chunk in chunks[:-1] for key in chunk[0]}),
+                    sorted({key for chunk in chunks[:-1] for key in chunk[1]}))
+    return interim_keys, chunks[-1]
+
+
 def test_verification_leaves_every_response_as_the_client_asked_for_it(server_pool, tokenizer):
     """At verify rate 1 a response has exactly the keys and greedy values it has at rate 0 (plus the kvshare
     report): one answer, several (``n``), a stream, and a request that asked for logprobs itself."""
@@ -247,8 +257,9 @@ def test_verification_leaves_every_response_as_the_client_asked_for_it(server_po
         _set_rate(server, 1.0)
         verified = {name: _shape(_answers(server, body)) for name, body in bodies.items()}
         _drain(server)
-    for name in bodies:
+    for name in ("one", "n2", "logprobs"):
         assert verified[name] == plain[name], name
+    assert _stream_shape(verified["stream"]) == _stream_shape(plain["stream"])
     assert all("output_top_logprobs" in keys[1] for keys in plain["logprobs"])  # what the client asked for stays
 
 
