@@ -73,6 +73,14 @@ GROUPS: dict[str, str] = {
 }
 
 
+# Names that look like settings but are not, with what to use: an operator who sets one gets this, not a bare
+# "unknown key" (CLI, config file and POST /kvshare/config alike).
+NOT_SETTINGS: dict[str, str] = {
+    "recompute_head": "recompute_head is a request's annotation field (a floor in rows for that request), not a "
+                      "server setting: the server's share is recompute_ratio (docs/CONFIGURATION.md)",
+}
+
+
 class ConfigError(ValueError):
     """A setting refused: the message names the key and says what is accepted."""
 
@@ -241,6 +249,8 @@ def runtime_update(config: KVShareConfig, changes: Mapping[str, Any]) -> KVShare
     """``config`` with a ``POST /kvshare/config`` body applied: runtime keys only, None keeps a value,
     an empty string clears an optional text setting; raises ``ConfigError`` naming the key."""
     unknown = [k for k in changes if k not in RUNTIME_FIELDS]
+    if unknown and unknown[0] in NOT_SETTINGS:
+        raise ConfigError(NOT_SETTINGS[unknown[0]])
     if unknown:
         kind = "cannot change at runtime" if unknown[0] in _FIELDS else "is not a kvshare setting"
         raise ConfigError(f"{unknown[0]!r} {kind}; the runtime settings are {', '.join(RUNTIME_FIELDS)} "
@@ -305,6 +315,8 @@ def _file_key(where: str, section: str, name: str) -> str:
     """``name`` when it is a setting of ``section``; else a ``ConfigError`` saying where it belongs."""
     place = "the top level" if section == GROUP_MAIN else f"[{section}]"
     f = _FIELDS.get(name)
+    if f is None and name in NOT_SETTINGS:
+        raise ConfigError(f"{where}: {NOT_SETTINGS[name]}")
     if f is None:
         sections = ", ".join(f"[{g}]" for g in GROUPS if g != GROUP_MAIN)
         raise ConfigError(f"{where}: unknown key {name!r} at {place} (sections: {sections}; "

@@ -26,7 +26,9 @@ def check_mode(mode: str, *, page_size: int) -> None:
     if page_size != 1:
         raise UnsupportedSetupError(
             f"--kvshare-mode {mode} needs --page-size 1 (got {page_size}): assembled "
-            "segments start at arbitrary token offsets. Use --page-size 1 or --kvshare-mode off.")
+            "segments start at arbitrary token offsets. Use --page-size 1, or serve without reuse: "
+            "--kvshare-mode off with python -m sglang_kvshare.launch_server, or leave out --radix-cache-backend "
+            "kvshare with python -m sglang.launch_server.")
 
 
 def check_setup(ctx, config: KVShareConfig) -> None:

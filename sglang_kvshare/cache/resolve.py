@@ -268,13 +268,13 @@ def next_stage(plan: RequestPlan, a: int, limit: int, head: RecomputeRule,
     (``RecomputeRule.reusable``) ``short_segment``.
     """
     for o, seg in zip(plan.state.outcomes, plan.annotation.segments):
-        if seg.end <= a:
-            continue
+        if seg.end <= a or prefilled_by_request(plan, o):
+            continue  # behind, or prefilled by design (no fallback, so no reason either)
         if not head.reusable(seg):
             o.reason = o.reason or "short_segment"  # prefilled in this dense stretch by the length rule
             continue
         resume = seg.start + head.stage_rows(seg)
-        if resume <= a or min(seg.end, limit) - resume < min_rows or prefilled_by_request(plan, o):
+        if resume <= a or min(seg.end, limit) - resume < min_rows:
             continue
         if has_source(o):
             return resume

@@ -25,8 +25,8 @@ import sys  # noqa: E402
 import typing  # noqa: E402
 from typing import Sequence  # noqa: E402
 
-from sglang_kvshare.config import (BACKEND_NAME, GROUP_MAIN, GROUPS, KVShareConfig, config_from_file,  # noqa: E402
-                                   from_text)
+from sglang_kvshare.config import (BACKEND_NAME, GROUP_MAIN, GROUPS, NOT_SETTINGS, KVShareConfig,  # noqa: E402
+                                   config_from_file, from_text)
 from sglang_kvshare.guard.saved import GuardFile  # noqa: E402
 
 KVSHARE_PREFIX = "--kvshare-"
@@ -209,6 +209,10 @@ def parse_kvshare(argv: Sequence[str]) -> tuple[KVShareConfig, list[str]]:
     """The validated config of the ``--kvshare-*`` options (and their config file), and SGLang's argv."""
     ours, theirs = split_argv(argv)
     parser = kvshare_parser()
+    for arg in ours:
+        name = arg[len(KVSHARE_PREFIX):].split("=", 1)[0].replace("-", "_")
+        if arg.startswith(KVSHARE_PREFIX) and name in NOT_SETTINGS:
+            parser.error(f"{arg.split('=', 1)[0]}: {NOT_SETTINGS[name]}")
     given = vars(parser.parse_args(ours))
     path = given.pop(CONFIG_DEST, None)
     try:

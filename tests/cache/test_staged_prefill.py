@@ -151,26 +151,44 @@ def test_a_shared_segment_shorter_than_the_minimum_is_prefilled_with_its_reason(
         assert_pool_accounted(sched.cache)
 
 
+SHORT, LONG = list(range(300, 310)), list(range(400, 460))
+
+
+def short_then_long(agent: str, short_reuse: bool = True) -> FakeReq:
+    """[system | a 10-token shared segment | a 60-token one | suffix]; ``short_reuse`` False marks the short one
+    ``reuse: false``."""
+    sys_ids = SYS[agent]
+    tokens = sys_ids + SHORT + LONG + SUFFIX
+    a, b = len(sys_ids), len(sys_ids) + len(SHORT)
+    segs = [{"kind": "private", "start": 0, "end": a},
+            {"kind": "shared", "start": a, "end": b, "slot": "s", "reuse": short_reuse},
+            {"kind": "shared", "start": b, "end": b + len(LONG), "slot": "l"},
+            {"kind": "private", "start": b + len(LONG), "end": len(tokens)}]
+    return FakeReq(tokens, custom_params={"kvshare": json.dumps({"agent": agent, "segments": segs})})
+
+
 def test_staged_prefill_passes_over_a_short_segment_to_the_long_one_behind_it():
     """Two shared segments behind a dense stretch: the short one is prefilled (``short_segment``), reuse resumes at
     the long one."""
-    short, long = list(range(300, 310)), list(range(400, 460))
     sched = MiniScheduler(make_cache("fullshared", min_reuse_tokens=32))
-
-    def two(agent: str) -> FakeReq:
-        sys_ids = SYS[agent]
-        tokens = sys_ids + short + long + SUFFIX
-        a, b = len(sys_ids), len(sys_ids) + len(short)
-        segs = [{"kind": "private", "start": 0, "end": a}, {"kind": "shared", "start": a, "end": b, "slot": "s"},
-                {"kind": "shared", "start": b, "end": b + len(long), "slot": "l"},
-                {"kind": "private", "start": b + len(long), "end": len(tokens)}]
-        return FakeReq(tokens, custom_params={"kvshare": json.dumps({"agent": agent, "segments": segs})})
-
-    sched.run(two("A"))
-    b = two("B")  # cold B: its system prompt is a dense stretch, then the short segment, then the long one
+    sched.run(short_then_long("A"))
+    b = short_then_long("B")  # cold B: its system prompt is a dense stretch, then the short segment, the long one
     sched.run(b)
     rep = b.report()
     assert rep["segments"][1]["resolved_by"] == "dense" and rep["segments"][2]["resolved_by"] == "alignment"
     assert {"segment": 1, "slot": "s", "reason": "short_segment"} in rep["fallbacks"]
-    assert rep["tokens_aligned"] == len(long)
+    assert rep["tokens_aligned"] == len(LONG)
     assert_pool_accounted(sched.cache)
+
+
+def test_a_short_segment_the_client_keeps_dense_is_no_fallback():
+    """``reuse: false`` on a segment under the minimum: prefilled as asked, so no ``short_segment`` fallback is
+    reported for it (the client's choice, not the server's rule); the long segment behind is still reused."""
+    sched = MiniScheduler(make_cache("fullshared", min_reuse_tokens=32))
+    sched.run(short_then_long("A", short_reuse=False))
+    b = short_then_long("B", short_reuse=False)
+    sched.run(b)
+    rep = b.report()
+    assert rep["segments"][1]["resolved_by"] == "dense" and rep["segments"][1].get("reason") is None
+    assert all(f["segment"] != 1 for f in rep["fallbacks"]), rep["fallbacks"]
+    assert rep["tokens_aligned"] == len(LONG)

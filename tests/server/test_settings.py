@@ -70,6 +70,25 @@ def test_a_bad_value_gets_the_same_message_from_flag_file_and_admin_route(key, t
     assert message in err and str(path) in err
 
 
+def test_a_request_field_set_as_a_server_setting_is_refused_with_where_it_belongs(tmp_path, capsys, post_config):
+    """``recompute_head`` is an annotation field: the flag, the file and the admin route each say so and name the
+    server's setting (``recompute_ratio``), rather than a bare unknown key."""
+    response, applied = post_config({"recompute_head": 8})
+    assert response.status_code == 422 and applied == []
+    assert "annotation field" in response.json()["message"] and "recompute_ratio" in response.json()["message"]
+    for argv in (["--kvshare-recompute-head", "8"], ["--kvshare-recompute-head=8"]):
+        with pytest.raises(SystemExit):
+            parse_kvshare([*argv, "--model-path", "m"])
+        err = capsys.readouterr().err
+        assert "--kvshare-recompute-head: " in err and "annotation field" in err and "recompute_ratio" in err
+    path = tmp_path / "kvshare.toml"
+    path.write_text("recompute_head = 8\n")
+    with pytest.raises(SystemExit):
+        parse_kvshare(["--kvshare-config", str(path), "--model-path", "m"])
+    err = capsys.readouterr().err
+    assert "annotation field" in err and str(path) in err
+
+
 def test_the_admin_route_takes_runtime_settings_only_and_passes_a_valid_change_on(post_config):
     response, applied = post_config({"max_pools": 8})
     assert response.status_code == 422 and "'max_pools' cannot change at runtime" in response.json()["message"]
