@@ -5,7 +5,8 @@ quantity, one request's output distributions, mixes every reused segment of
 that request, so it cannot be split by slot; an agent's role (its prompt, its position in the workflow)
 decides how much reuse moves its outputs. Each scope climbs a ladder of
 settings, from the server's own (its recompute share, head 0 here) through
-longer heads (floors in rows over the share) to ``dense`` (no reuse at all):
+longer heads (floors in rows over the share, each above what the share
+already recomputes: ``ladder``) to ``dense`` (no reuse at all):
 
 * tighten when the 95 % interval of the scope's estimate lies wholly on the
   wrong side of the target (``FidelityTarget.missed``), by as many steps as
@@ -101,9 +102,28 @@ class PinLimitError(ValueError):
     """A pin past ``max_pins``: the message says how many are held and how to free one."""
 
 
-def ladder(base_head: int, steps: tuple[int, ...] = (8, 16, 32, 64)) -> tuple[int, ...]:
-    """The settings a scope may take, loosest first: the server's head, longer heads, then ``DENSE``."""
-    return (base_head, *sorted(h for h in set(steps) if h > base_head), DENSE)
+# The heads a ladder draws its steps from, and how many it takes: doubling, so each step recomputes about twice the
+# rows of the one below (the per-step error cut ``RUNG_ERROR_FACTOR`` was measured on such steps).
+HEAD_STEPS = (8, 16, 32, 64, 128, 256, 512)
+LADDER_HEADS = 4
+
+
+def ladder(share_rows: int = 0, steps: tuple[int, ...] = HEAD_STEPS, heads: int = LADDER_HEADS) -> tuple[int, ...]:
+    """The settings a scope may take, loosest first: the server's own (head 0), ``heads`` longer heads, ``DENSE``.
+
+    ``share_rows``: the rows the server's recompute share already recomputes on the shortest segment it reuses
+    (``share_floor``). A head is a floor over the share, so a head at or below that recomputes nothing more on
+    any reused segment: the ladder starts above it, and each step changes what is served.
+    """
+    longer = sorted(h for h in set(steps) if h > max(share_rows, 0))[:heads]
+    return (0, *longer, DENSE)
+
+
+def share_floor(recompute_ratio: float, min_reuse_tokens: int) -> int:
+    """The rows the share recomputes on the shortest reusable segment (``RecomputeRule.rows`` at the minimum)."""
+    if recompute_ratio <= 0 or min_reuse_tokens <= 0:
+        return 0
+    return math.ceil(round(recompute_ratio * min_reuse_tokens, 6))
 
 
 def steps_for(error_ratio: float) -> int:

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any, Hashable, Optional
 
 from sglang_kvshare.config import KVShareConfig, live_config
-from sglang_kvshare.guard.controller import DENSE, Action, Controller, ladder, setting_name
+from sglang_kvshare.guard.controller import DENSE, Action, Controller, ladder, setting_name, share_floor
 from sglang_kvshare.guard.measure import compare
 from sglang_kvshare.guard.saved import DEFAULT_NAMESPACE, GuardFile, SavedScope, parse_setting
 from sglang_kvshare.guard.target import FidelityTarget
@@ -201,12 +201,14 @@ class Guard:
 
     # ------------------------------------------------------------ configuration
     def _refresh(self, config: KVShareConfig) -> Controller:
-        """The controller for the settings in force: a change of the recompute share or target starts every scope afresh
-        (its estimates measured other settings); a change of the minimum samples or the band applies as it is."""
-        key = (config.recompute_ratio, config.fidelity_target)
+        """The controller for the settings in force: a change of the recompute share, the minimum segment length
+        (both set the ladder) or the target starts every scope afresh (its estimates measured other settings); a
+        change of the minimum samples or the band applies as it is."""
+        key = (config.recompute_ratio, config.min_reuse_tokens, config.fidelity_target)
         if self.controller is None or key != self._built_for:
             target = FidelityTarget.parse(config.fidelity_target) if config.fidelity_target else None
-            self.controller = Controller(target, ladder(0), min_samples=config.fidelity_min_samples,
+            steps = ladder(share_floor(config.recompute_ratio, config.min_reuse_tokens))
+            self.controller = Controller(target, steps, min_samples=config.fidelity_min_samples,
                                          band=config.fidelity_band, parent=_outside_workflow)
             self._built_for = key
             if self._file is not None and not self._file.under(None if target is None else str(target),

@@ -7,7 +7,10 @@ import random
 
 import pytest
 
-from sglang_kvshare.guard.controller import DENSE, Controller, PinLimitError, ladder, steps_for
+from sglang_kvshare.cache.recompute import RecomputeRule
+from sglang_kvshare.config import MIN_REUSE_TOKENS, KVShareConfig
+from sglang_kvshare.guard.controller import DENSE, Controller, PinLimitError, ladder, share_floor, steps_for
+from sglang_kvshare.protocol import Segment
 from sglang_kvshare.guard.estimate import Z95, RunningEstimate
 from sglang_kvshare.guard.measure import RequestFidelity, compare
 from sglang_kvshare.guard.target import FidelityTarget
@@ -81,6 +84,21 @@ def _feed(ctl, scope, top1, n, seed=0, sd=0.01):
         if action is not None:
             actions.append(action)
     return actions
+
+
+def test_every_step_of_the_default_ladder_recomputes_more_than_the_share_on_every_reused_segment():
+    """A head is a floor over the share: the ladder starts above what the share recomputes on the shortest segment
+    the server reuses, so no step is a no-op; without a share or a minimum it starts at 8 rows."""
+    config = KVShareConfig()
+    steps = ladder(share_floor(config.recompute_ratio, config.min_reuse_tokens))
+    assert steps == (0, 64, 128, 256, 512, DENSE) and share_floor(0.15, MIN_REUSE_TOKENS) == 39
+    assert ladder(share_floor(0.0, 0)) == ladder(share_floor(0.15, 0)) == (0, 8, 16, 32, 64, DENSE)
+    shortest = Segment(kind="shared", start=0, end=config.min_reuse_tokens, slot="s")
+    rows = [RecomputeRule(head=h, ratio=config.recompute_ratio).rows(shortest) for h in steps[:-1]]
+    whole = shortest.length
+    # each step recomputes more rows than the one below, until a head covers the whole segment
+    assert all(b > a or a == whole for a, b in zip(rows, rows[1:])), rows
+    assert rows[1] > rows[0]
 
 
 def test_a_miss_climbs_as_many_steps_as_its_error_asks_and_others_keep_theirs():
