@@ -9,6 +9,7 @@ import secrets
 import time
 from typing import Any, Optional
 
+from benchmarks.harness import verifications_settled
 from benchmarks.soak import Endpoint, Outcome, Recorder, generate_body
 from sglang_kvshare.frontend.builder import build_request, private_part, shared_part
 
@@ -108,13 +109,12 @@ class Run:
         return self.admin("pin", "POST", "/kvshare/fidelity/pin", {"scope": scope, "setting": setting})
 
     def wait_verified(self, timeout: float = 90.0) -> dict:
-        """The guard's snapshot once its queue is empty and its verified count stopped moving."""
+        """The guard's snapshot once every queued verification has ended and no new one was queued for a poll."""
         deadline, last = time.monotonic() + timeout, None
         while time.monotonic() < deadline:
             snap = self.fidelity()
-            done = (snap.get("queue") or {}).get("jobs", 1) == 0
-            count = (snap.get("counters") or {}).get("verified", 0)
-            if done and count == last:
+            count = (snap.get("counters") or {}).get("queued", 0)
+            if verifications_settled(snap) and count == last:
                 return snap
             last = count
             time.sleep(1.0)

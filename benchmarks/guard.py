@@ -73,7 +73,8 @@ from benchmarks import runs
 from benchmarks.guard_metrics import (CONTROL, actions_since, approximated, best_global_k, choose_min_samples,
                                       counter_diff, detection_counts, pairs, reuse_ratio, score_calibration,
                                       fault_program, settings, twin_program)
-from benchmarks.harness import RESULTS, command_line, machine, run_meta, stream_generate, write_json
+from benchmarks.harness import (RESULTS, VERIFICATION_ENDS, command_line, machine, run_meta, stream_generate,
+                                verifications_settled, write_json)
 from benchmarks.stock_vs_off import verdict
 from benchmarks.texts import context_tokens
 from devtools.fault_injection import FAULT_PREFIX
@@ -163,9 +164,8 @@ class GuardServer:
         while True:
             snap = self.fidelity()
             c = snap["counters"]
-            done = sum(c.get(k, 0) for k in ("verified", "verify_empty", "verify_errors"))
-            state = (c.get("queued", 0), done)
-            if snap["queue"]["jobs"] == 0 and done >= c.get("queued", 0) and state == last:
+            state = (c.get("queued", 0), sum(c.get(k, 0) for k in VERIFICATION_ENDS))
+            if verifications_settled(snap) and state == last:
                 return snap
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the guard's queue did not drain in {timeout} s: {snap['queue']}, {c}")

@@ -115,6 +115,20 @@ def wait_learning(url: str, timeout: float = 300.0) -> float:
     return time.monotonic() - t0
 
 
+VERIFICATION_ENDS = ("verified", "verify_empty", "verify_errors", "verify_timeouts")
+
+
+def verifications_settled(snap: dict) -> bool:
+    """Whether every verification the guard queued has ended (``GET /kvshare/fidelity``'s snapshot).
+
+    Why not the queue's length alone: a job taken off the queue is in flight until it ends as verified, empty,
+    an error or a timeout, and under load its reference can take seconds. A caller also waits for two equal
+    polls, since a request's verification is queued just after its answer is sent."""
+    counters = snap.get("counters") or {}
+    done = sum(counters.get(k, 0) for k in VERIFICATION_ENDS)
+    return (snap.get("queue") or {}).get("jobs", 1) == 0 and done >= counters.get("queued", 0)
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     data = sorted(values)
     if not data:

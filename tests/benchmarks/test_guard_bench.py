@@ -257,3 +257,15 @@ def test_merge_writes_the_joined_file_or_refuses_with_nothing_written(tmp_path):
     assert g.main(["--merge", str(a), str(a), "--out-dir", str(bad)]) == 2  # the same task twice
     assert g.main(["--merge", str(a), str(tmp_path / "missing.json"), "--out-dir", str(bad)]) == 2
     assert not bad.exists()
+
+
+def test_a_verification_in_flight_or_timed_out_is_told_apart_from_a_settled_queue():
+    """The queue's length drops when a job is taken off it, not when its reference answers: a client that waits
+    for the guard must count the jobs' ends, a timed-out reference included."""
+    from benchmarks.harness import verifications_settled
+
+    in_flight = {"queue": {"jobs": 0}, "counters": {"queued": 3, "verified": 2}}
+    assert not verifications_settled(in_flight)
+    assert verifications_settled({"queue": {"jobs": 0}, "counters": {"queued": 3, "verified": 2, "verify_timeouts": 1}})
+    assert not verifications_settled({"queue": {"jobs": 1}, "counters": {"queued": 3, "verified": 3}})
+    assert not verifications_settled({})

@@ -212,13 +212,14 @@ def test_stale_marks_stand_in_the_section_header_index_and_headline(tmp_path):
 
 def test_check_passes_when_only_the_marks_differ_and_check_fresh_fails_naming_the_commands(tmp_path, capsys):
     tree = serving_digest()
-    folder = _copy_of_results(tmp_path, digests={"chain_ttft": tree, "stock_vs_off": tree})
+    every_headline = {entry.name: tree for entry in report.headline_entries()}  # fresh, whatever the repo's are
+    folder = _copy_of_results(tmp_path, digests={**every_headline, "stock_vs_off": tree})
     doc = tmp_path / "RESULTS.md"
     doc.write_text(report.render(folder, tree="another tree"))
     assert report.main(["--check", "--out", str(doc), "--results", str(folder)]) == 0
     assert "stale marks" in capsys.readouterr().out
     assert report.main(["--check-fresh", "--results", str(folder)]) == 0
-    folder2 = _copy_of_results(tmp_path / "2", digests={"chain_ttft": "old", "stock_vs_off": tree})
+    folder2 = _copy_of_results(tmp_path / "2", digests={**every_headline, "chain_ttft": "old", "stock_vs_off": tree})
     assert report.main(["--check-fresh", "--results", str(folder2)]) == 1
     err = capsys.readouterr().err
     command = json.loads((report.RESULTS / "chain_ttft.json").read_text())["meta"]["command"]

@@ -9,6 +9,7 @@ import time
 import pytest
 import requests
 
+from benchmarks.harness import verifications_settled
 from sglang_kvshare.frontend.builder import build_request, private_part, shared_part
 from devtools.fault_injection import FAULT_PREFIX
 from tests.servers import ADMIN_HEADERS, reconfigured, shared_server
@@ -43,13 +44,13 @@ def _fidelity(server):
 def _drain(server, timeout=180.0):
     """Wait until every queued reference has run (a job taken off the queue is still in flight until it ends as
     verified, empty or an error)."""
-    deadline = time.monotonic() + timeout
+    deadline, last = time.monotonic() + timeout, None
     while time.monotonic() < deadline:
         snap = _fidelity(server)
-        c = snap["counters"]
-        done = c.get("verified", 0) + c.get("verify_empty", 0) + c.get("verify_errors", 0)
-        if snap["queue"]["jobs"] == 0 and done >= c.get("queued", 0):
+        queued = snap["counters"].get("queued", 0)
+        if verifications_settled(snap) and queued == last:
             return snap
+        last = queued
         time.sleep(0.5)
     return _fidelity(server)
 
