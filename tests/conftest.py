@@ -30,8 +30,9 @@ def model_path() -> str:
 
 
 # Idle servers sleep (the launcher's --sleep-on-idle) and cost only memory, about 2 GiB each.
-# Every server the suite asks for (shared, off, stock, the soak's) stays up, so none restarts.
-MAX_ALIVE_SERVERS = 5
+# Every server the suite asks for (shared, off, stock, the soak's, the adversary's, the plain launch's and the
+# tensor-parallel one until its module ends) stays up, so none restarts.
+MAX_ALIVE_SERVERS = 7
 
 
 @pytest.fixture(scope="session")
@@ -52,7 +53,7 @@ def server_pool(model_path) -> Iterator[Callable[..., ServerProcess]]:
     deferred: list[tuple[str, dict]] = []
 
     def launch(name: str, *, kvshare_args=(), extra_args=(), stock: bool = False,
-               fault_injection: bool = False) -> tuple:
+               fault_injection: bool = False, startup_timeout: float = 300.0) -> tuple:
         key = (tuple(kvshare_args), tuple(extra_args), stock, fault_injection)
         server = running.get(key)
         if server is not None and server.proc.poll() is None:
@@ -60,18 +61,25 @@ def server_pool(model_path) -> Iterator[Callable[..., ServerProcess]]:
         running.pop(key, None)
         while len(running) >= MAX_ALIVE_SERVERS:
             running.popitem(last=False)[1].stop()
-        running[key] = ServerProcess(model_path=model_path, kvshare_args=key[0], extra_args=key[1],
-                                     stock=stock, fault_injection=fault_injection).launch()
+        running[key] = ServerProcess(model_path=model_path, kvshare_args=key[0], extra_args=key[1], stock=stock,
+                                     fault_injection=fault_injection, startup_timeout=startup_timeout).launch()
         return key
 
     def get(name: str, *, kvshare_args=(), extra_args=(), stock: bool = False,
-            fault_injection: bool = False) -> ServerProcess:
+            fault_injection: bool = False, startup_timeout: float = 300.0) -> ServerProcess:
         key = launch(name, kvshare_args=kvshare_args, extra_args=extra_args, stock=stock,
-                     fault_injection=fault_injection)
+                     fault_injection=fault_injection, startup_timeout=startup_timeout)
         server = running[key]
         running.move_to_end(key)
         server.wait_ready()  # at once when it has answered before
         return server
+
+    def release(name: str, *, kvshare_args=(), extra_args=(), stock: bool = False,
+                fault_injection: bool = False, **_launch) -> None:
+        """Stop the server of these arguments now (one whose ranks would slow the tests after its module)."""
+        server = running.pop((tuple(kvshare_args), tuple(extra_args), stock, fault_injection), None)
+        if server is not None:
+            server.stop()
 
     def defer(name: str, **kwargs) -> None:
         """Start this server once every running one answers (``start_deferred``)."""
@@ -83,7 +91,7 @@ def server_pool(model_path) -> Iterator[Callable[..., ServerProcess]]:
                 launch(name, **kwargs)
             deferred.clear()
 
-    get.launch, get.defer, get.start_deferred = launch, defer, start_deferred
+    get.launch, get.defer, get.start_deferred, get.release = launch, defer, start_deferred, release
     try:
         yield get
     finally:
@@ -117,7 +125,9 @@ def _launch_common_servers_together(request, tmp_path_factory) -> Callable[[], N
     core idle. Before that order, three at once paid (the first server test
     waited about 81 s, not 135 s) and five did not (154 s). The adversary's
     server starts once those four answer, while the tests that need no server
-    still run, so its start costs its module nothing. A run of one or two server
+    still run, so its start costs its module nothing; so do the plain launch's and the
+    tensor-parallel one's (``tests.servers.DEFERRED_MODULE_SERVERS``), whose starts
+    then overlap the first server tests instead of waiting alone. A run of one or two server
     modules starts its servers lazily. Returns what each test calls first: the
     deferred start, when it is due.
     """
@@ -125,7 +135,7 @@ def _launch_common_servers_together(request, tmp_path_factory) -> Callable[[], N
                if "server_pool" in getattr(item, "fixturenames", ()) and getattr(item, "module", None)}
     if len(modules) < 3:
         return lambda: None
-    from tests.servers import OFF, SHARED_LAUNCH, adversary_launch, soak_pool
+    from tests.servers import DEFERRED_MODULE_SERVERS, OFF, SHARED_LAUNCH, adversary_launch, soak_pool
 
     server_pool = request.getfixturevalue("server_pool")
     server_pool.launch("shared", **SHARED_LAUNCH)
@@ -134,6 +144,9 @@ def _launch_common_servers_together(request, tmp_path_factory) -> Callable[[], N
     server_pool.launch("soak", **soak_pool())
     if "tests.test_adversary" in modules:
         server_pool.defer("adversary", **adversary_launch(tmp_path_factory.getbasetemp()))
+    for module, name, launch in DEFERRED_MODULE_SERVERS:
+        if module in modules:
+            server_pool.defer(name, **launch)
     return server_pool.start_deferred
 
 

@@ -42,6 +42,18 @@ SOAK_KEY = "kvshare-soak-admin-key"
 SOAK_HEADERS = {"Authorization": f"Bearer {SOAK_KEY}"}
 SOAK_MODE, SOAK_TAU, SOAK_POOL_TOKENS = "kvcmas", 1.0, 3072
 ADVERSARY_KEY = "kvshare-adversary-admin-key"
+# The plain launch's server: SGLang's own launcher selecting the backend, no kvshare option (the defaults).
+PLAIN_LAUNCH = {"stock": True, "extra_args": ("--radix-cache-backend", "kvshare")}
+# kvcmas at TP 3 (the real model's 3 KV heads, one per rank). Edge anchors 2: the gate's minimum, so that the third
+# content is corrected on every rank (learning is synchronous at TP > 1: the first two teach the pools); whole
+# segments of any length are reused (the contents are short). Its start may wait behind the others'.
+TP3_LAUNCH = {"kvshare_args": ("--kvshare-mode", "kvcmas", "--kvshare-verify-rate", "0", "--kvshare-admin-open",
+                               "true", "--kvshare-edge-anchors", "2", "--kvshare-recompute-ratio", "0",
+                               "--kvshare-min-reuse-tokens", "0"),
+              "extra_args": ("--tp-size", "3", "--max-total-tokens", "4096"), "startup_timeout": 600.0}
+# (module, name, launch): servers one module needs, started in the background once the common ones answer.
+DEFERRED_MODULE_SERVERS = (("tests.server.test_plain_launch_server", "plain-backend", PLAIN_LAUNCH),
+                           ("tests.server.test_tp_kvcmas_server", "tp3", TP3_LAUNCH))
 
 
 def soak_pool() -> dict:

@@ -11,6 +11,7 @@ import requests
 from sglang_kvshare.config import KVShareConfig
 from sglang_kvshare.frontend.builder import build_request, private_part, shared_part
 from sglang_kvshare.server.launcher import parse_kvshare
+from tests.servers import PLAIN_LAUNCH
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,7 @@ def test_sglang_launch_server_selecting_the_backend_serves_the_defaults(server_p
     """``python -m sglang.launch_server --radix-cache-backend kvshare`` and nothing else: the stats say fullshared,
     0.15, 256 and the guard's rate; a 300-token shared segment is reused with its first 15 % recomputed, a 40-token
     one is prefilled (``short_segment``)."""
-    server = server_pool("plain-backend", stock=True, extra_args=("--radix-cache-backend", "kvshare"))
+    server = server_pool("plain-backend", **PLAIN_LAUNCH)
     config = requests.get(server.url + "/kvshare/stats", timeout=30).json()["config"]
     assert (config["mode"], config["recompute_ratio"], config["min_reuse_tokens"], config["verify_rate"]) == (
         "fullshared", 0.15, 256, 0.05)

@@ -15,24 +15,22 @@ import pytest
 import requests
 
 from tests.agent_chain import agent_request, context, report, warm_request
+from tests.servers import TP3_LAUNCH
 
 pytestmark = pytest.mark.server
 
-TP3 = ("--tp-size", "3", "--max-total-tokens", "4096")
-# edge anchors 2: the gate's minimum, so that the third content is corrected on every rank (learning is synchronous
-# at TP > 1: the first two teach the pools); whole segments of any length are reused (the contents are short)
-KVSHARE = ("--kvshare-mode", "kvcmas", "--kvshare-verify-rate", "0", "--kvshare-admin-open", "true",
-           "--kvshare-edge-anchors", "2", "--kvshare-recompute-ratio", "0", "--kvshare-min-reuse-tokens", "0")
 AGENTS = ("solver", "analyst", "coder")
 
 
 @pytest.fixture(scope="module")
-def tp_server(model_path):
-    """Stopped after this module: three scheduler ranks on two cores slow every other test."""
-    from devtools.server_process import ServerProcess
-
-    with ServerProcess(model_path=model_path, kvshare_args=KVSHARE, extra_args=TP3, startup_timeout=600) as server:
+def tp_server(server_pool):
+    """Started in the background early (``tests.servers.TP3_LAUNCH``), stopped after this module: three scheduler
+    ranks on two cores slow every other test."""
+    server = server_pool("tp3", **TP3_LAUNCH)
+    try:
         yield server
+    finally:
+        server_pool.release("tp3", **TP3_LAUNCH)
 
 
 @pytest.fixture(scope="module")
