@@ -30,7 +30,7 @@ be flat JSON values; a dict is accepted too)::
   ``--kvshare-recompute-ratio``, applies when it gives more rows).
 * ``reuse`` (optional, shared segments, default true): false means this
   request prefills the segment in its own context; its copy still serves later
-  requests (what the automatic chat mode does for the last message).
+  requests (what the automatic chat mode does for a last message it did not generate).
 * ``output_slot`` (optional): the slot under which this request's own generated
   tokens are shared with later agents. A consumer that puts the same output ids
   in a shared segment of that slot reuses the producer's KV (the producer's
@@ -72,7 +72,7 @@ class Segment(BaseModel):
     slot: Optional[str] = Field(default=None, min_length=1, max_length=MAX_NAME_CHARS)
     reuse: bool = True
     """False on a shared segment: this request prefills it in its own context, and its copy still serves
-    later requests (the automatic chat mode marks the last message so)."""
+    later requests (the automatic chat mode marks a last message it did not generate so)."""
 
     @model_validator(mode="after")
     def _check(self) -> "Segment":

@@ -275,7 +275,8 @@ def auto_candidates(messages: Sequence[Mapping[str, Any]]) -> set[int]:
     """Messages whose content may be shared in automatic mode: every non-system message with text.
 
     The last one is shared for the requests that come after (the next agent
-    reads the same task), never reused by this one: ``auto_plan`` marks it
+    reads the same task); this request reuses it only when it is an answer
+    the server generated (``chat.hooks._prefilled_last``), else marks it
     ``reuse: false``.
     """
     return {i for i, m in enumerate(messages)

@@ -368,12 +368,9 @@ def _auto_plan(messages, render, tokenize, stock_ids, namespace, user: Optional[
         slots[piece.message] = slot
         outcomes.append(outcome)
     agent = auto_agent(messages, user)
-    # The last message (what the user just sent) is prefilled in the request's own context, and offered to the
-    # requests after it (reuse: false); the generation prompt after it stays private. A long chat keeps its
-    # newest shared messages within the segment limit.
-    last = frozenset({len(messages) - 1}) & frozenset(slots)
+    # The generation prompt stays private; a long chat keeps its newest shared messages within the segment limit.
     built, kept = build_capped(prompt, slots, agent, AUTO_SLOT, live_config().max_segments, share_tail=False,
-                               workflow=workflow or user, no_reuse=last)
+                               workflow=workflow or user, no_reuse=_prefilled_last(outcomes, len(messages) - 1))
     for outcome in outcomes:
         if outcome.index not in kept:
             outcome.slot = None  # merged into the agent's private text
@@ -381,6 +378,22 @@ def _auto_plan(messages, render, tokenize, stock_ids, namespace, user: Optional[
         return None
     input_ids, annotation = built
     return ChatPlan(input_ids, annotation, same, "auto", outcomes)
+
+
+def _prefilled_last(outcomes: list[MessageOutcome], last: int) -> frozenset[int]:
+    """The last message when this request prefills it in its own context (``reuse: false``), else nothing.
+
+    Why: a message nobody produced here (what the user just sent, a tool result) has no copy in the pool,
+    and it is what the model reads right before answering; it is prefilled, and offered to the requests after
+    it. An answer this server generated, whose text re-tokenizes to its generated ids (in a group chat the
+    message just sent is usually the previous agent's answer), has its KV in the pool already: it is reused
+    like any shared message, under the guard's scope and the cache's rules (``min_reuse_tokens``).
+    """
+    for outcome in outcomes:
+        if outcome.index == last:
+            generated = outcome.source == "output" and bool(outcome.retokenized_equal)
+            return frozenset() if generated else frozenset({last})
+    return frozenset()
 
 
 # ---------------------------------------------------------------- serving side

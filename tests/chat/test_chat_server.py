@@ -176,6 +176,11 @@ def test_auto_mode_reuses_an_answer_that_comes_back_as_a_message(client, server)
     assert back["source"] == "output" and back["retokenized_equal"]
     seg = [s for s in report["segments"] if s["index"] == 3][0]  # private, task, glue, answer, ...
     assert seg["resolved_by"] == "alignment" and seg["source_agent"] == report["segments"][1]["source_agent"]
+    # The answer as the last message (a group chat's next turn): reused too, not prefilled.
+    _, report, _ = _ask(client, "You summarize answers.",
+                        [{"role": "user", "content": question}, {"role": "user", "content": answer}], max_tokens=1)
+    last = [s for s in report["chat"]["segments"] if s.get("slot") == "auto:message"][-1]
+    assert last.get("reuse", True) and report["segments"][3]["resolved_by"] == "alignment", report["segments"]
     counts = requests.get(server.url + "/kvshare/chat", timeout=30).json()["outputs"]
     assert counts["seen_again"] >= 1 and counts["retokenized_equal"] >= 1
 

@@ -209,13 +209,13 @@ def test_auto_plan_never_changes_the_prompt(tokenizer, monkeypatch):
         assert plan.same_as_stock and plan.input_ids == _stock(tokenizer, messages)
         by_index = {m.index: m for m in plan.messages}
         assert by_index[2].source == "output" and by_index[2].retokenized_equal is False  # not reused as output
-        if 3 in by_index:  # the last message is offered to later requests, never reused by this one
+        if 3 in by_index:  # the user's last message is offered to later requests, never reused by this one
             last = [s for s in plan.annotation.segments if s.kind == "shared"][-1]
             assert not last.reuse
         assert all(s.slot in (AUTO_SLOT, GLUE_SLOT) for s in plan.annotation.segments if s.kind == "shared")
 
 
-def test_auto_plan_always_prefills_the_last_message_and_the_generation_prompt(tokenizer):
+def test_auto_plan_prefills_a_users_last_message_and_the_generation_prompt(tokenizer):
     from sglang_kvshare.chat import hooks as chat_hooks
 
     render, tokenize = _fns(tokenizer)
