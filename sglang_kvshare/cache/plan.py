@@ -94,9 +94,9 @@ class RequestPlan:
         Why: an earlier request with the same tokens may have left estimates at that row, and matching them
         serves what assembling would have served, but only if this request would assemble there too. Rows of
         the agent's own text, and a shared segment marked ``reuse: false`` (the guard's dense setting, the
-        automatic chat mode's last message), are prefilled in the request's own context; an estimate that
-        starts there would hand approximate KV to rows the request asked to have exact, even when no segment
-        of it is reused at all. (Behind the first row it approximates, everything a request computes rests
+        automatic chat mode's last message when nobody generated it here), are prefilled in the request's own
+        context; an estimate that starts there would hand approximate KV to rows the request asked to have
+        exact, even when no segment of it is reused at all. (Behind the first row it approximates, everything a request computes rests
         on approximate KV, so only where estimates start is checked.) Which rows of a reused segment are
         recomputed is the request's recompute rule, part of the estimate key (``plan_request``'s ``setting``):
         the estimates it can match were made under the same rule.
