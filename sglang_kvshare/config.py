@@ -45,6 +45,7 @@ Mode = Literal["off", "fullshared", "kvcmas"]
 MODES: tuple[str, ...] = ("off", "fullshared", "kvcmas")
 ReuseScope = Literal["workflow", "salt", "salt-required"]
 REUSE_SCOPES: tuple[str, ...] = ("workflow", "salt", "salt-required")
+RetentionPolicy = Literal["workflow", "sglang"]
 ENV_VAR = "SGLANG_KVSHARE_CONFIG"
 BACKEND_NAME = "kvshare"  # our tree cache in SGLang's registry: --radix-cache-backend kvshare
 MAX_CAPACITY = 4096  # upper bounds that keep runtime values inside SGLang's msgpack IPC (int64)
@@ -126,8 +127,9 @@ class KVShareConfig:
     fidelity_target: Optional[str] = _option(None, GROUP_GUARD, "The fidelity the guard keeps per scope (a reuse scope and an agent), e.g. top1>=0.99 or kl<=0.01: a scope whose 95 % interval misses it gets a longer recomputed head (as many steps as the miss asks for), then dense; met with margin, it relaxes. None = measure only.", flag=True, runtime=True, max_length=64, check=_fidelity_target)
     pool_budget_mb: float = _option(512.0, GROUP_LIMITS, "Upper bound on the memory all anchor pools hold together (MiB); past it the least recently used pool's oldest anchors are evicted.", gt=0.0)
     max_pools: int = _option(1024, GROUP_LIMITS, "Most anchor pools (one per slot and namespace); past it the least recently used pool is dropped.", ge=1)
-    max_namespaces: int = _option(64, GROUP_LIMITS, "Most (LoRA id, cache salt) namespaces whose copy records are kept; least recently used dropped first.", ge=1)
+    max_namespaces: Optional[int] = _option(None, GROUP_LIMITS, "Most namespaces (a LoRA id, a cache salt and, with --kvshare-reuse-scope workflow, a workflow) whose copy records are kept; least recently used dropped first. Unset: sized to the KV pool like the other record tables (docs/OPERATIONS.md, Bounds and memory).", ge=1)
     max_slots: int = _option(256, GROUP_LIMITS, "Most slot names whose copy records are kept per namespace; least recently used dropped first.", ge=1)
+    retention: RetentionPolicy = _option("workflow", GROUP_LIMITS, "Which KV the radix tree evicts first when the KV pool is full. workflow = first what finished workflows left and the tails of agents' earlier requests their next request did not extend, last the copies of shared contents that an agent of a live workflow has not read yet, each class in the order of SGLang's --radix-eviction-policy; it only orders eviction and never holds KV a request needs (docs/OPERATIONS.md, Retention). sglang = SGLang's policy alone.", runtime=True)
     max_segments: int = _option(64, GROUP_LIMITS, "Most segments one request may declare.", ge=1)
     learn_queue_max: int = _option(16, GROUP_LIMITS, "Most dense-prefill observations waiting to be learned; a full queue drops new ones (counted).", ge=1)
     learn_queue_mb: float = _option(1024.0, GROUP_LIMITS, "Most memory (MiB) the K/V copies of waiting observations may hold (a 4K-token observation of a 135M model holds about 190 MiB in float16, a 1K one 47 MiB: 1024 lets a chain's burst of 4K observations wait instead of being dropped).", gt=0.0)
