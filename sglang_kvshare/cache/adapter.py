@@ -142,9 +142,9 @@ class KVShareRadixCache(RadixCache):
         super().on_release(req, checkpointed=checkpointed)
 
     def _delete_leaf(self, node: TreeNode) -> None:
+        self.retention.evicted(node)  # counted under its rank while its copies still count as live
         super()._delete_leaf(node)
         setattr(node, tree_paths.DEAD_ATTR, True)  # copies ending here are gone
-        self.retention.evicted(node)
         if len(self.pending_recompute) and node.value is not None:
             self.pending_recompute.settle(node.value.tolist())  # its slots go back to the allocator
 

@@ -36,7 +36,7 @@ first.
 Per shared slot the registry also knows its **readers** (the agents that
 recorded a copy there) and, per content, its **holders** (the readers with a
 copy): a content some reader does not hold yet is ``pending``, and the
-retention policy keeps its copies (``cache/retention.py``).
+retention policy keeps its latest copy (``cache/retention.py``).
 
 No SGLang imports here.
 """
@@ -175,6 +175,13 @@ class Copies(list):
     def __init__(self) -> None:
         super().__init__()
         self.holders: set[str] = set()
+
+    def latest_node(self) -> Optional[Any]:
+        """The node of the latest copy still in the tree: the one reuse reads (``resolve.candidates``)."""
+        for m in reversed(self):
+            if not getattr(m.node, DEAD_ATTR, False):
+                return m.node
+        return None
 
 
 # Entries looked at, oldest first, for one whose copies are all gone before a full table drops its oldest.
