@@ -137,8 +137,7 @@ class KVShareRadixCache(RadixCache):
         if plan is not None and not checkpointed and not req.finished():
             # Retracted (or aborted) with its KV freed: if it comes back, it is planned afresh.
             plan.state.released = True
-        if plan is not None:
-            self.retention.closed(plan, getattr(req, "last_node", None) if checkpointed else None, self.root_node)
+        self.retention.closed(plan, getattr(req, "last_node", None) if checkpointed else None, self.root_node)
         super().on_release(req, checkpointed=checkpointed)
 
     def _delete_leaf(self, node: TreeNode) -> None:

@@ -17,10 +17,14 @@ the configured strategy's priority). Ranks, lowest evicted first:
   pending content measured worse than SGLang's LRU on a fake group-chat mix
   under a small pool (it crowds out the histories the agents re-read).
 
-A workflow has finished once none of its requests is in flight and none
-arrived for ``IDLE_FACTOR`` times the longest pause it made between requests
-(at least ``IDLE_FLOOR_S``, at most ``IDLE_CAP_S``); one whose requests never
-come back (aborted before their release) after ``STALE_S``.
+A workflow has finished once none of its requests is in flight and the
+server has released ``IDLE_FACTOR`` times as many requests since its last one
+as the longest pause it made between requests (at least ``IDLE_FLOOR``, at
+most ``IDLE_CAP``); one whose requests never come back (aborted before their
+release) after ``STALE`` releases. Why releases, not seconds: every
+tensor-parallel rank releases the same requests in the same order, so every
+rank ranks a leaf alike and evicts the same leaves (a clock would differ near a
+deadline); and a pool only fills while requests are served.
 
 The policy only orders eviction: every evictable leaf stays in SGLang's heap,
 so ``evict(n)`` frees as much as SGLang's own policy would, and no request
@@ -32,7 +36,6 @@ attribute reads per leaf at every evict, no patch to SGLang.
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Union
@@ -44,10 +47,10 @@ from sglang_kvshare.counters import Counters
 
 LEFT_BEHIND, NEUTRAL, KEPT = 0, 1, 2
 RANK_NAMES = {LEFT_BEHIND: "left_behind", NEUTRAL: "neutral", KEPT: "kept"}
-IDLE_FLOOR_S = 30.0
-IDLE_FACTOR = 4.0
-IDLE_CAP_S = 300.0
-STALE_S = 1800.0
+IDLE_FLOOR = 32  # releases (any request's) a workflow must stay idle before it counts as finished
+IDLE_FACTOR = 4
+IDLE_CAP = 4096
+STALE = 16384
 MAX_WORKFLOWS = 4096  # workflows whose clocks are kept (least recently active dropped first)
 POLICY = "workflow"  # the name /kvshare/stats gives this policy (``retention``)
 
@@ -58,18 +61,18 @@ TAIL_ATTR = "kvshare_left"  # an agent's later request did not extend this tail
 
 @dataclass(eq=False)
 class WorkflowLife:
-    """One workflow's clock: when it was last active, what is in flight, and its agents' last tails."""
+    """One workflow's clock, in releases: when it was last active, what is in flight, its agents' last tails."""
 
-    last_seen: float
+    last_seen: int
     in_flight: int = 0
-    longest_pause: float = 0.0
+    longest_pause: int = 0
     tails: dict[str, Any] = field(default_factory=dict)  # agent -> the last node of its last released request
 
-    def finished(self, now: float) -> bool:
+    def finished(self, now: int) -> bool:
         idle = now - self.last_seen
         if self.in_flight > 0:
-            return idle > STALE_S
-        return idle > min(max(IDLE_FLOOR_S, IDLE_FACTOR * self.longest_pause), IDLE_CAP_S)
+            return idle > STALE
+        return idle > min(max(IDLE_FLOOR, IDLE_FACTOR * self.longest_pause), IDLE_CAP)
 
 
 class Retention:
@@ -84,6 +87,7 @@ class Retention:
         self.counters = counters
         self.sglang_policy = "lru"  # the name of the strategy wrapped (``wrap``)
         self.workflows: OrderedDict[tuple, WorkflowLife] = OrderedDict()
+        self.now = 0  # requests released so far: the workflows' clock
 
     @property
     def name(self) -> str:
@@ -98,7 +102,7 @@ class Retention:
         self.workflows.clear()
 
     # ------------------------------------------------------------ events
-    def _life(self, plan: Any, now: float) -> WorkflowLife:
+    def _life(self, plan: Any, now: int) -> WorkflowLife:
         key = (plan.namespace, plan.workflow)
         life = self.workflows.get(key)
         if life is None:
@@ -110,7 +114,7 @@ class Retention:
 
     def opened(self, plan: Any) -> None:
         """A request of the plan's workflow is matched (also again while it waits)."""
-        now = time.monotonic()
+        now = self.now
         life = self._life(plan, now)
         if not plan.state.in_workflow:
             if life.in_flight == 0:
@@ -119,13 +123,17 @@ class Retention:
             plan.state.in_workflow = True
         life.last_seen = now
 
-    def closed(self, plan: Any, last: Optional[Any], root: Any) -> None:
-        """The request is released; ``last``: the node that ends what it left in the tree (None: nothing).
+    def closed(self, plan: Optional[Any], last: Optional[Any], root: Any) -> None:
+        """A request is released (``plan``: its plan, None without an annotation); ``last``: the node that ends
+        what it left in the tree (None: nothing).
 
-        Marks its path as its workflow's, and the agent's previous tail, where this request left it, as
-        left behind (down from where the two paths part).
+        Advances the clock; marks the path as its workflow's, and the agent's previous tail, where this
+        request left it, as left behind (down from where the two paths part).
         """
-        now = time.monotonic()
+        self.now += 1
+        if plan is None:
+            return
+        now = self.now
         life = self._life(plan, now)
         if plan.state.in_workflow:
             life.in_flight -= 1
@@ -152,18 +160,18 @@ class Retention:
     def recorded(self, node: Any, slot: PlaceholderNode, copies: Copies, plan: Any) -> None:
         """A copy of a shared content ends at ``node``: kept while the content is pending in a live workflow."""
         setattr(node, SOURCE_ATTR, (slot, copies))
-        setattr(node, LIFE_ATTR, self._life(plan, time.monotonic()))
+        setattr(node, LIFE_ATTR, self._life(plan, self.now))
 
     def evicted(self, node: Any) -> None:
         """Count an evicted leaf's tokens under its rank (a kept one: the pool had nothing else to give)."""
         n = len(node.key) if node.key is not None else 0
         self.counters.add("evicted_tokens", n)
         if self.enabled():
-            self.counters.add(f"evicted_{RANK_NAMES[self.rank(node, time.monotonic())]}_tokens", n)
+            self.counters.add(f"evicted_{RANK_NAMES[self.rank(node, self.now)]}_tokens", n)
 
     # ------------------------------------------------------------ ranks
     @staticmethod
-    def rank(node: Any, now: float) -> int:
+    def rank(node: Any, now: int) -> int:
         life = getattr(node, LIFE_ATTR, None)
         if life is None:
             return NEUTRAL
@@ -186,4 +194,4 @@ class RetentionStrategy(EvictionStrategy):
         inner = self.inner.get_priority(node)
         if not self.retention.enabled():
             return inner
-        return (self.retention.rank(node, time.monotonic()), inner)
+        return (self.retention.rank(node, self.retention.now), inner)

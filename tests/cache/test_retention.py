@@ -53,14 +53,6 @@ def source_node(cache, agent: str, q: list[int]):
     return path_nodes(cache, SYS[agent] + q)[0]
 
 
-@pytest.fixture
-def clock(monkeypatch):
-    """The retention policy's clock, moved by hand (the tree's own timestamps keep the real clock)."""
-    now = SimpleNamespace(t=1000.0)
-    monkeypatch.setattr(retention, "time", SimpleNamespace(monotonic=lambda: now.t))
-    return now
-
-
 def test_a_source_read_by_reuse_is_touched_up_its_path():
     sched = MiniScheduler(make_cache("fullshared"))
     sched.run(request("A", query(0)))
@@ -131,15 +123,14 @@ def _alive(node) -> bool:
 
 
 @pytest.mark.parametrize("policy", ["workflow", "sglang"])
-def test_a_finished_workflows_kv_goes_before_a_live_workflows_unread_source(clock, policy):
+def test_a_finished_workflows_kv_goes_before_a_live_workflows_unread_source(policy):
     cache = make_cache("fullshared", retention=policy)
     sched = MiniScheduler(cache)
     sched.run(request("A", query(0), workflow="live"))  # older: a plain LRU evicts it first
-    clock.t += 1
     sched.run(request("C", query(1), workflow="done"))
     source = source_node(cache, "A", query(0))
     done = path_nodes(cache, SYS["C"] + query(1) + SUFFIX)
-    clock.t += 200  # "done" sends nothing more; "live" has a request in flight
+    cache.retention.now += 100  # the server released 100 more requests; "done" sent none, "live" has one in flight
     sched.match(request("B", query(2), workflow="live"))
     _evicted_first(cache, sum(len(n.key) for n in done))
     if policy == "workflow":
@@ -149,12 +140,11 @@ def test_a_finished_workflows_kv_goes_before_a_live_workflows_unread_source(cloc
     assert cache.kvshare_admin.stats()["retention"] == ("workflow" if policy == "workflow" else "lru")
 
 
-def test_an_agents_superseded_tail_goes_before_a_live_agents_older_kv(clock):
+def test_an_agents_superseded_tail_goes_before_a_live_agents_older_kv():
     cache = make_cache("fullshared")
     sched = MiniScheduler(cache)
     sched.run(request("B", query(5)))  # older: a plain LRU evicts B's tail first
     other = path_nodes(cache, SYS["B"] + query(5) + SUFFIX)[0]
-    clock.t += 1
     sched.run(request("A", query(0)))
     old_tail = path_nodes(cache, SYS["A"] + query(0) + SUFFIX)[0]
     sched.run(request("A", query(0), suffix=[4, 4, 4]))  # A's next request leaves the old tail
@@ -162,27 +152,38 @@ def test_an_agents_superseded_tail_goes_before_a_live_agents_older_kv(clock):
     assert not _alive(old_tail) and _alive(other)
 
 
-def test_the_policy_never_keeps_a_leaf_evict_needs(clock):
+def test_the_policy_never_keeps_a_leaf_evict_needs():
     cache = make_cache("fullshared", pool_tokens=400)
     sched = MiniScheduler(cache)
     for i in range(4):
         sched.run(request("A", query(i), slot=f"s{i}"))  # four unread sources of one live workflow
     sched.match(request("B", query(9)))  # the workflow stays live
     kept = [source_node(cache, "A", query(i)) for i in range(4)]
-    assert all(retention.Retention.rank(n, clock.t) == retention.KEPT for n in kept)
+    assert all(retention.Retention.rank(n, cache.retention.now) == retention.KEPT for n in kept)
     evictable = cache.evictable_size()
     assert cache.evict(EvictParams(num_tokens=evictable)).num_tokens_evicted == evictable
     assert cache.evictable_size() == 0 and not any(_alive(n) for n in kept)
     assert cache.kvshare_admin.stats()["counters"]["evicted_kept_tokens"] > 0
 
 
-def test_a_workflow_is_finished_after_an_idle_deadline_that_grows_with_its_pauses():
-    life = retention.WorkflowLife(last_seen=0.0)
-    assert not life.finished(retention.IDLE_FLOOR_S - 1) and life.finished(retention.IDLE_FLOOR_S + 1)
-    life.longest_pause = 60.0
-    assert not life.finished(200.0) and life.finished(4 * 60.0 + 1)
+def test_a_workflow_is_finished_after_an_idle_stretch_that_grows_with_its_pauses():
+    life = retention.WorkflowLife(last_seen=0)  # counted in requests the server released
+    assert not life.finished(retention.IDLE_FLOOR) and life.finished(retention.IDLE_FLOOR + 1)
+    life.longest_pause = 60
+    assert not life.finished(4 * 60) and life.finished(4 * 60 + 1)
     life.in_flight = 1  # a request in flight keeps it live, up to the stale bound
-    assert not life.finished(1000.0) and life.finished(retention.STALE_S + 1)
+    assert not life.finished(1000) and life.finished(retention.STALE + 1)
+
+
+def test_every_release_advances_the_clock_and_a_pause_is_measured_in_releases():
+    cache = make_cache("fullshared")
+    sched = MiniScheduler(cache)
+    sched.run(request("A", query(0)))
+    for _ in range(5):
+        sched.run(FakeReq(SYS["C"] + [1]))  # other traffic: plain requests
+    sched.run(request("B", query(1)))
+    life = next(iter(cache.retention.workflows.values()))
+    assert cache.retention.now == 7 and life.longest_pause == 5 and life.in_flight == 0
 
 
 def test_the_retention_policy_switches_at_runtime():
