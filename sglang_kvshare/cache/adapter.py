@@ -84,7 +84,8 @@ class KVShareRadixCache(RadixCache):
             getattr(allocator, "size", 0) if allocator is not None else 0, config.min_reuse_tokens,
             max_namespaces=config.max_namespaces, max_slots=config.max_slots))
         self.counters = Counters()
-        self.retention = Retention(lambda: self.state.config.retention == RETENTION_POLICY, self.counters)
+        self.retention = Retention(lambda: self.state.config.retention == RETENTION_POLICY, self.counters,
+                                   self.registry)
         self.counters.add("plain_tokens_from_estimates", 0)  # reported even while it stays 0 (the soak checks it)
         self.activity = ServingActivity()
         self.sparse_unsupported = sparse_unsupported

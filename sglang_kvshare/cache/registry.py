@@ -176,10 +176,10 @@ class Copies(list):
         super().__init__()
         self.holders: set[str] = set()
 
-    def latest_node(self) -> Optional[Any]:
+    def latest_node(self, generation: int) -> Optional[Any]:
         """The node of the latest copy still in the tree: the one reuse reads (``resolve.candidates``)."""
         for m in reversed(self):
-            if not getattr(m.node, DEAD_ATTR, False):
+            if not m.gone(generation):
                 return m.node
         return None
 

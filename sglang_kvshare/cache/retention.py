@@ -42,7 +42,7 @@ from typing import Any, Callable, Optional, Union
 
 from sglang.srt.mem_cache.evict_policy import EvictionStrategy
 
-from sglang_kvshare.cache.registry import DEAD_ATTR, MAX_READERS, Copies, PlaceholderNode
+from sglang_kvshare.cache.registry import DEAD_ATTR, MAX_READERS, Copies, PlaceholderNode, PlaceholderRegistry
 from sglang_kvshare.counters import Counters
 
 LEFT_BEHIND, NEUTRAL, KEPT = 0, 1, 2
@@ -82,9 +82,10 @@ class Retention:
     Scheduler thread only.
     """
 
-    def __init__(self, enabled: Callable[[], bool], counters: Counters) -> None:
+    def __init__(self, enabled: Callable[[], bool], counters: Counters, registry: PlaceholderRegistry) -> None:
         self.enabled = enabled
         self.counters = counters
+        self.registry = registry  # whose generation says which copies a reset forgot
         self.sglang_policy = "lru"  # the name of the strategy wrapped (``wrap``)
         self.workflows: OrderedDict[tuple, WorkflowLife] = OrderedDict()
         self.now = 0  # requests released so far: the workflows' clock
@@ -170,15 +171,16 @@ class Retention:
             self.counters.add(f"evicted_{RANK_NAMES[self.rank(node, self.now)]}_tokens", n)
 
     # ------------------------------------------------------------ ranks
-    @staticmethod
-    def rank(node: Any, now: int) -> int:
+    def rank(self, node: Any, now: int) -> int:
+        """The node's rank (module docstring) at clock ``now``: a few attribute reads."""
         life = getattr(node, LIFE_ATTR, None)
         if life is None:
             return NEUTRAL
         if life.finished(now):
             return LEFT_BEHIND
         source = getattr(node, SOURCE_ATTR, None)
-        if source is not None and source[0].pending(source[1]) and source[1].latest_node() is node:
+        if (source is not None and source[0].pending(source[1])
+                and source[1].latest_node(self.registry.generation) is node):
             return KEPT
         return LEFT_BEHIND if getattr(node, TAIL_ATTR, False) else NEUTRAL
 

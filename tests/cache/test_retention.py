@@ -159,11 +159,22 @@ def test_the_policy_never_keeps_a_leaf_evict_needs():
         sched.run(request("A", query(i), slot=f"s{i}"))  # four unread sources of one live workflow
     sched.match(request("B", query(9)))  # the workflow stays live
     kept = [source_node(cache, "A", query(i)) for i in range(4)]
-    assert all(retention.Retention.rank(n, cache.retention.now) == retention.KEPT for n in kept)
+    assert all(cache.retention.rank(n, cache.retention.now) == retention.KEPT for n in kept)
     evictable = cache.evictable_size()
     assert cache.evict(EvictParams(num_tokens=evictable)).num_tokens_evicted == evictable
     assert cache.evictable_size() == 0 and not any(_alive(n) for n in kept)
     assert cache.kvshare_admin.stats()["counters"]["evicted_kept_tokens"] > 0
+
+
+def test_a_source_forgotten_by_a_reset_is_no_longer_kept():
+    cache = make_cache("fullshared")
+    sched = MiniScheduler(cache)
+    sched.run(request("A", query(0)))
+    sched.match(request("B", query(9)))
+    source = source_node(cache, "A", query(0))
+    assert cache.retention.rank(source, cache.retention.now) == retention.KEPT
+    cache.kvshare_admin.reset()  # the copy records are gone: nobody can be served from it any more
+    assert cache.retention.rank(source, cache.retention.now) == retention.NEUTRAL
 
 
 def test_a_workflow_is_finished_after_an_idle_stretch_that_grows_with_its_pauses():
