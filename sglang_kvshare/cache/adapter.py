@@ -38,6 +38,7 @@ from sglang_kvshare.cache.plan import RequestPlan, plan_of
 from sglang_kvshare.cache.pool_persistence import PoolSaver, PoolStore
 from sglang_kvshare.cache.recompute import HEAD, PendingRecompute, RowPolicy
 from sglang_kvshare.cache.registry import ContentHasher, PlaceholderRegistry, RegistryLimits
+from sglang_kvshare.cache.retention import POLICY as RETENTION_POLICY, Retention
 from sglang_kvshare.config import KVShareConfig
 from sglang_kvshare.correction.rank_reduce import Reducer
 from sglang_kvshare.counters import Counters
@@ -78,9 +79,13 @@ class KVShareRadixCache(RadixCache):
                                           getattr(model_config, "model_path", None), self.state.spec,
                                           params.token_to_kv_pool_allocator.get_kvcache())
             self.pool_saver = PoolSaver(store, config.pool_save_interval_s)
-        self.registry = PlaceholderRegistry(RegistryLimits(max_namespaces=config.max_namespaces,
-                                                           max_slots=config.max_slots))
+        allocator = params.token_to_kv_pool_allocator
+        self.registry = PlaceholderRegistry(RegistryLimits.for_pool(
+            getattr(allocator, "size", 0) if allocator is not None else 0, config.min_reuse_tokens,
+            max_namespaces=config.max_namespaces, max_slots=config.max_slots))
         self.counters = Counters()
+        self.retention = Retention(lambda: self.state.config.retention == RETENTION_POLICY, self.counters,
+                                   self.registry)
         self.counters.add("plain_tokens_from_estimates", 0)  # reported even while it stays 0 (the soak checks it)
         self.activity = ServingActivity()
         self.sparse_unsupported = sparse_unsupported
@@ -91,8 +96,10 @@ class KVShareRadixCache(RadixCache):
                                slot_interval_s=config.learn_slot_interval_s, activity=self.activity,
                                yield_s=config.learn_yield_s, single_thread=config.learn_single_thread)
         super().__init__(params)
+        # Eviction order: SGLang's configured strategy, behind the retention rank (cache/retention.py).
+        self.eviction_strategy = self.retention.wrap(self.eviction_strategy, self.eviction_policy)
         parts = CacheParts(SGLangTree(self), self.state, self.registry, self.learner, self.counters, self.hasher,
-                           ReadWorkspace(), self.pool_saver)
+                           ReadWorkspace(), self.retention, self.pool_saver)
         self.pipeline = RequestPipeline(parts, self.pending_recompute, sparse_unsupported, row_policy)
         self.recorder = self.pipeline.recorder
         self.kvshare_admin = AdminView(parts)
@@ -122,6 +129,7 @@ class KVShareRadixCache(RadixCache):
         super().reset()
         self.pending_recompute.clear()
         self.registry.reset()
+        self.retention.reset()
         self.state.new_epoch()
 
     def on_release(self, req: "Req", *, checkpointed: bool) -> None:
@@ -130,9 +138,11 @@ class KVShareRadixCache(RadixCache):
         if plan is not None and not checkpointed and not req.finished():
             # Retracted (or aborted) with its KV freed: if it comes back, it is planned afresh.
             plan.state.released = True
+        self.retention.closed(plan, getattr(req, "last_node", None) if checkpointed else None, self.root_node)
         super().on_release(req, checkpointed=checkpointed)
 
     def _delete_leaf(self, node: TreeNode) -> None:
+        self.retention.evicted(node)  # counted under its rank while its copies still count as live
         super()._delete_leaf(node)
         setattr(node, tree_paths.DEAD_ATTR, True)  # copies ending here are gone
         if len(self.pending_recompute) and node.value is not None:
@@ -148,6 +158,8 @@ class KVShareRadixCache(RadixCache):
         plan = None
         if mode_on and not self.disable and not self.is_eagle:
             plan = self.pipeline.plan(req)
+            if plan is not None:
+                self.retention.opened(plan)
         if plan is None:
             result = super().match_prefix(params)
             if req is not None and not self.disable:

@@ -76,6 +76,7 @@ class AdminView:
         memory_bound = limits["learn_queue_bytes"] + limits["anchor_bytes"] + workspace_max
         return {
             "mode": cfg.mode,
+            "retention": self.parts.retention.name,  # the eviction order in force (cache/retention.py)
             "config": dataclasses.asdict(cfg),
             "kv_pool_tokens": {"available": int(allocator.available_size()), "evictable": int(tree.evictable_size()),
                                "protected": int(tree.protected_size()), "total": int(allocator.size)},

@@ -22,6 +22,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 from sglang_kvshare.cache.correction_state import CorrectionState
 from sglang_kvshare.cache.kv_pool_io import ReadWorkspace
 from sglang_kvshare.cache.registry import ContentHasher, PlaceholderRegistry
+from sglang_kvshare.cache.retention import Retention
 from sglang_kvshare.counters import Counters
 from sglang_kvshare.learning.learner import Learner
 
@@ -83,4 +84,5 @@ class CacheParts:
     counters: Counters
     hasher: ContentHasher
     reads: ReadWorkspace  # the gate's reused read buffers (scheduler thread only)
+    retention: Retention  # which KV the tree evicts first (the recorder marks the copies it keeps)
     pool_saver: Optional[Any] = None  # pool_persistence.PoolSaver of --kvshare-pool-file (None: no file)

@@ -46,6 +46,7 @@ class RequestState:
     counted: bool = False
     attempted: bool = False  # assembly ran once; a repeat only re-runs if its nodes were evicted
     released: bool = False  # its KV was released unfinished (retraction): the next match plans afresh
+    in_workflow: bool = False  # counted among its workflow's requests in flight (``retention.Retention``)
     assembly_seconds: float = 0.0
     # The sparse extend (``server.sparse_extend``): positions of assembled rows the next prefill forward
     # recomputes, the registry they are owed in, and what the forwards did.

@@ -44,7 +44,8 @@ class Recorder:
                               exact=exact, generation=self.parts.registry.generation, workflow=plan.workflow)
         records = self.parts.registry.namespace(plan.namespace)
         if seg.kind == "shared":
-            records.slot(seg.slot).record(plan.hashes[index], mat)
+            slot = records.slot(seg.slot)
+            self.parts.retention.recorded(node, slot, slot.record(plan.hashes[index], mat), plan)
         else:
             records.record_private(plan.agent_id, plan.hashes[index], mat)
 
@@ -113,7 +114,7 @@ class Recorder:
         slot = self.parts.registry.namespace(plan.namespace).slot(plan.annotation.output_slot)
         # Consumers may pass the whole output or only what has KV; both find it.
         for content in {self.parts.hasher(out_ids), self.parts.hasher(out_ids[:in_tree])}:
-            slot.record(content, mat)
+            self.parts.retention.recorded(node, slot, slot.record(content, mat), plan)
 
     # ------------------------------------------------------------ stats
     def count(self, plan: RequestPlan, sign: int = 1) -> None:

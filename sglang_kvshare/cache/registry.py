@@ -29,7 +29,14 @@ the same bookkeeping per agent (alignment-only reuse).
 A materialization names its KV by the tree node that ends it, not by pool
 indices: the tree may split nodes (the node object keeps the tail, so the end
 stays put) or evict them (``KVShareRadixCache`` marks evicted nodes dead).
-Every table is bounded and evicts least-recently-used entries.
+Every table is bounded, sized to the KV pool (``RegistryLimits.for_pool``),
+and evicts the least recently recorded entry, one whose copies are all gone
+first.
+
+Per shared slot the registry also knows its **readers** (the agents that
+recorded a copy there) and, per content, its **holders** (the readers with a
+copy): a content some reader does not hold yet is ``pending``, and the
+retention policy keeps its latest copy (``cache/retention.py``).
 
 No SGLang imports here.
 """
@@ -48,6 +55,8 @@ from sglang_kvshare.cache.outcome import SegmentOutcome
 Namespace = tuple[Optional[str], Optional[str], Optional[str]]  # (extra_key, cache_salt, reuse scope)
 
 _seq = itertools.count()
+DEAD_ATTR = "kvshare_dead"  # set on a tree node SGLang evicted: copies ending there are gone
+MAX_READERS = 64  # agents per slot told apart as readers (a bound against floods of agent names)
 
 
 class ContentHasher:
@@ -97,6 +106,10 @@ class Materialization:
     @property
     def length(self) -> int:
         return self.end - self.start
+
+    def gone(self, generation: int) -> bool:
+        """Its KV was evicted, or a reset made it a record of an older generation."""
+        return self.generation != generation or getattr(self.node, DEAD_ATTR, False)
 
 
 @dataclass
@@ -153,44 +166,115 @@ class SlotStats:
         }
 
 
-def _remember(table: "OrderedDict[Hashable, list[Materialization]]", key: Hashable, mat: Materialization,
-              per_key: int, max_keys: int) -> None:
-    """Append ``mat`` under ``key`` (latest last), dropping a record of the same node."""
-    mats = table.setdefault(key, [])
-    mats[:] = [m for m in mats if m.node is not mat.node or m.end != mat.end]
+class Copies(list):
+    """One key's materializations (latest last) and, for a shared content, ``holders``: the slot's readers
+    that recorded a copy of it."""
+
+    __slots__ = ("holders",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.holders: set[str] = set()
+
+    def latest_node(self, generation: int) -> Optional[Any]:
+        """The node of the latest copy still in the tree: the one reuse reads (``resolve.candidates``)."""
+        for m in reversed(self):
+            if not m.gone(generation):
+                return m.node
+        return None
+
+
+# Entries looked at, oldest first, for one whose copies are all gone before a full table drops its oldest.
+_DROP_WINDOW = 16
+
+
+def _remember(table: "OrderedDict[Hashable, Copies]", key: Hashable, mat: Materialization,
+              per_key: int, max_keys: int) -> Copies:
+    """Append ``mat`` under ``key`` (latest last), dropping a record of the same node; returns the key's copies.
+
+    A full table drops an entry whose copies are all gone (evicted, or of an older generation) if one of the
+    oldest ``_DROP_WINDOW`` is, else its oldest: the limits are sized so that the records can describe the
+    whole KV pool, so a full table mostly holds entries whose KV is gone.
+    """
+    mats = table.get(key)
+    if mats is None:
+        mats = table[key] = Copies()
+    mats[:] = [m for m in mats if (m.node is not mat.node or m.end != mat.end) and not m.gone(mat.generation)]
     mats.append(mat)
     del mats[:-per_key]
     table.move_to_end(key)
     while len(table) > max_keys:
-        table.popitem(last=False)
+        gone = next((k for k, ms in itertools.islice(table.items(), _DROP_WINDOW)
+                     if all(m.gone(mat.generation) for m in ms)), None)
+        if gone is None:
+            table.popitem(last=False)
+        else:
+            del table[gone]
+    return mats
+
+
+# Fixed floors (what a small pool gets) and hard caps (what any pool gets at most: memory, hostile floods).
+_FLOORS = {"max_namespaces": 64, "max_contents": 256, "max_private": 4096}
+_CAPS = {"max_namespaces": 4096, "max_contents": 16384, "max_private": 16384}
+SHORTEST_RECORD = 32  # tokens: the shortest segment the pool-sized limits count on when every length is reused
 
 
 @dataclass(frozen=True)
 class RegistryLimits:
-    """Bounds of the registry; each table evicts its least recently used entry when full."""
+    """Bounds of the registry; each table evicts its least recently recorded entry when full."""
 
     max_namespaces: int = 64
     max_slots: int = 256  # per namespace
     max_contents: int = 256  # per slot
-    max_copies: int = 8  # materializations kept per content
+    max_copies: int = 16  # materializations kept per content: one per agent of a 16-agent team
     max_private: int = 4096  # (agent, content) entries per namespace
+
+    @classmethod
+    def for_pool(cls, pool_tokens: int, shortest: int, *, max_namespaces: Optional[int] = None,
+                 max_slots: int = 256) -> "RegistryLimits":
+        """Limits under which the records of one slot (and the private copies, and the namespaces) can
+        describe a whole KV pool of ``pool_tokens`` cut into segments of ``shortest`` tokens (the shortest
+        reusable one; at least ``SHORTEST_RECORD``), between the fixed floors and hard caps.
+
+        Why: a record dropped while its KV is still in the pool is reuse lost (``no_source``) although the
+        pool kept the KV; auto mode puts every message of a workflow in one slot. ``max_namespaces``: the
+        operator's bound (None: sized like the others).
+        """
+        describe = -(-max(int(pool_tokens), 1) // max(int(shortest), SHORTEST_RECORD))
+        sized = {k: min(max(describe, _FLOORS[k]), _CAPS[k]) for k in _FLOORS}
+        if max_namespaces is not None:
+            sized["max_namespaces"] = max_namespaces
+        return cls(max_slots=max_slots, **sized)
 
 
 class PlaceholderNode:
-    """One shared slot of one namespace: its contents' materializations and its counters."""
+    """One shared slot of one namespace: its contents' materializations, its readers and its counters."""
 
     def __init__(self, slot: str, limits: RegistryLimits) -> None:
         self.slot = slot
         self.limits = limits
-        self.contents: OrderedDict[str, list[Materialization]] = OrderedDict()
+        self.contents: OrderedDict[str, Copies] = OrderedDict()
+        self.readers: set[str] = set()  # agents that recorded a copy here (at most MAX_READERS)
         self.stats = SlotStats()
 
     def copies(self, content: str) -> list[Materialization]:
         """Materializations of ``content``, latest first."""
-        return list(reversed(self.contents.get(content, [])))
+        return list(reversed(self.contents.get(content, ())))
 
-    def record(self, content: str, mat: Materialization) -> None:
-        _remember(self.contents, content, mat, self.limits.max_copies, self.limits.max_contents)
+    def record(self, content: str, mat: Materialization) -> Copies:
+        """Remember ``mat`` as a copy of ``content``; its agent becomes a reader of the slot and a holder of
+        the content. Returns the content's copies (``pending`` reads them)."""
+        if len(self.readers) < MAX_READERS:
+            self.readers.add(mat.agent)
+        copies = _remember(self.contents, content, mat, self.limits.max_copies, self.limits.max_contents)
+        if mat.agent in self.readers:
+            copies.holders.add(mat.agent)
+        return copies
+
+    def pending(self, copies: Copies) -> bool:
+        """Whether a reader of this slot has not read the content yet: fewer holders than readers (holders
+        are readers), or one holder only (a shared content is there to be read by another agent)."""
+        return len(copies.holders) < max(2, len(self.readers))
 
 
 class NamespaceRecords:
@@ -199,7 +283,7 @@ class NamespaceRecords:
     def __init__(self, limits: RegistryLimits) -> None:
         self.limits = limits
         self.slots: OrderedDict[str, PlaceholderNode] = OrderedDict()
-        self.private: OrderedDict[tuple[str, str], list[Materialization]] = OrderedDict()
+        self.private: OrderedDict[tuple[str, str], Copies] = OrderedDict()
 
     def slot(self, name: str) -> PlaceholderNode:
         node = self.slots.get(name)
@@ -211,7 +295,7 @@ class NamespaceRecords:
         return node
 
     def private_copies(self, agent: str, content: str) -> list[Materialization]:
-        return list(reversed(self.private.get((agent, content), [])))
+        return list(reversed(self.private.get((agent, content), ())))
 
     def record_private(self, agent: str, content: str, mat: Materialization) -> None:
         _remember(self.private, (agent, content), mat, self.limits.max_copies, self.limits.max_private)

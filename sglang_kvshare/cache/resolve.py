@@ -141,6 +141,7 @@ class Resolver:
                 raise Unresolved("source_evicted")
         self.tree.inc_lock_ref(source.node)
         locks.append(source.node)
+        tree_paths.touch(source.node, self.tree.root_node)  # read: the LRU must not take it for unused
         # NOTE: a report names the source's agent only to the same workflow (with --kvshare-reuse-scope salt or
         # salt-required a source may belong to another one, whose agent names are not this client's to see).
         o.source_agent = source.agent_name if source.workflow == plan.workflow else None

@@ -25,6 +25,7 @@ Functions take the cache (a ``RadixCache``) and use only its tree helpers.
 
 from __future__ import annotations
 
+import time
 from array import array
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -33,11 +34,11 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import InsertParams
 from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
 
+from sglang_kvshare.cache.registry import DEAD_ATTR
 from sglang_kvshare.protocol import RESERVED_EXTRA_KEY_PREFIX
 
 EST_PREFIX = RESERVED_EXTRA_KEY_PREFIX
 RESERVED_ESCAPE = "client:"  # put before a client's extra_key that starts with EST_PREFIX
-DEAD_ATTR = "kvshare_dead"
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,20 @@ def rows(node: TreeNode, start: int, end: int) -> Optional[torch.Tensor]:
     parts.reverse()
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
     return out[have - need:]
+
+
+def touch(node: TreeNode, root: TreeNode) -> None:
+    """Mark the path to ``node`` as just read, as SGLang's own match does (``last_access_time`` of every node
+    up to the root, what its LRU orders eviction by).
+
+    Why: a source read by non-prefix reuse is never matched as anyone's prefix; untouched, the LRU would take
+    it for unused and evict it before the KV nobody reads.
+    """
+    now = time.monotonic()
+    while node is not None and node is not root:
+        node.last_access_time = now
+        node = node.parent
+    root.last_access_time = now
 
 
 def insert_exact_then_estimate(cache: Any, req: Any, token_ids: Sequence[int], est_start: int,

@@ -178,7 +178,8 @@ OVERRIDES: tuple[Target, ...] = (
            params=("self", "req", "up_to")),
     Target(f"{_RADIX}.on_release", "closes the request's serving activity", params=("self", "req", "checkpointed")),
     Target(f"{_RADIX}.reset", "forgets the copy records with the tree", params=("self",)),
-    Target(f"{_RADIX}._delete_leaf", "marks evicted nodes dead for the copy records", params=("self", "node")),
+    Target(f"{_RADIX}._delete_leaf", "marks evicted nodes dead for the copy records; counts evictions by rank",
+           params=("self", "node")),
 )
 
 # ------------------------------------------------------------------ other internals kvshare uses
@@ -197,12 +198,16 @@ CALLS: tuple[Target, ...] = (
     Target(f"{_RADIX}.dec_lock_ref", "unlocks it", params=("self", "node")),
     Target(f"{_RADIX}.lock", "locks a request's last node", params=("self", "node")),
     Target(f"{_RADIX}.unlock", "unlocks it", params=("self", "lock")),
-    Target(f"{_RADIX}.evict", "frees room for assembled rows", params=("self", "params")),
+    Target(f"{_RADIX}.evict", "frees room for assembled rows; heaps leaves by eviction_strategy.get_priority(node)",
+           params=("self", "params")),
     Target(f"{_RADIX}.evictable_size", "admin stats", params=("self",)),
     Target(f"{_RADIX}.protected_size", "admin stats", params=("self",)),
     Target("sglang.srt.mem_cache.radix_cache.RadixKey", "keys of the estimate namespace",
            attrs=("extra_key", "cache_salt")),
-    Target("sglang.srt.mem_cache.radix_cache.TreeNode", "walks parent chains", attrs=("parent", "key", "value")),
+    Target("sglang.srt.mem_cache.radix_cache.TreeNode", "walks parent chains; a reused source is touched",
+           attrs=("parent", "key", "value", "children", "last_access_time")),
+    Target(_RADIX, "the retention policy wraps the eviction strategy SGLang built",
+           attrs=("eviction_strategy", "eviction_policy", "root_node")),
     Target(f"{_BASE_CACHE}.MatchPrefixParams", "match_prefix's argument", attrs=("key", "req")),
     Target(f"{_BASE_CACHE}.MatchResult", "match_prefix's result",
            attrs=("device_prefix_len", "last_device_node", "last_host_node", "best_match_node")),

@@ -137,11 +137,11 @@ def dense_kv(tokens: Sequence[int], pos: int) -> tuple[torch.Tensor, torch.Tenso
 
 def make_cache(mode: str = "fullshared", pool_tokens: int = 512, sparse_unsupported: Optional[str] = "not_checked",
                pool_store: Optional[Any] = None, reducer: Optional[Any] = None, row_policy: Optional[Any] = None,
-               **config) -> KVShareRadixCache:
+               req_width: int = 256, **config) -> KVShareRadixCache:
     from transformers import LlamaConfig
 
     allocator = FakeAllocator(pool_tokens)
-    params = CacheInitParams(disable=False, req_to_token_pool=FakeReqToTokenPool(8, 256),
+    params = CacheInitParams(disable=False, req_to_token_pool=FakeReqToTokenPool(8, req_width),
                              token_to_kv_pool_allocator=allocator, page_size=1)
     hf = LlamaConfig(hidden_size=HEADS * HEAD_DIM * 2, num_attention_heads=2, num_key_value_heads=HEADS,
                      head_dim=HEAD_DIM, num_hidden_layers=LAYERS, rope_theta=10000.0)
@@ -168,11 +168,13 @@ class MiniScheduler:
         req.last_node = res.last_device_node
         return res.device_prefix_len
 
-    def run(self, req: FakeReq, new_tokens: int = 0) -> int:
-        """Match, prefill the rest densely, checkpoint, decode ``new_tokens``, release.
+    def run(self, req: FakeReq, new_tokens: int = 0, output: Sequence[int] = ()) -> int:
+        """Match, prefill the rest densely, checkpoint, decode ``new_tokens`` (the tokens ``output``, when
+        given; else 1000, 1001, ...), release.
 
         Returns the matched prefix length.
         """
+        new_tokens = len(output) or new_tokens
         cache, pool = self.cache, self.cache.req_to_token_pool
         m = self.match(req)
         req.prefix_len = m
@@ -195,7 +197,7 @@ class MiniScheduler:
             pos = req.prefix_len
         cache.checkpoint(req, up_to=total)
         for t in range(new_tokens):
-            req.output_ids.append(1000 + t)
+            req.output_ids.append(int(output[t]) if output else 1000 + t)
             if t < new_tokens - 1:  # the last sampled token never runs through the model
                 self._prefill(req, len(req.full_untruncated_fill_ids) - 1, len(req.full_untruncated_fill_ids))
         req.done = True
