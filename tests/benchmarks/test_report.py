@@ -83,8 +83,8 @@ def _copy_of_results(tmp_path: Path, without: str = "", digests: dict | None = N
 
 
 def test_a_missing_canonical_file_is_an_error_naming_it(tmp_path):
-    folder = _copy_of_results(tmp_path, without="serving.json")
-    with pytest.raises(report.ReportError, match=r"serving\.json.*missing"):
+    folder = _copy_of_results(tmp_path, without="stock_vs_off.json")
+    with pytest.raises(report.ReportError, match=r"stock_vs_off\.json.*missing"):
         report.render(folder)
     assert report.main(["--check", "--results", str(folder)]) == 2
 
