@@ -1,16 +1,10 @@
 """``python -m benchmarks.agent_traffic``: recorded agent teams replayed through the OpenAI chat API, many at once.
 
-Teams (``benchmarks/workloads/agent_teams.py``: group chats, supervisors, retrieval teams of 4-16 agents whose
-histories grow) arrive by a seeded Poisson process at each rate of ``--rates`` (teams per minute). Every request
-is a plain streamed ``/v1/chat/completions`` call, greedy, its history holding the answers this server gave
-earlier in the run. Arms, each with the same server flags: ``stock`` (``sglang.launch_server``), ``off``
-(kvshare loaded, ``--kvshare-mode off``, auto annotation on) and ``default`` (the default setting with
-``--kvshare-auto true``); each with a pool of ``large`` tokens (the working set fits) and ``half`` of the working
-set (``--max-total-tokens``). Per cell: TTFT (first streamed content) of every request but a team's first,
-per turn and by the number of source agents a request reused, team latency, output throughput, teams per minute,
-reuse and fallbacks by reason (the response's ``kvshare`` report), pool occupancy and evicted tokens over time
-(``/metrics``), the guard's top-1 per agent (``/kvshare/fidelity``), answers equal to stock's, 5xx and lost.
-``--quick``: 4 teams, 2 rates, about 20 minutes on 2 CPU cores.
+Teams (``benchmarks/workloads/agent_teams.py``) arrive by a seeded Poisson process at each rate (teams per
+minute); every request is a plain streamed greedy ``/v1/chat/completions`` call whose history holds this
+server's earlier answers. Arms, the same server flags in each: ``stock`` (``sglang.launch_server``), ``off``
+(``--kvshare-mode off``, auto annotation on) and ``default`` (``--kvshare-auto true``), each with a ``large`` pool
+(the working set fits) and ``half`` of the working set. ``--quick``: 4 teams, 2 rates, about 20 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -21,50 +15,39 @@ import math
 import random
 import secrets
 import shlex
-import shutil
 import threading
 import time
 from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
+from itertools import accumulate
 from pathlib import Path
 from typing import Optional, Sequence
 
 import requests
 
 from benchmarks.harness import RESULTS, percentile, run_meta, write_json
+from benchmarks.report_sections import render_agent_traffic
 from benchmarks.workloads.agent_teams import load, messages_of
 
 ARMS = {"stock": [], "off": ["--kvshare-mode", "off", "--kvshare-auto", "true"], "default": ["--kvshare-auto", "true"]}
 QUICK_TEAMS = ("groupchat-4", "supervisor-4", "retrieval-4", "groupchat-8")
-LLAMA_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
-            "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-            "num_key_value_heads": 8, "head_dim": 128, "hidden_act": "silu", "rms_norm_eps": 1e-5,
-            "rope_theta": 500000.0, "max_position_embeddings": 8192, "vocab_size": 49152, "bos_token_id": 1,
-            "eos_token_id": 2, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
-"""Llama-3-8B's shape (the vocabulary is the SmolLM2 tokenizer's): ``--write-model`` with random weights."""
 
 
-# ------------------------------------------------------------------ the schedule and the pool
 def arrivals(n: int, per_minute: float, seed: int) -> list[float]:
     """Seconds from the cell's start at which ``n`` teams arrive: a Poisson process of ``per_minute`` teams."""
-    rng, t, out = random.Random(seed), 0.0, []
-    for _ in range(n):
-        t += rng.expovariate(per_minute / 60.0)
-        out.append(t)
-    return out
+    rng = random.Random(seed)
+    return list(accumulate(rng.expovariate(per_minute / 60.0) for _ in range(n)))
 
 
 def working_set(teams: Sequence[dict], max_tokens: int) -> int:
     """Tokens stock SGLang holds at the end of these teams if it evicts nothing: each agent's longest prompt (its
     own system prompt in front) and answer."""
-    total = 0
+    longest: dict = defaultdict(int)
     for team in teams:
-        longest: dict = {}
         for r in team["requests"]:
-            agent = json.dumps(r["messages"][0])
-            longest[agent] = max(longest.get(agent, 0), r["prompt_tokens"] + max_tokens)
-        total += sum(longest.values())
-    return total
+            agent = (team["name"], json.dumps(r["messages"][0]))
+            longest[agent] = max(longest[agent], r["prompt_tokens"] + max_tokens)
+    return sum(longest.values())
 
 
 def pool_tokens(pool: str, teams: Sequence[dict], max_tokens: int) -> int:
@@ -76,7 +59,6 @@ def pool_tokens(pool: str, teams: Sequence[dict], max_tokens: int) -> int:
     return max(ws // 2, max(r["prompt_tokens"] for t in teams for r in t["requests"]) + max_tokens + 64)
 
 
-# ------------------------------------------------------------------ one request, one cell
 def chat_stream(url: str, messages: list[dict], max_tokens: int, timeout: float = 600.0) -> dict:
     """One streamed greedy chat request as a framework sends it: status (0: no answer), TTFT, seconds, text,
     output tokens, the kvshare report (None from stock)."""
@@ -104,8 +86,7 @@ def chat_stream(url: str, messages: list[dict], max_tokens: int, timeout: float 
 
 def compact_report(rep: Optional[dict]) -> dict:
     """What a cell reads of a kvshare report: reuse, fallbacks, source agents, where the time went."""
-    if not rep:
-        return {}
+    rep = rep or {}
     sources = {s.get("source_agent") for s in rep.get("segments") or [] if s.get("source_agent")}
     return {"shared": rep.get("shared_tokens", 0), "reused": rep.get("shared_tokens_reused", 0),
             "fallbacks": [f["reason"] for f in rep.get("fallbacks") or []], "sources": len(sources),
@@ -124,10 +105,8 @@ def run_cell(url: str, teams: Sequence[dict], per_minute: float, seed: int, max_
         for k, req in enumerate(team["requests"]):
             out = chat_stream(url, messages_of(team, k, answers), max_tokens)
             answers.append(out["text"] if out["status"] == 200 else req["answer"])
-            row = {"team": team["name"], "agents": team["agents"], "turn": k + 1, **compact_report(out.pop("report")),
-                   **out}
             with lock:
-                rows.append(row)
+                rows.append({"team": team["name"], "turn": k + 1, **compact_report(out.pop("report")), **out})
             if bar is not None:
                 bar.update()
         spans.append([t0, time.perf_counter() - start])
@@ -137,7 +116,6 @@ def run_cell(url: str, teams: Sequence[dict], per_minute: float, seed: int, max_
     return {"rows": rows, "spans": spans, "wall_s": time.perf_counter() - start}
 
 
-# ------------------------------------------------------------------ what a cell says
 def wilson(k: int, n: int, z: float = 1.96) -> Optional[list]:
     """The 95 % Wilson interval of ``k`` successes in ``n``."""
     if not n:
@@ -160,12 +138,13 @@ def derive(run: dict, stock_answers: Optional[dict] = None) -> dict:
     shared = sum(r.get("shared", 0) for r in rows)
     spans = run["spans"]
     active = (max(e for _, e in spans) - min(s for s, _ in spans)) if spans else 0.0
-    by_turn, by_sources = defaultdict(list), defaultdict(list)
+    per_team, by_sources = defaultdict(dict), defaultdict(list)
+    for r in ok:
+        per_team[r["team"]][r["turn"]] = round(r["ttft_s"], 3)
     for r in later:
-        by_turn[r["turn"]].append(r["ttft_s"])
         by_sources[r.get("sources", 0)].append(r)
     cell = {"ttft_p50_s": _p([r["ttft_s"] for r in later], 0.5), "ttft_p99_s": _p([r["ttft_s"] for r in later], 0.99),
-            "ttft_p50_s_per_turn": {str(t): _p(v, 0.5) for t, v in sorted(by_turn.items())},
+            "ttft_s_per_turn": {team: [t.get(k) for k in range(1, max(t) + 1)] for team, t in per_team.items()},
             "team_latency_p50_s": _p([e - s for s, e in spans], 0.5),
             "throughput_tok_s": round(sum(r["output_tokens"] for r in ok) / active, 3) if active else None,
             "teams_per_min": round(60 * len(spans) / active, 3) if active else None,
@@ -178,7 +157,7 @@ def derive(run: dict, stock_answers: Optional[dict] = None) -> dict:
             "requests": len(rows), "errors_5xx": sum(r["status"] >= 500 for r in rows),
             "lost": sum(r["status"] == 0 for r in rows)}
     if stock_answers:
-        pairs = [(r["text"], stock_answers[(r["team"], r["turn"])]) for r in ok if (r["team"], r["turn"]) in stock_answers]
+        pairs = [(r["text"], stock_answers[k]) for r in ok if (k := (r["team"], r["turn"])) in stock_answers]
         agree = sum(a == b for a, b in pairs)
         cell["agreement_with_stock"] = {"equal": agree, "n": len(pairs), "ci95": wilson(agree, len(pairs))}
     return cell
@@ -188,87 +167,40 @@ def retention(stats: Optional[dict]) -> str:
     """The cache's retention policy as ``/kvshare/stats`` names it; ``lru`` (SGLang's own) when it names none."""
     for where in (stats or {}, (stats or {}).get("config") or {}):
         value = where.get("retention")
-        if isinstance(value, dict):
-            value = value.get("policy") or value.get("name")
+        value = (value.get("policy") or value.get("name")) if isinstance(value, dict) else value
         if isinstance(value, str) and value:
             return value
     return "lru"
 
 
-# ------------------------------------------------------------------ the server side
-class Server:
-    """One arm's server and what the benchmark reads from it besides answers (every call with a timeout)."""
-
-    def __init__(self, arm: str, model: str, flags: list[str], key: str):
-        from devtools.server_process import ServerProcess
-
-        self.arm, self.key = arm, key
-        self.proc = ServerProcess(model_path=model, stock=arm == "stock", kvshare_args=ARMS[arm], extra_args=flags)
-
-    def get(self, path: str) -> Optional[dict]:
-        try:
-            r = requests.get(self.proc.url + path, headers={"Authorization": f"Bearer {self.key}"}, timeout=30)
-            return r.json() if r.ok and path != "/metrics" else ({"text": r.text} if r.ok else None)
-        except (requests.RequestException, ValueError):
-            return None
-
-    def clear(self) -> None:
-        """Between cells: SGLang's cache flushed, kvshare's counters and the guard's estimates zeroed."""
-        for path in ("/flush_cache", "/kvshare/reset", "/kvshare/fidelity/reset"):
-            try:
-                requests.post(self.proc.url + path, headers={"Authorization": f"Bearer {self.key}"}, timeout=60)
-            except requests.RequestException:
-                pass
-
-    def pool_sample(self) -> dict:
-        """Pool occupancy (share of the KV pool in use) and evicted tokens so far, from SGLang's ``/metrics``."""
-        text = (self.get("/metrics") or {}).get("text", "")
-        got: dict = {}
-        for line in text.splitlines():
-            for name, key in (("sglang:token_usage", "occupancy"), ("sglang:evicted_tokens_total", "evicted")):
-                if line.startswith(name) and not line.startswith(name + "_"):
-                    got[key] = got.get(key, 0.0) + float(line.rsplit(" ", 1)[1])
-        return got
-
-    def fidelity(self) -> dict:
-        """The guard's measured top-1 per agent (scope) of this cell."""
-        snap = self.get("/kvshare/fidelity") or {}
-        return {scope: {"samples": v.get("samples"), "top1": v.get("top1")}
-                for scope, v in (snap.get("per_scope") or {}).items()}
-
-
-def sampled(server: Server, fn, every_s: float = 1.0):
-    """Run ``fn()`` while sampling the pool every ``every_s``; (its result, [[t, occupancy, evicted], ...])."""
-    samples, stop, t0 = [], threading.Event(), time.perf_counter()
-
-    def loop() -> None:
-        while not stop.wait(every_s):
-            s = server.pool_sample()
-            samples.append([round(time.perf_counter() - t0, 1), s.get("occupancy"), s.get("evicted")])
-
-    thread = threading.Thread(target=loop, daemon=True)
-    thread.start()
+def call(url: str, key: str, method: str, path: str):
+    """One admin or metrics call with the admin key and a timeout: its JSON, its text, or None (not 2xx, no answer)."""
     try:
-        return fn(), samples
-    finally:
-        stop.set()
-        thread.join(timeout=10)
+        r = requests.request(method, url + path, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+        return None if not r.ok else r.json() if "json" in r.headers.get("content-type", "") else r.text
+    except (requests.RequestException, ValueError):
+        return None
 
 
-# ------------------------------------------------------------------ the model for a GPU's shapes
-def write_model(path: Path, tokenizer_from: Path, config: dict = LLAMA_8B) -> Path:
-    """A model folder of ``config``'s shape with the tokenizer (and chat template) of ``tokenizer_from``: served
-    with ``--load-format dummy`` (random weights; the shapes are what time depends on)."""
-    src = tokenizer_from
-    path.mkdir(parents=True, exist_ok=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt"):
-        if (src / name).is_file():
-            shutil.copy(src / name, path / name)
-    (path / "config.json").write_text(json.dumps(config, indent=1))
-    return path
+def pool_sample(metrics: str) -> tuple[Optional[float], Optional[float]]:
+    """(KV pool occupancy, evicted tokens so far) from SGLang's ``/metrics`` text (summed over its series)."""
+    got: dict = {}
+    for line in metrics.splitlines():
+        for name in ("sglang:token_usage", "sglang:evicted_tokens_total"):
+            if line.startswith(name) and line[len(name)] in " {":
+                got[name] = got.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return got.get("sglang:token_usage"), got.get("sglang:evicted_tokens_total")
 
 
-# ------------------------------------------------------------------ the run
+def poll_pool(url: str, key: str, stop: threading.Event, samples: list, every_s: float = 1.0) -> None:
+    """Append ``[seconds, occupancy, evicted]`` every ``every_s`` until ``stop``."""
+    t0 = time.perf_counter()
+    while not stop.wait(every_s):
+        text = call(url, key, "GET", "/metrics")
+        if isinstance(text, str):
+            samples.append([round(time.perf_counter() - t0, 1), *pool_sample(text)])
+
+
 def parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.agent_traffic", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="teams " + " ".join(QUICK_TEAMS) + ", rates 4 and 60")
@@ -295,11 +227,11 @@ def parse(argv=None) -> argparse.Namespace:
 
 def plan(args: argparse.Namespace, teams: list[dict]) -> dict:
     """Every server (arm, pool, command) and the cells each runs, without starting anything."""
-    from devtools.models import prepare
+    from devtools.models import prepare, write_dummy_model
     from devtools.server_process import ServerProcess
 
     model = Path(args.model) if Path(args.model).is_dir() else prepare(args.model)
-    model = str(write_model(args.write_model, model) if args.write_model else model)
+    model = str(write_dummy_model(args.write_model, model) if args.write_model else model)
     common = ["--enable-metrics", *(["--device", args.device] if args.device else []), *shlex.split(args.server_args)]
     servers = []
     for pool in args.pools:
@@ -308,12 +240,14 @@ def plan(args: argparse.Namespace, teams: list[dict]) -> dict:
             cmd = ServerProcess(model_path=model, stock=arm == "stock", kvshare_args=ARMS[arm], extra_args=flags,
                                 port=0).command()
             servers.append({"arm": arm, "pool": pool, "flags": flags, "command": shlex.join(cmd)})
-    return {"model": model, "teams": [t["name"] for t in teams], "rates": args.rates,
+    return {"model": model, "teams": {t["name"]: t["agents"] for t in teams}, "rates": args.rates,
             "working_set_tokens": working_set(teams, args.max_tokens), "servers": servers}
 
 
 def main(argv=None) -> int:
     from tqdm import tqdm
+
+    from devtools.server_process import ServerProcess
 
     args = parse(argv)
     teams = [t for t in load() if args.teams is None or t["name"] in args.teams]
@@ -328,60 +262,57 @@ def main(argv=None) -> int:
     bar = tqdm(total=len(the_plan["servers"]) * len(args.rates) * sum(len(t["requests"]) for t in teams),
                desc="agent_traffic", unit="req")
     for spec in the_plan["servers"]:
-        server = Server(spec["arm"], the_plan["model"], spec["flags"] + ["--admin-api-key", key], key)
-        with server.proc:
-            chat_stream(server.proc.url, [{"role": "user", "content": "Say hello."}], 8)  # first-request costs
+        proc = ServerProcess(model_path=the_plan["model"], stock=spec["arm"] == "stock", kvshare_args=ARMS[spec["arm"]],
+                             extra_args=spec["flags"] + ["--admin-api-key", key])
+        with proc:
+            chat_stream(proc.url, [{"role": "user", "content": "Say hello."}], 8)  # first-request costs
             for i, rate in enumerate(args.rates):
-                server.clear()
-                run, samples = sampled(server, lambda: run_cell(server.proc.url, teams, rate, args.seed + i,
-                                                                args.max_tokens, bar))
-                stats = server.get("/kvshare/stats")
-                where = (spec["arm"], spec["pool"], rate)
+                for path in ("/flush_cache", "/kvshare/reset", "/kvshare/fidelity/reset"):  # each cell from empty
+                    call(proc.url, key, "POST", path)
+                samples, stop = [], threading.Event()
+                threading.Thread(target=poll_pool, args=(proc.url, key, stop, samples), daemon=True).start()
+                run = run_cell(proc.url, teams, rate, args.seed + i, args.max_tokens, bar)
+                stop.set()
+                stats = call(proc.url, key, "GET", "/kvshare/stats")
+                scopes = (call(proc.url, key, "GET", "/kvshare/fidelity") or {}).get("per_scope") or {}
+                answers = stock_answers.setdefault((spec["pool"], rate), {})
                 if spec["arm"] == "stock":
-                    stock_answers[(spec["pool"], rate)] = {(r["team"], r["turn"]): r["text"] for r in run["rows"]}
-                cell = {"arm": spec["arm"], "pool": spec["pool"], "rate": rate, "retention": retention(stats),
-                        "max_total_tokens": int(spec["flags"][-1]),
-                        **derive(run, None if spec["arm"] == "stock" else stock_answers.get((spec["pool"], rate))),
-                        "guard_top1": server.fidelity() if stats else None,
-                        "phase_seconds": {k: v for k, v in ((stats or {}).get("counters") or {}).items()
-                                          if k.endswith("_seconds")}}
-                result["cells"].append(cell)
-                result["pool_samples"]["/".join(map(str, where))] = samples
+                    answers.update({(r["team"], r["turn"]): r["text"] for r in run["rows"]})
+                result["cells"].append({
+                    "arm": spec["arm"], "pool": spec["pool"], "rate": rate, "retention": retention(stats),
+                    "max_total_tokens": int(spec["flags"][-1]),
+                    **derive(run, None if spec["arm"] == "stock" else answers),
+                    "guard_top1": {s: {"samples": v.get("samples"), "top1": v.get("top1")} for s, v in scopes.items()},
+                    "phase_seconds": {k: v for k, v in ((stats or {}).get("counters") or {}).items()
+                                      if k.endswith("_seconds")}})
+                result["pool_samples"][f"{spec['arm']}/{spec['pool']}/{rate}"] = samples
                 result["wall_s"] = round(time.perf_counter() - t_start, 1)
                 write_json(args.out, result)  # a stopped run keeps its finished cells
     bar.close()
     plot(result, args.out.with_suffix(".png"))
-    from benchmarks.report_sections import render_agent_traffic
-
     print(render_agent_traffic(result))
     print(f"wrote {args.out} in {result['wall_s']} s")
     return 0
 
 
 def plot(result: dict, path: Path) -> None:
-    """TTFT p50 of turns 2.. against the rate per arm and pool; pool occupancy and evicted tokens over time in the
-    half pool's highest rate."""
+    """Pool occupancy and evicted tokens over time at the highest rate, per arm and pool."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    series = defaultdict(list)
-    for c in result["cells"]:
-        series[(c["arm"], c["pool"])].append((c["rate"], c["ttft_p50_s"]))
-    for (arm, pool), pts in sorted(series.items()):
-        axes[0].plot(*zip(*sorted(pts)), marker="o", linestyle="-" if pool == "large" else "--", label=f"{arm} {pool}")
-    axes[0].set(xlabel="teams / minute", ylabel="TTFT p50, turns 2.. (s)", xscale="log")
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     top = max((c["rate"] for c in result["cells"]), default=0)
     for key, samples in result["pool_samples"].items():
         arm, pool, rate = key.split("/")
         if float(rate) == top and samples:
             t = [s[0] for s in samples]
-            axes[1].plot(t, [s[1] or 0 for s in samples], label=f"{arm} {pool}")
-            axes[2].plot(t, [s[2] or 0 for s in samples], label=f"{arm} {pool}")
-    axes[1].set(xlabel="s", ylabel="KV pool occupancy", title=f"{top:g} teams / minute")
-    axes[2].set(xlabel="s", ylabel="evicted tokens (cumulative)", title=f"{top:g} teams / minute")
+            for ax, col in zip(axes, (1, 2)):
+                ax.plot(t, [s[col] or 0 for s in samples], linestyle="-" if pool == "large" else "--",
+                        label=f"{arm} {pool}")
+    axes[0].set(xlabel="s", ylabel="KV pool occupancy", title=f"{top:g} teams / minute")
+    axes[1].set(xlabel="s", ylabel="evicted tokens (cumulative)", title=f"{top:g} teams / minute")
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)

@@ -193,14 +193,12 @@ REGISTRY: list[Benchmark] = [
         render_stock_vs_off, plot_from("benchmarks.stock_vs_off", "plot"), results_png=True),
     Benchmark(
         "agent_traffic", "agent_traffic.json", "python -m benchmarks.agent_traffic --quick",
-        "Recorded agent teams (group chats, supervisors, retrieval teams of 4-16 agents) arriving at once through the "
-        "chat API: how much faster are turns 2.. against stock SGLang, with a pool that holds the working set and "
-        "one that holds half of it, and how much reuse survives the full pool?",
-        "One server per arm and pool, the same flags in each; teams arrive by a Poisson process per rate, each "
-        "request a plain streamed chat call whose history holds this server's earlier answers. `reuse` = shared "
-        "tokens served from another agent's KV; fallbacks by reason from the responses' reports; answers compared "
-        "with stock's at the same pool and rate (greedy). The plot shows TTFT against rate and the pool's occupancy "
-        "and evicted tokens over time.",
+        "Recorded agent teams (group chats, supervisors, retrieval teams of 4-16 agents) arriving together through "
+        "the chat API: how much faster are turns 2.. than on stock SGLang, and how much reuse survives a full pool?",
+        "One server per arm and pool (the working set, or half of it), the same flags in each; teams arrive by a "
+        "Poisson process, each request a plain streamed chat call whose history holds this server's answers. `reuse` "
+        "= shared tokens served from another agent's KV; fallbacks from the responses' reports; greedy answers "
+        "compared with stock's at the same pool and rate. The plot: pool occupancy and evicted tokens over time.",
         render_agent_traffic, plot_from("benchmarks.agent_traffic", "plot"), results_png=True, optional=True),
     Benchmark(
         "frontier_retrieval", "frontier_retrieval.json",

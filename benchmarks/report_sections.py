@@ -141,15 +141,21 @@ def render_agent_traffic(d: dict) -> str:
                 long_rows.append([c["pool"], f"{c['rate']:g}", n, str(b["requests"]), num(b["ttft_p50_s"], ".2f", " s"),
                                   num(b["assembly_s"] * 1000, ".1f", " ms"), num(b["aligned"], ".0f"),
                                   num(b["recomputed"], ".0f")])
+    low = min(c["rate"] for c in d["cells"])
+    turns = [f"`{c['arm']}` {team}: " + " ".join(num(t, ".1f") for t in ttft) for c in d["cells"]
+             if c["pool"] == "large" and c["rate"] == low and c["arm"] in ("stock", "default")
+             for team, ttft in sorted(c["ttft_s_per_turn"].items()) if d["plan"]["teams"].get(team, 0) >= 8]
     p = d["plan"]
-    return (f"Teams {', '.join(p['teams'])}; working set {p['working_set_tokens']} tokens; run {num(d.get('wall_s'), '.0f')} "
-            f"s. TTFT: turns 2.. of every team (a team's first request has nothing to reuse).\n\n"
+    return (f"Teams {', '.join(p['teams'])}; working set {p['working_set_tokens']} tokens; run "
+            f"{num(d.get('wall_s'), '.0f')} s. TTFT: turns 2.. of every team (a team's first has nothing to reuse).\n\n"
             + table(["arm", "pool (tokens)", "teams/min", "retention", "TTFT p50", "TTFT p99", "stock / arm p50 / p99",
                      "team p50", "teams/min done", "out tok/s", "reuse", "fallbacks", "answers = stock [95 %]",
                      "5xx / lost"], rows)
             + "\n\nThe default arm by source agents a request reused (mean per request):\n\n"
             + table(["pool", "teams/min", "sources", "requests", "TTFT p50", "assembly", "aligned tok",
-                     "recomputed tok"], long_rows))
+                     "recomputed tok"], long_rows)
+            + f"\n\nTTFT (s) per position in teams of 8 and more, large pool, {low:g} teams/min:\n\n"
+            + "\n".join(f"* {line}" for line in turns))
 
 
 def render_demo(d: dict) -> str:

@@ -1,18 +1,11 @@
-"""Agent teams written as frameworks write them, with a plain OpenAI-style chat client, and the traces they leave.
+"""Agent teams as frameworks write them (a plain OpenAI-style chat client), and the request traces they leave.
 
-Why recorded traces: a replay must send what frameworks send (the chat API, every agent its own system prompt
-in front of the same growing conversation, no annotation) and the same thing in every arm. A team here is a
-function of a ``chat(messages) -> answer`` client; ``record`` runs every team once against a stock server and
-``compact`` turns the log into a trace: each distinct text stored once, and a message that is an earlier
-request's answer stored as a reference to it, so a replay sends the answer its own server gave.
-
-* ``groupchat``: AutoGen's round-robin group chat: each agent in turn reads the task and every message so far
-  (its own as ``assistant``, the others' as ``user``);
-* ``supervisor``: a supervisor instructs one worker after another; everyone reads the whole history;
-* ``retrieval``: a group chat whose agents also read retrieved documents (2-3K tokens).
-
-Texts: GSM8K test problems (MIT, data/gsm8k/LICENSE) as tasks and documents; role prompts of
-``role_set.json``. ``python -m benchmarks.workloads.agent_teams`` writes ``traces/agent_teams.json.gz``.
+A team is a function of a ``chat(messages) -> answer`` client: ``groupchat`` (AutoGen's round robin: each agent
+reads the task and every message so far, its own as ``assistant``, the others' as ``user``; a retrieval team's
+agents also read 2-3K tokens of documents) or ``supervisor`` (agent 0 instructs each worker in turn). ``main``
+runs every team once against a stock server; ``compact`` stores each text once and an answer read again as a
+reference to the request that gave it, so a replay sends the answer its own server gave. Texts: GSM8K test
+problems (MIT, data/gsm8k/LICENSE), role prompts of ``role_set.json``.
 """
 
 from __future__ import annotations
@@ -43,22 +36,23 @@ def _seen_by(history: list[tuple[int, str]], me: int) -> list[dict]:
     return [{"role": "assistant" if who == me else "user", "content": text} for who, text in history]
 
 
-def groupchat(chat: Chat, task: str, agents: int, rounds: int, documents: str = "") -> None:
-    head = [{"role": "user", "content": task}] + ([{"role": "user", "content": documents}] if documents else [])
+def groupchat(chat: Chat, team: dict) -> None:
+    """AutoGen's round robin; a retrieval team's agents read the documents after the task."""
+    head = [{"role": "user", "content": c} for c in (team["task"], team.get("documents")) if c]
     history: list[tuple[int, str]] = []
-    for _ in range(rounds):
-        for me in range(agents):
+    for _ in range(team["rounds"]):
+        for me in range(team["agents"]):
             history.append((me, chat([_system(me), *head, *_seen_by(history, me)])))
 
 
-def supervisor(chat: Chat, task: str, agents: int, rounds: int) -> None:
+def supervisor(chat: Chat, team: dict) -> None:
+    """Agent 0 instructs each worker in turn; everyone reads the whole history."""
     boss = {"role": "system", "content": "You are the supervisor. Give the next worker one short instruction."}
-    history: list[tuple[int, str]] = []
-    for _ in range(rounds):
-        for worker in range(1, agents):
-            history.append((0, chat([boss, {"role": "user", "content": task}, *_seen_by(history, 0)])))
-            history.append((worker, chat([_system(worker), {"role": "user", "content": task},
-                                          *_seen_by(history, worker)])))
+    task, history = {"role": "user", "content": team["task"]}, []
+    for _ in range(team["rounds"]):
+        for worker in range(1, team["agents"]):
+            history.append((0, chat([boss, task, *_seen_by(history, 0)])))
+            history.append((worker, chat([_system(worker), task, *_seen_by(history, worker)])))
 
 
 def documents(tokenizer, n_tokens: int, rng: random.Random) -> str:
@@ -90,10 +84,7 @@ def plan(tokenizer, seed: int = 0) -> list[dict]:
 
 
 def run_team(team: dict, chat: Chat) -> None:
-    if team["kind"] == "supervisor":
-        supervisor(chat, team["task"], team["agents"], team["rounds"])
-    else:
-        groupchat(chat, team["task"], team["agents"], team["rounds"], team.get("documents", ""))
+    (supervisor if team["kind"] == "supervisor" else groupchat)(chat, team)
 
 
 def compact(team: dict, log: list[tuple[list[dict], str, int]]) -> dict:
@@ -127,33 +118,12 @@ def load(path: Path = TRACES) -> list[dict]:
     return data["teams"]
 
 
-def record(url: str, teams: list[dict], max_tokens: int) -> list[dict]:
-    """Run every team once against ``url`` (greedy, ``max_tokens``), teams side by side; their traces."""
-    import requests
-
-    def one(team: dict) -> dict:
-        log: list = []
-
-        def chat(messages: list[dict]) -> str:
-            r = requests.post(url + "/v1/chat/completions", timeout=600, json={
-                "model": "default", "messages": messages, "temperature": 0, "max_tokens": max_tokens})
-            r.raise_for_status()
-            body = r.json()
-            log.append((messages, body["choices"][0]["message"]["content"], body["usage"]["prompt_tokens"]))
-            return log[-1][1]
-
-        run_team(team, chat)
-        return compact(team, log)
-
-    with ThreadPoolExecutor(max_workers=len(teams)) as pool:
-        return list(pool.map(one, teams))
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.workloads.agent_teams", description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=TRACES)
     ap.add_argument("--max-tokens", type=int, default=32)
     args = ap.parse_args(argv)
+    import requests
     from transformers import AutoTokenizer
 
     from devtools.models import prepare
@@ -162,7 +132,23 @@ def main(argv=None) -> int:
     model = str(prepare("smollm2-135m"))
     teams = plan(AutoTokenizer.from_pretrained(model))
     with ServerProcess(model_path=model, stock=True, extra_args=["--max-total-tokens", "65536"]) as server:
-        traces = record(server.url, teams, args.max_tokens)
+
+        def one(team: dict) -> dict:  # a team's trace, run greedily with a plain client
+            log: list = []
+
+            def chat(messages: list[dict]) -> str:
+                r = requests.post(server.url + "/v1/chat/completions", timeout=600, json={
+                    "model": "default", "messages": messages, "temperature": 0, "max_tokens": args.max_tokens})
+                r.raise_for_status()
+                body = r.json()
+                log.append((messages, body["choices"][0]["message"]["content"], body["usage"]["prompt_tokens"]))
+                return log[-1][1]
+
+            run_team(team, chat)
+            return compact(team, log)
+
+        with ThreadPoolExecutor(max_workers=len(teams)) as pool:  # teams side by side, as they would run
+            traces = list(pool.map(one, teams))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     data = {"format": FORMAT, "model": "SmolLM2-135M-Instruct", "max_tokens": args.max_tokens,
             "texts_from": "GSM8K test problems (MIT, data/gsm8k/LICENSE); benchmarks/workloads/role_set.json",

@@ -106,7 +106,7 @@ def test_a_cell_derives_percentiles_reuse_fallbacks_agreement_and_errors():
     stock = {("t", k): ("x" if k % 2 else "y") for k in range(1, 12)}
     cell = at.derive(run, stock)
     assert cell["ttft_p50_s"] == 6.5 and cell["ttft_p99_s"] == pytest.approx(10.91)  # turn 1 left out
-    assert cell["ttft_p50_s_per_turn"]["2"] == 2.0 and "1" not in cell["ttft_p50_s_per_turn"]
+    assert cell["ttft_s_per_turn"] == {"t": [9.0, *map(float, range(2, 12))]}  # per position; failures as gaps
     assert cell["reuse_ratio"] == pytest.approx(500 / 1100, abs=1e-4)  # the failed request's shared tokens count
     assert cell["fallbacks"] == {"source_evicted": 1, "no_source": 2}
     assert (cell["errors_5xx"], cell["lost"], cell["requests"]) == (1, 1, 13)
@@ -134,15 +134,15 @@ def test_the_retention_name_is_read_from_stats_or_is_lru(stats, name):
 
 
 def results_file() -> dict:
-    rows = [_row("t", k, 0.5 * k, shared=100, reused=80, sources=1) for k in range(1, 5)]
+    rows = [_row("groupchat-8", k, 0.5 * k, shared=100, reused=80, sources=1) for k in range(1, 5)]
     run = {"rows": rows, "spans": [[0.0, 10.0]], "wall_s": 10.0}
     cells = []
     for arm in at.ARMS:
         for pool in ("large", "half"):
             cells.append({"arm": arm, "pool": pool, "rate": 4.0, "retention": "lru", "max_total_tokens": 16384,
-                          **at.derive(run, None if arm == "stock" else {("t", k): "x" for k in range(1, 5)})})
+                          **at.derive(run, None if arm == "stock" else {("groupchat-8", k): "x" for k in range(1, 5)})})
     return {"meta": run_meta("python -m benchmarks.agent_traffic --quick"), "plan": {
-        "teams": ["t"], "working_set_tokens": 1000, "rates": [4.0]}, "cells": cells, "wall_s": 10.0,
+        "teams": {"groupchat-8": 8}, "working_set_tokens": 1000, "rates": [4.0]}, "cells": cells, "wall_s": 10.0,
         "pool_samples": {"default/half/4.0": [[1.0, 0.5, 0], [2.0, 0.9, 100]]}}
 
 
@@ -156,6 +156,7 @@ def test_the_results_file_has_the_cells_the_issue_names_and_a_report_section():
     text = report.section(entry, data, report.RESULTS)
     assert "| `default` | half (16384) | 4 | lru |" in text and "1.00x / 1.00x" in text
     assert render_agent_traffic(data).count("\n| `") == len(data["cells"])
+    assert "* `default` groupchat-8: 0.5 1.0 1.5 2.0" in text  # per position, a long team
 
 
 def test_the_plot_draws_from_the_file(tmp_path):
@@ -177,4 +178,11 @@ def test_the_gpu_steps_dry_run_plans_stock_and_default_on_a_dummy_8b_model(tmp_p
     config = json.loads((tmp_path / "llama8b-dummy" / "config.json").read_text())
     assert (config["hidden_size"], config["num_hidden_layers"], config["num_key_value_heads"]) == (4096, 32, 8)
     assert (tmp_path / "llama8b-dummy" / "tokenizer.json").is_file()
-    assert plan["rates"] == [20.0, 120.0] and plan["teams"] == list(at.QUICK_TEAMS)
+    assert plan["rates"] == [20.0, 120.0] and set(plan["teams"]) == set(at.QUICK_TEAMS)
+
+
+def test_pool_occupancy_and_evictions_are_read_from_sglangs_metrics():
+    text = ('# HELP sglang:token_usage The token usage\nsglang:token_usage{model_name="m",engine_type="unified"} 0.25\n'
+            'sglang:token_usage_max{model_name="m"} 0.9\nsglang:evicted_tokens_total{model_name="m"} 120.0\n')
+    assert at.pool_sample(text) == (0.25, 120.0)
+    assert at.pool_sample("") == (None, None)
