@@ -23,12 +23,12 @@ from benchmarks.workloads.role_set import DEV, HELDOUT
 TRACES = Path(__file__).with_name("traces") / "agent_teams.json.gz"
 FORMAT = 1
 Chat = Callable[[list[dict]], str]
-ROLES = DEV + HELDOUT
 SIZES = (4, 8, 16)
 
 
 def _system(i: int) -> dict:
-    return {"role": "system", "content": ROLES[i % len(ROLES)].system + f" You are agent {i + 1} of the team."}
+    roles = DEV + HELDOUT
+    return {"role": "system", "content": roles[i % len(roles)].system + f" You are agent {i + 1} of the team."}
 
 
 def _seen_by(history: list[tuple[int, str]], me: int) -> list[dict]:

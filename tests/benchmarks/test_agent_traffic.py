@@ -140,7 +140,8 @@ def results_file() -> dict:
     for arm in at.ARMS:
         for pool in ("large", "half"):
             cells.append({"arm": arm, "pool": pool, "rate": 4.0, "retention": "lru", "max_total_tokens": 16384,
-                          **at.derive(run, None if arm == "stock" else {("groupchat-8", k): "x" for k in range(1, 5)})})
+                          **at.derive(run, None if arm == "stock" else {("groupchat-8", k): "x" for k in range(1, 5)}),
+                          "guard_top1": {"agent a": {"samples": 4, "top1": {"n": 4, "mean": 0.9875}}}})
     return {"meta": run_meta("python -m benchmarks.agent_traffic --quick"), "plan": {
         "teams": {"groupchat-8": 8}, "working_set_tokens": 1000, "rates": [4.0]}, "cells": cells, "wall_s": 10.0,
         "pool_samples": {"default/half/4.0": [[1.0, 0.5, 0], [2.0, 0.9, 100]]}}
@@ -157,6 +158,7 @@ def test_the_results_file_has_the_cells_the_issue_names_and_a_report_section():
     assert "| `default` | half (16384) | 4 | lru |" in text and "1.00x / 1.00x" in text
     assert render_agent_traffic(data).count("\n| `") == len(data["cells"])
     assert "* `default` groupchat-8: 0.5 1.0 1.5 2.0" in text  # per position, a long team
+    assert "top-1 per agent, default arm: large 4/min: 0.988 (n 4); half 4/min: 0.988 (n 4)." in text
 
 
 def test_the_plot_draws_from_the_file(tmp_path):
