@@ -153,7 +153,8 @@ def render_agent_traffic(d: dict) -> str:
             + "\n\nThe default arm by source agents a request reused (mean per request):\n\n"
             + table(["pool", "rate /min", "sources", "requests", "TTFT p50", "assembly", "aligned tok",
                      "recomputed tok"], by_sources)
-            + f"\n\nTTFT (s) per position in teams of 8 and more, large pool, {low:g} teams/min:\n\n" + "\n".join(turns)
+            + f"\n\nTTFT (s) per position in teams of 8 and more, large pool, {low:g} teams/min: "
+            + ("\n\n" + "\n".join(turns) if turns else "none in this run.")
             + "\n\nThe guard's top-1 per agent, default arm: " + ("; ".join(guard) or "none verified") + ".")
 
 
