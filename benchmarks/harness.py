@@ -25,7 +25,6 @@ from typing import Optional, Sequence
 import requests
 
 from benchmarks.serving_digest import serving_digest
-from devtools.server_process import ServerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -39,12 +38,6 @@ def mode_args(mode: str, extra: Sequence[str] = ()) -> list[str]:
     if mode == "kvcmas":
         args += ["--kvshare-learn-async", "true"]
     return args + list(extra)
-
-
-def start_server(model_path: str, mode: str, *, kvshare_extra: Sequence[str] = (),
-                 server_extra: Sequence[str] = ()) -> ServerProcess:
-    return ServerProcess(model_path=model_path, kvshare_args=mode_args(mode, kvshare_extra),
-                         extra_args=list(server_extra)).start()
 
 
 @dataclass
@@ -216,16 +209,6 @@ def _process_tree(pid: int) -> list:
 
     root = psutil.Process(pid)
     return [root] + root.children(recursive=True)
-
-
-def process_tree_rss_mb(pid: int) -> float:
-    """Resident memory of a server and its children (scheduler, detokenizer)."""
-    import psutil
-
-    try:
-        return sum(p.memory_info().rss for p in _process_tree(pid) if p.is_running()) / 2**20
-    except psutil.Error:
-        return float("nan")
 
 
 def process_tree_cpu_s(pid: int) -> float:

@@ -40,8 +40,9 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from benchmarks.report_sections import (date_of, hardware, interval, meta_line, plot_chain, plot_from, render_adversary,
+                                        render_agent_traffic,
                                         render_chain, render_demo, render_fidelity, render_frontier, render_guard,
-                                        render_kernels, render_roles_study, render_serving, render_soak,
+                                        render_kernels, render_roles_study, render_soak,
                                         render_stock_vs_off, table)
 from benchmarks.serving_digest import serving_digest
 
@@ -191,14 +192,14 @@ REGISTRY: list[Benchmark] = [
         "interval of the median ratio lies inside 1 +- 2 %.",
         render_stock_vs_off, plot_from("benchmarks.stock_vs_off", "plot"), results_png=True),
     Benchmark(
-        "serving", "serving.json",
-        "python -m benchmarks.serving --lengths 512 1024 --rates 0.1 0.2 --output-tokens 32 --repeats 3",
-        "What TTFT does a 4-agent team see under load (Poisson arrivals of workflows), per mode?",
-        "Each workflow is a chain planner -> researcher -> coder -> reviewer; every agent reads the shared context "
-        "and the previous agent's output as shared segments. A repeat is 3 workflows (12 requests), so a single "
-        "repeat's ratio moves with how the arrivals overlap: read the median of the repeats. `bound` is the "
-        "arithmetic ceiling 1/(1-rho) for the share rho of prefill tokens saved. Speed only.",
-        render_serving, plot_from("benchmarks.serving", "make_plot"), results_png=True),
+        "agent_traffic", "agent_traffic.json", "python -m benchmarks.agent_traffic --quick",
+        "Recorded agent teams (group chats, supervisors, retrieval teams of 4-16 agents) arriving together through "
+        "the chat API: how much faster are turns 2.. than on stock SGLang, and how much reuse survives a full pool?",
+        "One server per arm and pool (the working set, or half of it), the same flags in each; teams arrive by a "
+        "Poisson process, each request a plain streamed chat call whose history holds this server's answers. `reuse` "
+        "= shared tokens served from another agent's KV; fallbacks from the responses' reports; greedy answers "
+        "compared with stock's at the same pool and rate. The plot: pool occupancy and evicted tokens over time.",
+        render_agent_traffic, plot_from("benchmarks.agent_traffic", "plot"), results_png=True, optional=True),
     Benchmark(
         "frontier_retrieval", "frontier_retrieval.json",
         "python -m benchmarks.frontier --task retrieval --limit 100 --warmup 8 --heads 0 8 32 --mix 0.5 "

@@ -7,7 +7,6 @@ naming the file when one cannot read what it expects.
 
 from __future__ import annotations
 
-import statistics
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -121,25 +120,42 @@ def render_stock_vs_off(d: dict) -> str:
               f"stock {num(idle.get('stock'), '.3f')}, `off` {num(idle.get('off'), '.3f')}.")
 
 
-def render_serving(d: dict) -> str:
-    s = d["settings"]
-    header = ["mode", "context", "rate (wf/s)", "TTFT p50", "TTFT p90", "e2e p50", "reuse ratio",
-              "speedup p50 vs off: median of repeats (each repeat)", "bound 1/(1-rho)", "n requests", "fallbacks"]
-    rows = []
-    for mode, info in d["modes"].items():
-        for length, per_rate in info["cells"].items():
-            for rate, c in per_rate.items():
-                per = c.get("speedup_p50_vs_off_per_repeat") or []
-                sp = (f"{statistics.median(per):.2f} ({', '.join(f'{x:.2f}' for x in per)})" if per else "-")
-                n = sum(r["n_requests"] for r in c["per_repeat"])
-                rows.append([f"`{mode}`", length, rate, num(c["ttft_p50"], ".2f", " s"),
-                             num(c["ttft_p90"], ".2f", " s"), num(c["e2e_p50"], ".2f", " s"), num(c["reuse_ratio"]), sp, num(c.get("bound")),
-                             str(n), ", ".join(c.get("fallbacks") or []) or "-"])
-    rss = ", ".join(f"`{m}` {info['peak_rss_mb'] / 1024:.2f} GB" for m, info in d["modes"].items())
-    return (f"{s['workflows']} workflows per cell and repeat, {s['repeats']} repeats, {s['output_tokens']} output "
-            f"tokens per agent, {s['warm']} warm-up workflows per length. Speedup: `off`'s TTFT p50 over the mode's, "
-            f"per repeat. p50/p90 pool every request of a cell.\n\n" + table(header, rows)
-            + f"\n\nPeak server memory (RSS, all processes): {rss}.")
+def render_agent_traffic(d: dict) -> str:
+    """Per cell: speed against stock's cell at the same pool and rate, reuse, fallbacks, agreement, errors; then the
+    default arm by source agents per request (where its time went), long teams per position, the guard's top-1."""
+    stock, rows = {(c["pool"], c["rate"]): c for c in d["cells"] if c["arm"] == "stock"}, []
+    for c in d["cells"]:
+        base, agree = stock.get((c["pool"], c["rate"])) or {}, c.get("agreement_with_stock") or {}
+        vs = (f"{base['ttft_p50_s'] / c['ttft_p50_s']:.2f}x / {base['ttft_p99_s'] / c['ttft_p99_s']:.2f}x"
+              if c is not base and base.get("ttft_p50_s") and c.get("ttft_p50_s") else "-")
+        rows.append([f"`{c['arm']}`", f"{c['pool']} ({c['max_total_tokens']})", f"{c['rate']:g}", c["retention"],
+                     num(c["ttft_p50_s"], ".2f", " s"), num(c["ttft_p99_s"], ".2f", " s"), vs,
+                     num(c["team_latency_p50_s"], ".1f", " s"), num(c["teams_per_min"], ".2f"),
+                     num(c["throughput_tok_s"], ".1f"), num(c["reuse_ratio"]), fallbacks(c["fallbacks"]),
+                     f"{agree['equal']}/{agree['n']} {interval(agree.get('ci95'), '.2f')}" if agree else "-",
+                     f"{c['errors_5xx']} / {c['lost']}"])
+    kv = [c for c in d["cells"] if c["arm"] == "default"]
+    by_sources = [[c["pool"], f"{c['rate']:g}", n, str(b["requests"]), num(b["ttft_p50_s"], ".2f", " s"),
+                   num(b["assembly_s"] * 1000, ".1f", " ms"), num(b["aligned"], ".0f"), num(b["recomputed"], ".0f")]
+                  for c in kv for n, b in c["by_sources"].items()]
+    guard = [f"{c['pool']} {c['rate']:g}/min: " + ", ".join(
+        f"{num(v['top1'].get('mean'), '.3f')} (n {v['top1'].get('n')})" for v in c["guard_top1"].values()
+        if v.get("top1")) for c in kv if c.get("guard_top1")]
+    low, p = min(c["rate"] for c in d["cells"]), d["plan"]
+    turns = [f"* `{c['arm']}` {team}: " + " ".join(num(t, ".1f") for t in ttft) for c in d["cells"]
+             if c["pool"] == "large" and c["rate"] == low and c["arm"] in ("stock", "default")
+             for team, ttft in sorted(c["ttft_s_per_turn"].items()) if p["teams"].get(team, 0) >= 8]
+    return (f"Teams {', '.join(p['teams'])}; working set {p['working_set_tokens']} tokens; run "
+            f"{num(d.get('wall_s'), '.0f')} s. TTFT: turns 2.. of every team (a team's first has nothing to reuse).\n\n"
+            + table(["arm", "pool (tokens)", "rate /min", "retention", "TTFT p50", "TTFT p99", "stock / arm p50 / p99",
+                     "team p50", "teams/min done", "out tok/s", "reuse", "fallbacks", "answers = stock [95 %]",
+                     "5xx / lost"], rows)
+            + "\n\nThe default arm by source agents a request reused (mean per request):\n\n"
+            + table(["pool", "rate /min", "sources", "requests", "TTFT p50", "assembly", "aligned tok",
+                     "recomputed tok"], by_sources)
+            + f"\n\nTTFT (s) per position in teams of 8 and more, large pool, {low:g} teams/min: "
+            + ("\n\n" + "\n".join(turns) if turns else "none in this run.")
+            + "\n\nThe guard's top-1 per agent, default arm: " + ("; ".join(guard) or "none verified") + ".")
 
 
 def render_demo(d: dict) -> str:

@@ -196,6 +196,25 @@ def prepare(name: str) -> Path:
     return out
 
 
+LLAMA_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+            "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "head_dim": 128, "hidden_act": "silu", "rms_norm_eps": 1e-5,
+            "rope_theta": 500000.0, "max_position_embeddings": 8192, "vocab_size": 49152, "bos_token_id": 1,
+            "eos_token_id": 2, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+"""Llama-3-8B's shape, with the vocabulary of the SmolLM2 tokenizer (``write_dummy_model``'s default)."""
+
+
+def write_dummy_model(path: Path, tokenizer_from: Path, config: dict = LLAMA_8B) -> Path:
+    """A model folder of ``config``'s shape with the tokenizer and chat template of ``tokenizer_from`` and no weights:
+    SGLang serves it with ``--load-format dummy`` (random weights), where the shapes are what time depends on."""
+    path.mkdir(parents=True, exist_ok=True)
+    for src in tokenizer_from.glob("*"):
+        if src.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
+            shutil.copy(src, path / src.name)
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m devtools.models", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)

@@ -83,8 +83,8 @@ def _copy_of_results(tmp_path: Path, without: str = "", digests: dict | None = N
 
 
 def test_a_missing_canonical_file_is_an_error_naming_it(tmp_path):
-    folder = _copy_of_results(tmp_path, without="serving.json")
-    with pytest.raises(report.ReportError, match=r"serving\.json.*missing"):
+    folder = _copy_of_results(tmp_path, without="stock_vs_off.json")
+    with pytest.raises(report.ReportError, match=r"stock_vs_off\.json.*missing"):
         report.render(folder)
     assert report.main(["--check", "--results", str(folder)]) == 2
 
@@ -123,8 +123,8 @@ def test_check_fails_with_a_diff_when_the_markdown_is_stale(tmp_path, capsys):
 
 
 def test_run_meta_names_the_command_and_the_checkout():
-    meta = run_meta("python -m benchmarks.serving --quick")
-    assert meta["command"] == "python -m benchmarks.serving --quick"
+    meta = run_meta("python -m benchmarks.agent_traffic --quick")
+    assert meta["command"] == "python -m benchmarks.agent_traffic --quick"
     assert {"machine", "date", "git_revision", "git_dirty"} <= meta.keys()
     datetime.fromisoformat(meta["date"])
     assert meta["serving_digest"] == serving_digest()
@@ -206,7 +206,7 @@ def test_stale_marks_stand_in_the_section_header_index_and_headline(tmp_path):
     assert f'## <a id="chain_ttft"></a>chain_ttft - **stale** ({report.CHANGED})\n' in stale
     assert f"| [chain_ttft](#chain_ttft) | {report.BY_NAME['chain_ttft'].question} | **stale** (" in stale
     assert f"**stale** ({report.CHANGED}) | [chain_ttft](#chain_ttft) |" in stale
-    assert f'## <a id="serving"></a>serving - **stale** ({report.NO_DIGEST})\n' in stale
+    assert f'## <a id="kernels"></a>kernels - **stale** ({report.NO_DIGEST})\n' in stale
     assert report.without_marks(fresh) == report.without_marks(stale)
 
 

@@ -1,0 +1,325 @@
+"""``python -m benchmarks.agent_traffic``: recorded agent teams replayed through the OpenAI chat API, many at once.
+
+Teams (``benchmarks/workloads/agent_teams.py``) arrive by a seeded Poisson process at each rate (teams per
+minute); every request is a plain streamed greedy ``/v1/chat/completions`` call whose history holds this
+server's earlier answers. Arms, the same server flags in each: ``stock`` (``sglang.launch_server``), ``off``
+(``--kvshare-mode off``, auto annotation on) and ``default`` (``--kvshare-auto true``), each with a ``large`` pool
+(the working set fits) and ``half`` of the working set. ``--quick``: 3 teams of 4, 2 rates, under 20 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import secrets
+import shlex
+import threading
+import time
+from collections import Counter, defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from itertools import accumulate
+from pathlib import Path
+from typing import Optional, Sequence
+
+import requests
+
+from benchmarks.harness import RESULTS, percentile, run_meta, write_json
+from benchmarks.report_sections import render_agent_traffic
+from benchmarks.workloads.agent_teams import load, messages_of
+
+ARMS = {"stock": [], "off": ["--kvshare-mode", "off", "--kvshare-auto", "true"], "default": ["--kvshare-auto", "true"]}
+QUICK_TEAMS = ("groupchat-4", "supervisor-4", "retrieval-4")
+
+
+def arrivals(n: int, per_minute: float, seed: int) -> list[float]:
+    """Seconds from the cell's start at which ``n`` teams arrive: a Poisson process of ``per_minute`` teams."""
+    rng = random.Random(seed)
+    return list(accumulate(rng.expovariate(per_minute / 60.0) for _ in range(n)))
+
+
+def working_set(teams: Sequence[dict], max_tokens: int) -> int:
+    """Tokens stock SGLang holds at the end of these teams if it evicts nothing: each agent's longest prompt (its
+    own system prompt in front) and answer."""
+    longest: dict = defaultdict(int)
+    for team in teams:
+        for r in team["requests"]:
+            agent = (team["name"], json.dumps(r["messages"][0]))
+            longest[agent] = max(longest[agent], r["prompt_tokens"] + max_tokens)
+    return sum(longest.values())
+
+
+def pool_tokens(pool: str, teams: Sequence[dict], max_tokens: int) -> int:
+    """``large``: the working set, at least SGLang's CPU default of 16K; ``half``: half of it, never below the
+    longest request."""
+    ws = working_set(teams, max_tokens)
+    if pool == "large":
+        return max(16384, -(-ws // 1024) * 1024)
+    return max(ws // 2, max(r["prompt_tokens"] for t in teams for r in t["requests"]) + max_tokens + 64)
+
+
+def chat_stream(url: str, messages: list[dict], max_tokens: int, timeout: float = 600.0) -> dict:
+    """One streamed greedy chat request as a framework sends it: status (0: no answer), TTFT, seconds, text,
+    output tokens, the kvshare report (None from stock)."""
+    body = {"model": "default", "messages": messages, "temperature": 0, "max_tokens": max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0, ttft, text, usage, report, status = time.perf_counter(), None, [], None, None, 0
+    try:
+        with requests.post(url + "/v1/chat/completions", json=body, stream=True, timeout=timeout) as resp:
+            status = resp.status_code
+            for line in resp.iter_lines() if resp.ok else ():
+                if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+                    continue
+                chunk = json.loads(line[5:])
+                delta = ((chunk.get("choices") or [{}])[0].get("delta") or {}).get("content")
+                if delta:
+                    ttft = ttft if ttft is not None else time.perf_counter() - t0
+                    text.append(delta)
+                usage = chunk.get("usage") or usage
+                report = chunk.get("kvshare") or report
+    except (requests.RequestException, ValueError):
+        status = 0
+    return {"status": status, "ttft_s": ttft, "e2e_s": time.perf_counter() - t0, "text": "".join(text),
+            "output_tokens": (usage or {}).get("completion_tokens", len(text)), "report": report}
+
+
+def compact_report(rep: Optional[dict]) -> dict:
+    """What a cell reads of a kvshare report: reuse, fallbacks, source agents, where the time went."""
+    rep = rep or {}
+    sources = {s.get("source_agent") for s in rep.get("segments") or [] if s.get("source_agent")}
+    return {"shared": rep.get("shared_tokens", 0), "reused": rep.get("shared_tokens_reused", 0),
+            "fallbacks": [f["reason"] for f in rep.get("fallbacks") or []], "sources": len(sources),
+            "assembly_s": rep.get("assembly_seconds", 0.0), "aligned": rep.get("tokens_aligned", 0),
+            "recomputed": (rep.get("tokens_head_recomputed") or 0) + (rep.get("tokens_sparse_recomputed") or 0)}
+
+
+def run_cell(url: str, teams: Sequence[dict], per_minute: float, seed: int, max_tokens: int, bar=None) -> dict:
+    """Replay ``teams`` arriving at ``per_minute``: every request's row and every team's start and end."""
+    times, rows, spans, lock = arrivals(len(teams), per_minute, seed), [], [], threading.Lock()
+    start = time.perf_counter()
+
+    def team_run(i: int) -> None:
+        time.sleep(max(0.0, times[i] - (time.perf_counter() - start)))
+        team, answers, t0 = teams[i], [], time.perf_counter() - start
+        for k, req in enumerate(team["requests"]):
+            out = chat_stream(url, messages_of(team, k, answers), max_tokens)
+            answers.append(out["text"] if out["status"] == 200 else req["answer"])
+            with lock:
+                rows.append({"team": team["name"], "turn": k + 1, **compact_report(out.pop("report")), **out})
+            if bar is not None:
+                bar.update()
+        spans.append([t0, time.perf_counter() - start])
+
+    with ThreadPoolExecutor(max_workers=len(teams)) as pool:
+        list(pool.map(team_run, range(len(teams))))
+    return {"rows": rows, "spans": spans, "wall_s": time.perf_counter() - start}
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> Optional[list]:
+    """The 95 % Wilson interval of ``k`` successes in ``n``."""
+    if not n:
+        return None
+    p, d = k / n, 1 + z * z / n
+    mid, half = (p + z * z / (2 * n)) / d, z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return [round(mid - half, 4), round(mid + half, 4)]
+
+
+def _p(values: Sequence[float], q: float) -> Optional[float]:
+    return round(percentile(values, q), 4) if values else None
+
+
+def derive(run: dict, stock_answers: Optional[dict] = None) -> dict:
+    """A cell's figures from its rows: TTFT of turns 2.. (p50, p99; per turn; by source agents), latency,
+    throughput, reuse, fallbacks by reason, answer agreement with stock (``{(team, turn): text}``), 5xx, lost."""
+    rows = run["rows"]
+    ok = [r for r in rows if r["status"] == 200 and r["ttft_s"] is not None]
+    later = [r for r in ok if r["turn"] > 1]
+    shared = sum(r.get("shared", 0) for r in rows)
+    spans = run["spans"]
+    active = (max(e for _, e in spans) - min(s for s, _ in spans)) if spans else 0.0
+    per_team, by_sources = defaultdict(dict), defaultdict(list)
+    for r in ok:
+        per_team[r["team"]][r["turn"]] = round(r["ttft_s"], 3)
+    for r in later:
+        by_sources[r.get("sources", 0)].append(r)
+    cell = {"ttft_p50_s": _p([r["ttft_s"] for r in later], 0.5), "ttft_p99_s": _p([r["ttft_s"] for r in later], 0.99),
+            "ttft_s_per_turn": {team: [t.get(k) for k in range(1, max(t) + 1)] for team, t in per_team.items()},
+            "team_latency_p50_s": _p([e - s for s, e in spans], 0.5),
+            "throughput_tok_s": round(sum(r["output_tokens"] for r in ok) / active, 3) if active else None,
+            "teams_per_min": round(60 * len(spans) / active, 3) if active else None,
+            "reuse_ratio": round(sum(r.get("reused", 0) for r in rows) / shared, 4) if shared else 0.0,
+            "shared_tokens": shared, "fallbacks": dict(Counter(f for r in rows for f in r.get("fallbacks", []))),
+            "by_sources": {str(n): {"requests": len(v), "ttft_p50_s": _p([r["ttft_s"] for r in v], 0.5),
+                                    **{k: round(sum(r.get(k, 0) for r in v) / len(v), 4)
+                                       for k in ("assembly_s", "aligned", "recomputed")}}
+                           for n, v in sorted(by_sources.items())},
+            "requests": len(rows), "errors_5xx": sum(r["status"] >= 500 for r in rows),
+            "lost": sum(r["status"] == 0 for r in rows)}
+    if stock_answers:
+        pairs = [(r["text"], stock_answers[k]) for r in ok if (k := (r["team"], r["turn"])) in stock_answers]
+        agree = sum(a == b for a, b in pairs)
+        cell["agreement_with_stock"] = {"equal": agree, "n": len(pairs), "ci95": wilson(agree, len(pairs))}
+    return cell
+
+
+def retention(stats: Optional[dict]) -> str:
+    """The cache's retention policy as ``/kvshare/stats`` names it; ``lru`` (SGLang's own) when it names none."""
+    for where in (stats or {}, (stats or {}).get("config") or {}):
+        value = where.get("retention")
+        value = (value.get("policy") or value.get("name")) if isinstance(value, dict) else value
+        if isinstance(value, str) and value:
+            return value
+    return "lru"
+
+
+def call(url: str, key: str, method: str, path: str):
+    """One admin or metrics call with the admin key and a timeout: its JSON, its text, or None (not 2xx, no answer)."""
+    try:
+        r = requests.request(method, url + path, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+        return None if not r.ok else r.json() if "json" in r.headers.get("content-type", "") else r.text
+    except (requests.RequestException, ValueError):
+        return None
+
+
+def pool_sample(metrics: str) -> tuple[Optional[float], Optional[float]]:
+    """(KV pool occupancy, evicted tokens so far) from SGLang's ``/metrics`` text (summed over its series)."""
+    got: dict = {}
+    for line in metrics.splitlines():
+        for name in ("sglang:token_usage", "sglang:evicted_tokens_total"):
+            if line.startswith(name) and line[len(name)] in " {":
+                got[name] = got.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return got.get("sglang:token_usage"), got.get("sglang:evicted_tokens_total")
+
+
+def poll_pool(url: str, key: str, stop: threading.Event, samples: list, every_s: float = 1.0) -> None:
+    """Append ``[seconds, occupancy, evicted]`` every ``every_s`` until ``stop``."""
+    t0 = time.perf_counter()
+    while not stop.wait(every_s):
+        text = call(url, key, "GET", "/metrics")
+        if isinstance(text, str):
+            samples.append([round(time.perf_counter() - t0, 1), *pool_sample(text)])
+
+
+def parse(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.agent_traffic", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="teams " + " ".join(QUICK_TEAMS) + ", rates 4 and 60")
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    ap.add_argument("--pools", nargs="+", default=["large", "half"], choices=["large", "half"])
+    ap.add_argument("--rates", type=float, nargs="+", default=None, help="teams per minute (default 2 6 20 60)")
+    ap.add_argument("--teams", nargs="+", default=None, help="trace team names (default: every team)")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model", default="smollm2-135m", help="a devtools.models name or a model folder")
+    ap.add_argument("--write-model", type=Path, default=None,
+                    help="write a Llama-8B-shaped model folder with --model's tokenizer here and serve it "
+                         "(add --server-args '--load-format dummy')")
+    ap.add_argument("--device", default=None, help="passed to every server as --device")
+    ap.add_argument("--server-args", default="", help="more server flags, the same for every arm")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan (servers, pools, cells) and start nothing")
+    ap.add_argument("--out", type=Path, default=RESULTS / "agent_traffic.json")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.teams = args.teams or list(QUICK_TEAMS)
+    args.rates = args.rates or ([4.0, 60.0] if args.quick else [2.0, 6.0, 20.0, 60.0])
+    return args
+
+
+def plan(args: argparse.Namespace, teams: list[dict]) -> dict:
+    """Every server (arm, pool, command) and the cells each runs, without starting anything."""
+    from devtools.models import prepare, write_dummy_model
+    from devtools.server_process import ServerProcess
+
+    model = Path(args.model) if Path(args.model).is_dir() else prepare(args.model)
+    model = str(write_dummy_model(args.write_model, model) if args.write_model else model)
+    common = ["--enable-metrics", *(["--device", args.device] if args.device else []), *shlex.split(args.server_args)]
+    servers = []
+    for pool in args.pools:
+        flags = common + ["--max-total-tokens", str(pool_tokens(pool, teams, args.max_tokens))]
+        for arm in args.arms:
+            cmd = ServerProcess(model_path=model, stock=arm == "stock", kvshare_args=ARMS[arm], extra_args=flags,
+                                port=0).command()
+            servers.append({"arm": arm, "pool": pool, "flags": flags, "command": shlex.join(cmd)})
+    return {"model": model, "teams": {t["name"]: t["agents"] for t in teams}, "rates": args.rates,
+            "working_set_tokens": working_set(teams, args.max_tokens), "servers": servers}
+
+
+def main(argv=None) -> int:
+    from tqdm import tqdm
+
+    from devtools.server_process import ServerProcess
+
+    args = parse(argv)
+    teams = [t for t in load() if args.teams is None or t["name"] in args.teams]
+    the_plan = plan(args, teams)
+    if args.dry_run:
+        print(json.dumps(the_plan, indent=1))
+        return 0
+    t_start, key = time.perf_counter(), secrets.token_hex(8)
+    result = {"meta": run_meta(), "settings": {k: str(v) for k, v in vars(args).items()}, "arms": ARMS,
+              "plan": {k: v for k, v in the_plan.items() if k != "servers"}, "cells": [], "pool_samples": {}}
+    stock_answers: dict = {}
+    bar = tqdm(total=len(the_plan["servers"]) * len(args.rates) * sum(len(t["requests"]) for t in teams),
+               desc="agent_traffic", unit="req")
+    for spec in the_plan["servers"]:
+        proc = ServerProcess(model_path=the_plan["model"], stock=spec["arm"] == "stock", kvshare_args=ARMS[spec["arm"]],
+                             extra_args=spec["flags"] + ["--admin-api-key", key])
+        with proc:
+            chat_stream(proc.url, [{"role": "user", "content": "Say hello."}], 8)  # first-request costs
+            for i, rate in enumerate(args.rates):
+                for path in ("/flush_cache", "/kvshare/reset", "/kvshare/fidelity/reset"):  # each cell from empty
+                    call(proc.url, key, "POST", path)
+                samples, stop = [], threading.Event()
+                threading.Thread(target=poll_pool, args=(proc.url, key, stop, samples), daemon=True).start()
+                run = run_cell(proc.url, teams, rate, args.seed + i, args.max_tokens, bar)
+                stop.set()
+                stats = call(proc.url, key, "GET", "/kvshare/stats")
+                scopes = (call(proc.url, key, "GET", "/kvshare/fidelity") or {}).get("per_scope") or {}
+                answers = stock_answers.setdefault((spec["pool"], rate), {})
+                if spec["arm"] == "stock":
+                    answers.update({(r["team"], r["turn"]): r["text"] for r in run["rows"]})
+                result["cells"].append({
+                    "arm": spec["arm"], "pool": spec["pool"], "rate": rate, "retention": retention(stats),
+                    "max_total_tokens": int(spec["flags"][-1]),
+                    **derive(run, None if spec["arm"] == "stock" else answers),
+                    "guard_top1": {s: {"samples": v.get("samples"), "top1": v.get("top1")} for s, v in scopes.items()},
+                    "phase_seconds": {k: v for k, v in ((stats or {}).get("counters") or {}).items()
+                                      if k.endswith("_seconds")}})
+                result["pool_samples"][f"{spec['arm']}/{spec['pool']}/{rate}"] = samples
+                result["wall_s"] = round(time.perf_counter() - t_start, 1)
+                write_json(args.out, result)  # a stopped run keeps its finished cells
+    bar.close()
+    plot(result, args.out.with_suffix(".png"))
+    print(render_agent_traffic(result))
+    print(f"wrote {args.out} in {result['wall_s']} s")
+    return 0
+
+
+def plot(result: dict, path: Path) -> None:
+    """Pool occupancy and evicted tokens over time at the highest rate, per arm and pool."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    top = max((c["rate"] for c in result["cells"]), default=0)
+    for key, samples in result["pool_samples"].items():
+        arm, pool, rate = key.split("/")
+        if float(rate) == top and samples:
+            t = [s[0] for s in samples]
+            for ax, col in zip(axes, (1, 2)):
+                ax.plot(t, [s[col] or 0 for s in samples], linestyle="-" if pool == "large" else "--",
+                        label=f"{arm} {pool}")
+    axes[0].set(xlabel="s", ylabel="KV pool occupancy", title=f"{top:g} teams / minute")
+    axes[1].set(xlabel="s", ylabel="evicted tokens (cumulative)", title=f"{top:g} teams / minute")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

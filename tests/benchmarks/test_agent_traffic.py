@@ -1,0 +1,190 @@
+"""The agent-traffic benchmark's parts that need no server: the trace format, the schedule, what a cell derives,
+the results file's shape and its report section, and the GPU step's dry run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from types import SimpleNamespace
+
+import pytest
+
+from benchmarks import agent_traffic as at
+from benchmarks import report
+from benchmarks.harness import ROOT, run_meta
+from benchmarks.report_sections import render_agent_traffic
+from benchmarks.workloads import agent_teams
+
+
+class WordTokenizer:
+    def __call__(self, text, add_special_tokens=False):
+        return SimpleNamespace(input_ids=text.split())
+
+
+def recorded(team: dict):
+    log = []
+
+    def chat(messages):
+        answer = f"answer {len(log)} of {team['name']}"
+        log.append(([dict(m) for m in messages], answer, 10 * len(messages)))
+        return answer
+
+    agent_teams.run_team(team, chat)
+    return log
+
+
+@pytest.mark.parametrize("team", agent_teams.plan(WordTokenizer()), ids=lambda t: t["name"])
+def test_a_trace_replays_the_messages_the_team_sent(team):
+    log = recorded(team)
+    trace = agent_teams.compact(team, log)
+    answers = [a for _, a, _ in log]
+    for k, (messages, _, _) in enumerate(log):
+        assert agent_teams.messages_of(trace, k, answers) == messages
+        refs = [ref["answer_of"] for _, ref in trace["requests"][k]["messages"] if isinstance(ref, dict)]
+        assert all(r < k for r in refs)  # an answer is read only after it was given
+    # Every answer but the last ones is read again, so a replay sends this run's answers, not the recording's.
+    assert len({r["answer_of"] for req in trace["requests"] for _, r in req["messages"] if isinstance(r, dict)}) \
+        >= len(log) // 2
+    if team["kind"] == "retrieval":
+        assert all(m[2]["content"].startswith("Retrieved documents:") for m, _, _ in log)
+    # Histories grow: an agent's every request is longer than its previous one.
+    last: dict = {}
+    for messages, _, _ in log:
+        sys_ = messages[0]["content"]
+        assert len(messages) > last.get(sys_, 0)
+        last[sys_] = len(messages)
+
+
+def test_the_committed_traces_cover_every_kind_and_size_and_stay_small():
+    teams = agent_teams.load()
+    assert {t["name"] for t in teams} == {f"{k}-{n}" for k in ("groupchat", "supervisor", "retrieval")
+                                          for n in agent_teams.SIZES}
+    assert agent_teams.TRACES.stat().st_size < 400_000
+    for team in teams:
+        answers = [r["answer"] for r in team["requests"]]
+        for k in range(len(team["requests"])):
+            assert agent_teams.messages_of(team, k, answers)[0]["role"] == "system"
+    docs = [t for t in teams if t["kind"] == "retrieval"]
+    assert all(r["prompt_tokens"] >= 2000 for t in docs for r in t["requests"])
+
+
+def test_poisson_arrivals_are_seeded_increasing_and_at_the_rate():
+    times = at.arrivals(4000, 30.0, seed=3)
+    assert times == at.arrivals(4000, 30.0, seed=3) and times != at.arrivals(4000, 30.0, seed=4)
+    assert all(a < b for a, b in zip(times, times[1:]))
+    assert times[-1] / len(times) == pytest.approx(2.0, rel=0.08)  # 30 a minute: one every 2 s on average
+
+
+def _team(name, prompts):
+    return {"name": name, "requests": [{"messages": [["system", i % 2]], "prompt_tokens": p, "answer": ""}
+                                       for i, p in enumerate(prompts)]}
+
+
+def test_the_working_set_counts_each_agents_longest_prompt_and_half_fits_the_longest_request():
+    teams = [_team("a", [100, 300, 200, 500]), _team("b", [1000])]
+    assert at.working_set(teams, 10) == (210 + 510) + 1010
+    assert at.pool_tokens("large", teams, 10) == 16384
+    assert at.pool_tokens("half", teams, 10) == 1010 + 64  # half the working set (865) would not hold it
+    big = [_team(f"c{i}", [4000]) for i in range(8)]
+    assert at.pool_tokens("half", big, 0) == at.working_set(big, 0) // 2
+    assert at.pool_tokens("large", big, 0) >= at.working_set(big, 0)
+
+
+def _row(team, turn, ttft, status=200, text="x", **rep):
+    return {"team": team, "agents": 4, "turn": turn, "status": status, "ttft_s": ttft, "e2e_s": 1.0, "text": text,
+            "output_tokens": 10, **rep}
+
+
+def test_a_cell_derives_percentiles_reuse_fallbacks_agreement_and_errors():
+    rows = [_row("t", 1, 9.0, shared=0, reused=0, sources=0),
+            *[_row("t", k, float(k), shared=100, reused=50, sources=1, assembly_s=0.01, aligned=40, recomputed=10,
+                   fallbacks=["source_evicted"] if k == 2 else []) for k in range(2, 12)],
+            _row("u", 2, None, status=503, shared=100, reused=0, fallbacks=["no_source", "no_source"]),
+            _row("u", 3, None, status=0)]
+    run = {"rows": rows, "spans": [[0.0, 30.0], [10.0, 60.0]], "wall_s": 60.0}
+    stock = {("t", k): ("x" if k % 2 else "y") for k in range(1, 12)}
+    cell = at.derive(run, stock)
+    assert cell["ttft_p50_s"] == 6.5 and cell["ttft_p99_s"] == pytest.approx(10.91)  # turn 1 left out
+    assert cell["ttft_s_per_turn"] == {"t": [9.0, *map(float, range(2, 12))]}  # per position; failures as gaps
+    assert cell["reuse_ratio"] == pytest.approx(500 / 1100, abs=1e-4)  # the failed request's shared tokens count
+    assert cell["fallbacks"] == {"source_evicted": 1, "no_source": 2}
+    assert (cell["errors_5xx"], cell["lost"], cell["requests"]) == (1, 1, 13)
+    assert cell["throughput_tok_s"] == pytest.approx(110 / 60, abs=1e-3) and cell["teams_per_min"] == 2.0
+    assert cell["team_latency_p50_s"] == 40.0
+    agree = cell["agreement_with_stock"]
+    assert (agree["equal"], agree["n"]) == (6, 11) and agree["ci95"][0] < 6 / 11 < agree["ci95"][1]
+    assert cell["by_sources"]["1"] == {"requests": 10, "ttft_p50_s": 6.5, "assembly_s": 0.01, "aligned": 40.0,
+                                       "recomputed": 10.0}
+    assert at.derive({"rows": rows[:1], "spans": [], "wall_s": 1.0})["reuse_ratio"] == 0.0
+
+
+def test_the_wilson_interval():
+    assert at.wilson(0, 0) is None
+    lo, hi = at.wilson(10, 10)
+    assert hi == pytest.approx(1.0) and 0.69 < lo < 0.73
+    lo, hi = at.wilson(50, 100)
+    assert lo == pytest.approx(1 - hi, abs=1e-3) and 0.40 < lo < 0.41
+
+
+@pytest.mark.parametrize("stats, name", [(None, "lru"), ({}, "lru"), ({"retention": "workflow"}, "workflow"),
+                                         ({"config": {"retention": {"policy": "keep_sources"}}}, "keep_sources")])
+def test_the_retention_name_is_read_from_stats_or_is_lru(stats, name):
+    assert at.retention(stats) == name
+
+
+def results_file() -> dict:
+    rows = [_row("groupchat-8", k, 0.5 * k, shared=100, reused=80, sources=1) for k in range(1, 5)]
+    run = {"rows": rows, "spans": [[0.0, 10.0]], "wall_s": 10.0}
+    cells = []
+    for arm in at.ARMS:
+        for pool in ("large", "half"):
+            cells.append({"arm": arm, "pool": pool, "rate": 4.0, "retention": "lru", "max_total_tokens": 16384,
+                          **at.derive(run, None if arm == "stock" else {("groupchat-8", k): "x" for k in range(1, 5)}),
+                          "guard_top1": {"agent a": {"samples": 4, "top1": {"n": 4, "mean": 0.9875}}}})
+    return {"meta": run_meta("python -m benchmarks.agent_traffic --quick"), "plan": {
+        "teams": {"groupchat-8": 8}, "working_set_tokens": 1000, "rates": [4.0]}, "cells": cells, "wall_s": 10.0,
+        "pool_samples": {"default/half/4.0": [[1.0, 0.5, 0], [2.0, 0.9, 100]]}}
+
+
+def test_the_results_file_has_the_cells_the_issue_names_and_a_report_section():
+    data = results_file()
+    for cell in data["cells"]:
+        assert {"arm", "pool", "rate", "retention", "ttft_p50_s", "ttft_p99_s", "throughput_tok_s", "reuse_ratio",
+                "errors_5xx", "lost"} <= set(cell)
+    entry = report.BY_NAME["agent_traffic"]
+    assert entry.optional and entry.name not in report.HEADLINE  # not a headline row yet
+    text = report.section(entry, data, report.RESULTS)
+    assert "| `default` | half (16384) | 4 | lru |" in text and "1.00x / 1.00x" in text
+    assert render_agent_traffic(data).count("\n| `") == len(data["cells"])
+    assert "* `default` groupchat-8: 0.5 1.0 1.5 2.0" in text  # per position, a long team
+    assert "top-1 per agent, default arm: large 4/min: 0.988 (n 4); half 4/min: 0.988 (n 4)." in text
+
+
+def test_the_plot_draws_from_the_file(tmp_path):
+    at.plot(results_file(), tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_the_gpu_steps_dry_run_plans_stock_and_default_on_a_dummy_8b_model(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path), "STEPS": "serving", "DRY_RUN": "1", "PYTHONPATH": str(ROOT)}
+    subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], env=env, cwd=ROOT, timeout=120,
+                   capture_output=True)
+    plan = json.loads((tmp_path / "agent_traffic_plan.json").read_text())
+    assert [(s["arm"], s["pool"]) for s in plan["servers"]] == [("stock", "large"), ("default", "large")]
+    assert plan["servers"][0]["flags"] == plan["servers"][1]["flags"]  # the same flags in every arm
+    for server in plan["servers"]:
+        assert "--load-format dummy" in server["command"] and "--device cuda" in server["command"]
+    assert "sglang.launch_server" in plan["servers"][0]["command"]
+    assert "--kvshare-auto true" in plan["servers"][1]["command"]
+    config = json.loads((tmp_path / "llama8b-dummy" / "config.json").read_text())
+    assert (config["hidden_size"], config["num_hidden_layers"], config["num_key_value_heads"]) == (4096, 32, 8)
+    assert (tmp_path / "llama8b-dummy" / "tokenizer.json").is_file()
+    assert plan["rates"] == [20.0, 120.0] and set(plan["teams"]) == set(at.QUICK_TEAMS)
+
+
+def test_pool_occupancy_and_evictions_are_read_from_sglangs_metrics():
+    text = ('# HELP sglang:token_usage The token usage\nsglang:token_usage{model_name="m",engine_type="unified"} 0.25\n'
+            'sglang:token_usage_max{model_name="m"} 0.9\nsglang:evicted_tokens_total{model_name="m"} 120.0\n')
+    assert at.pool_sample(text) == (0.25, 120.0)
+    assert at.pool_sample("") == (None, None)
