@@ -3,7 +3,7 @@
 Why: on a CPU server every torch op of the learner competes with the forward
 for the same cores. Steps on a thread beside the scheduler, however low their
 priority and however they pause for lulls, slowed requests that arrived while
-they ran (in ``benchmarks.serving --quick`` kvcmas consumers that reused their
+they ran (in a quick 4-agent serving sweep kvcmas consumers that reused their
 whole prompt took 1.2-1.35 s while it learned, fullshared's 0.46-0.51 s;
 docs/research/PROFILE.md). SGLang's scheduler, when it has no batch to run and
 nothing waits, polls ``Scheduler.maybe_sleep_on_idle`` in a loop; a step run
