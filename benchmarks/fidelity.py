@@ -379,8 +379,8 @@ def serve_chain(model, arm: Arm, slot, key, ids, exact, ref, prefix_kv, phase, t
 
 
 def head_rows(n: int, head: int = 0, ratio: float = 0.0) -> list[int]:
-    """The rows a server recomputes of an ``n``-row reused segment under ``--kvshare-recompute-head head`` and
-    ``--kvshare-recompute-ratio ratio``: its own rule and row policy (``HEAD``, the first rows)."""
+    """The rows a server recomputes of an ``n``-row reused segment for a request head of ``head`` rows
+    (``recompute_head``) and ``--kvshare-recompute-ratio ratio``: its own rule and row policy (``HEAD``)."""
     from sglang_kvshare.cache.recompute import HEAD, RecomputeRule
     from sglang_kvshare.protocol import Segment
 

@@ -5,8 +5,8 @@
     python -m benchmarks.frontier --merge OUT PART.json...   # arms run in parts on the same samples
     python -m benchmarks.frontier --pool OUT SEED_A.json...  # the same arms on other seeds, pooled
 
-For each task the arms are ``off``; ``fullshared`` and ``kvcmas`` with
-``--kvshare-recompute-head K`` for K in ``--heads``, and with
+For each task the arms are ``off``; ``fullshared`` and ``kvcmas`` with a head
+of K rows (each request's annotation ``recompute_head``) for K in ``--heads``, and with
 ``--kvshare-recompute-ratio r`` for r in ``--ratios``; and the *random-mix
 baseline*: fullshared with a share ``p`` of the consumers' shared segments
 prefilled densely (for this baseline only, client-side: such a segment gets a

@@ -95,10 +95,10 @@ def render_chain(d: dict) -> str:
                          spread(c.get("assembly_over_dense_prefill"), ".3f"),
                          spread(c.get("while_learning_vs_off")),
                          f"{n} repeats" + (f", {probes} probes" if probes else "")])
-    return ("Median (min-max) over the repeats; each repeat is a new content. "
-            "`MODE:K` is `--kvshare-recompute-head K`, recomputed inside the one prefill forward (the sparse "
-            "extend); `@sparse-extend=false` stages each head (one more forward); `@recompute-ratio=r` recomputes "
-            "the first share r of each reused segment.\n\n" + table(header, rows))
+    return ("Median (min-max) over the repeats; each repeat is a new content. Each arm runs the server's "
+            "defaults (the first 15 % of each reused segment recomputed inside the one prefill forward) unless "
+            "it says otherwise: `@recompute-ratio=r` recomputes the first share r, `@sparse-extend=false` stages "
+            "each head (one more forward).\n\n" + table(header, rows))
 
 
 def render_stock_vs_off(d: dict) -> str:
