@@ -89,6 +89,26 @@ def test_a_request_field_set_as_a_server_setting_is_refused_with_where_it_belong
     assert "annotation field" in err and str(path) in err
 
 
+@pytest.mark.parametrize("value", ["lru", "W" * 10_000, {"policy": "workflow"}, ["workflow"], 1])
+def test_a_bad_retention_order_gets_the_same_message_from_file_and_admin_route(value, tmp_path, capsys,
+                                                                              post_config):
+    """``retention`` has no flag: a wrong name, an oversized or nested value is refused alike by the live route
+    and the config file, and nothing is applied."""
+    response, applied = post_config({"retention": value})
+    assert response.status_code == 422 and applied == []
+    message = response.json()["message"]
+    assert message.startswith("invalid kvshare setting retention: "), message
+    assert len(message) < 400  # an oversized value is cut in the message, not echoed whole
+    path = tmp_path / "kvshare.toml"
+    literal = {str: lambda v: f'"{v}"', dict: lambda v: '{ policy = "workflow" }', list: lambda v: '["workflow"]',
+               int: repr}[type(value)](value)
+    path.write_text(f"[limits]\nretention = {literal}\n")
+    with pytest.raises(SystemExit):
+        parse_kvshare(["--kvshare-config", str(path), "--model-path", "m"])
+    err = capsys.readouterr().err
+    assert message in err and str(path) in err
+
+
 def test_the_admin_route_takes_runtime_settings_only_and_passes_a_valid_change_on(post_config):
     response, applied = post_config({"max_pools": 8})
     assert response.status_code == 422 and "'max_pools' cannot change at runtime" in response.json()["message"]
