@@ -4,7 +4,9 @@ Teams (``benchmarks/workloads/agent_teams.py``) arrive by a seeded Poisson proce
 minute); every request is a plain streamed greedy ``/v1/chat/completions`` call whose history holds this
 server's earlier answers. Arms, the same server flags in each: ``stock`` (``sglang.launch_server``), ``off``
 (``--kvshare-mode off``, auto annotation on) and ``default`` (``--kvshare-auto true``), each with a ``large`` pool
-(the working set fits) and ``half`` of the working set. ``--quick``: 3 teams of 4, 2 rates, under 20 minutes on 2 cores.
+(the working set fits) and ``half`` of the working set; on the half pool the default arm also runs the top rate
+under SGLang's eviction order alone (``retention`` ``sglang``, set at runtime). ``--quick``: 3 teams of 4, rates 4 and
+60 on the large pool and 60 on the half one, under 20 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ from benchmarks.workloads.agent_teams import load, messages_of
 
 ARMS = {"stock": [], "off": ["--kvshare-mode", "off", "--kvshare-auto", "true"], "default": ["--kvshare-auto", "true"]}
 QUICK_TEAMS = ("groupchat-4", "supervisor-4", "retrieval-4")
+# The retention order of the extra cell the default arm runs on the half pool at the top rate: SGLang's eviction
+# policy alone (set at runtime), against the default's ``workflow`` on the same server.
+LRU = "sglang"
 
 
 def arrivals(n: int, per_minute: float, seed: int) -> list[float]:
@@ -150,6 +155,9 @@ def derive(run: dict, stock_answers: Optional[dict] = None) -> dict:
             "teams_per_min": round(60 * len(spans) / active, 3) if active else None,
             "reuse_ratio": round(sum(r.get("reused", 0) for r in rows) / shared, 4) if shared else 0.0,
             "shared_tokens": shared, "fallbacks": dict(Counter(f for r in rows for f in r.get("fallbacks", []))),
+            "reuse_by_team": {team: round(sum(r.get("reused", 0) for r in rows if r["team"] == team) / n, 4)
+                              for team in sorted({r["team"] for r in rows})
+                              if (n := sum(r.get("shared", 0) for r in rows if r["team"] == team))},
             "by_sources": {str(n): {"requests": len(v), "ttft_p50_s": _p([r["ttft_s"] for r in v], 0.5),
                                     **{k: round(sum(r.get(k, 0) for r in v) / len(v), 4)
                                        for k in ("assembly_s", "aligned", "recomputed")}}
@@ -173,10 +181,10 @@ def retention(stats: Optional[dict]) -> str:
     return "lru"
 
 
-def call(url: str, key: str, method: str, path: str):
+def call(url: str, key: str, method: str, path: str, body: Optional[dict] = None):
     """One admin or metrics call with the admin key and a timeout: its JSON, its text, or None (not 2xx, no answer)."""
     try:
-        r = requests.request(method, url + path, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+        r = requests.request(method, url + path, headers={"Authorization": f"Bearer {key}"}, json=body, timeout=60)
         return None if not r.ok else r.json() if "json" in r.headers.get("content-type", "") else r.text
     except (requests.RequestException, ValueError):
         return None
@@ -203,7 +211,7 @@ def poll_pool(url: str, key: str, stop: threading.Event, samples: list, every_s:
 
 def parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.agent_traffic", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="teams " + " ".join(QUICK_TEAMS) + ", rates 4 and 60")
+    ap.add_argument("--quick", action="store_true", help="teams " + " ".join(QUICK_TEAMS) + ", rates 4 and 60 (the half pool: 60)")
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     ap.add_argument("--pools", nargs="+", default=["large", "half"], choices=["large", "half"])
     ap.add_argument("--rates", type=float, nargs="+", default=None, help="teams per minute (default 2 6 20 60)")
@@ -233,13 +241,17 @@ def plan(args: argparse.Namespace, teams: list[dict]) -> dict:
     model = Path(args.model) if Path(args.model).is_dir() else prepare(args.model)
     model = str(write_dummy_model(args.write_model, model) if args.write_model else model)
     common = ["--enable-metrics", *(["--device", args.device] if args.device else []), *shlex.split(args.server_args)]
-    servers = []
+    servers, top = [], max(args.rates)
     for pool in args.pools:
         flags = common + ["--max-total-tokens", str(pool_tokens(pool, teams, args.max_tokens))]
+        rates = [top] if args.quick and pool == "half" else args.rates
         for arm in args.arms:
             cmd = ServerProcess(model_path=model, stock=arm == "stock", kvshare_args=ARMS[arm], extra_args=flags,
                                 port=0).command()
-            servers.append({"arm": arm, "pool": pool, "flags": flags, "command": shlex.join(cmd)})
+            cells = [[rate, None] for rate in rates]
+            if arm == "default" and pool == "half":
+                cells.append([top, LRU])
+            servers.append({"arm": arm, "pool": pool, "flags": flags, "command": shlex.join(cmd), "cells": cells})
     return {"model": model, "teams": {t["name"]: t["agents"] for t in teams}, "rates": args.rates,
             "working_set_tokens": working_set(teams, args.max_tokens), "servers": servers}
 
@@ -259,19 +271,21 @@ def main(argv=None) -> int:
     result = {"meta": run_meta(), "settings": {k: str(v) for k, v in vars(args).items()}, "arms": ARMS,
               "plan": {k: v for k, v in the_plan.items() if k != "servers"}, "cells": [], "pool_samples": {}}
     stock_answers: dict = {}
-    bar = tqdm(total=len(the_plan["servers"]) * len(args.rates) * sum(len(t["requests"]) for t in teams),
+    bar = tqdm(total=sum(len(spec["cells"]) for spec in the_plan["servers"]) * sum(len(t["requests"]) for t in teams),
                desc="agent_traffic", unit="req")
     for spec in the_plan["servers"]:
         proc = ServerProcess(model_path=the_plan["model"], stock=spec["arm"] == "stock", kvshare_args=ARMS[spec["arm"]],
                              extra_args=spec["flags"] + ["--admin-api-key", key])
         with proc:
             chat_stream(proc.url, [{"role": "user", "content": "Say hello."}], 8)  # first-request costs
-            for i, rate in enumerate(args.rates):
+            for rate, order in spec["cells"]:
                 for path in ("/flush_cache", "/kvshare/reset", "/kvshare/fidelity/reset"):  # each cell from empty
                     call(proc.url, key, "POST", path)
+                if order is not None:
+                    call(proc.url, key, "POST", "/kvshare/config", {"retention": order})
                 samples, stop = [], threading.Event()
                 threading.Thread(target=poll_pool, args=(proc.url, key, stop, samples), daemon=True).start()
-                run = run_cell(proc.url, teams, rate, args.seed + i, args.max_tokens, bar)
+                run = run_cell(proc.url, teams, rate, args.seed + args.rates.index(rate), args.max_tokens, bar)
                 stop.set()
                 stats = call(proc.url, key, "GET", "/kvshare/stats")
                 scopes = (call(proc.url, key, "GET", "/kvshare/fidelity") or {}).get("per_scope") or {}
@@ -285,7 +299,7 @@ def main(argv=None) -> int:
                     "guard_top1": {s: {"samples": v.get("samples"), "top1": v.get("top1")} for s, v in scopes.items()},
                     "phase_seconds": {k: v for k, v in ((stats or {}).get("counters") or {}).items()
                                       if k.endswith("_seconds")}})
-                result["pool_samples"][f"{spec['arm']}/{spec['pool']}/{rate}"] = samples
+                result["pool_samples"][f"{spec['arm']}/{spec['pool']}/{rate}" + (f"/{order}" if order else "")] = samples
                 result["wall_s"] = round(time.perf_counter() - t_start, 1)
                 write_json(args.out, result)  # a stopped run keeps its finished cells
     bar.close()
@@ -305,12 +319,12 @@ def plot(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     top = max((c["rate"] for c in result["cells"]), default=0)
     for key, samples in result["pool_samples"].items():
-        arm, pool, rate = key.split("/")
+        arm, pool, rate, *order = key.split("/")
         if float(rate) == top and samples:
             t = [s[0] for s in samples]
             for ax, col in zip(axes, (1, 2)):
                 ax.plot(t, [s[col] or 0 for s in samples], linestyle="-" if pool == "large" else "--",
-                        label=f"{arm} {pool}")
+                        label=" ".join([arm, pool, *order]))
     axes[0].set(xlabel="s", ylabel="KV pool occupancy", title=f"{top:g} teams / minute")
     axes[1].set(xlabel="s", ylabel="evicted tokens (cumulative)", title=f"{top:g} teams / minute")
     for ax in axes:

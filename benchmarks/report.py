@@ -201,6 +201,15 @@ REGISTRY: list[Benchmark] = [
         "compared with stock's at the same pool and rate. The plot: pool occupancy and evicted tokens over time.",
         render_agent_traffic, plot_from("benchmarks.agent_traffic", "plot"), results_png=True, optional=True),
     Benchmark(
+        "agent_traffic_long", "agent_traffic_long.json",
+        "python -m benchmarks.agent_traffic --teams groupchat-8 groupchat-16 retrieval-8 --arms stock default "
+        "--pools large --rates 6 --out benchmarks/results/agent_traffic_long.json",
+        "Teams of 8 and 16 agents reading one growing history: what does each position wait for its first token, "
+        "and where does the time go as a request reads more agents' KV?",
+        "As the agent-traffic run above, one pool that holds the working set, one rate; the per-position lists are "
+        "each team's turns in order (2 rounds: position 9 of a team of 8 is agent 1's second turn).",
+        render_agent_traffic, plot_from("benchmarks.agent_traffic", "plot"), results_png=True, optional=True),
+    Benchmark(
         "frontier_retrieval", "frontier_retrieval.json",
         "python -m benchmarks.frontier --task retrieval --limit 100 --warmup 8 --heads 0 8 32 --mix 0.5 "
         "--arms off,fullshared_k0,mix_p0.5,kvcmas_k0,kvcmas_k8,fullshared_k8,kvcmas_k32,fullshared_k32",
@@ -331,8 +340,31 @@ def _roles_headline(d: dict) -> tuple[str, str, str]:
     return ("The defaults on held-out roles, against the random-mix line", "; ".join(speed) or "-", "; ".join(fidelity))
 
 
+def _traffic_headline(d: dict) -> tuple[str, str, str]:
+    """The default arm against stock at each pool's lowest and highest rate: TTFT p50 / p99 and output throughput
+    ratios, reuse (and SGLang's eviction order alone on the half pool), answers equal to stock's."""
+    cells = {(c["arm"], c["pool"], c["rate"], c["retention"]): c for c in d["cells"]}
+    stock = {(c["pool"], c["rate"]): c for c in d["cells"] if c["arm"] == "stock"}
+    figs, agree = [], []
+    for (arm, pool, rate, order), c in cells.items():
+        base = stock.get((pool, rate))
+        if arm != "default" or base is None or not c.get("ttft_p50_s"):
+            continue
+        label = f"{pool} pool, {rate:g} teams/min" + (f", eviction `{order}`" if order == "sglang" else "")
+        figs.append(f"{label}: TTFT p50 {base['ttft_p50_s'] / c['ttft_p50_s']:.2f}x / p99 "
+                    f"{base['ttft_p99_s'] / c['ttft_p99_s']:.2f}x stock's, output {c['throughput_tok_s'] / base['throughput_tok_s']:.2f}x, "
+                    f"reuse {c['reuse_ratio']:.2f}")
+        a = c.get("agreement_with_stock") or {}
+        if a.get("n"):
+            agree.append(f"{label}: {a['equal']}/{a['n']} {interval(a.get('ci95'), '.2f')}")
+    return (f"Agent traffic: teams {', '.join(d['plan']['teams'])} through the chat API, auto mode against stock "
+            f"SGLang, turns 2..", "; ".join(figs) or "-",
+            "greedy answers equal to stock's: " + ("; ".join(agree) or "-"))
+
+
 HEADLINE: dict[str, Callable[[dict], tuple[str, str, str]]] = {
-    "chain_ttft": _chain_headline, "demo": _demo_headline, "frontier_roles_heldout": _roles_headline}
+    "chain_ttft": _chain_headline, "demo": _demo_headline, "frontier_roles_heldout": _roles_headline,
+    "agent_traffic": _traffic_headline}
 """The headline rows, in order: (result, figure, fidelity) from a canonical file. A row whose file is an optional
 entry's and missing is left out."""
 

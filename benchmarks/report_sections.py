@@ -135,6 +135,8 @@ def render_agent_traffic(d: dict) -> str:
                      f"{agree['equal']}/{agree['n']} {interval(agree.get('ci95'), '.2f')}" if agree else "-",
                      f"{c['errors_5xx']} / {c['lost']}"])
     kv = [c for c in d["cells"] if c["arm"] == "default"]
+    by_team = [f"{c['pool']} {c['rate']:g}/min {c['retention']}: " + ", ".join(
+        f"{team} {num(r)}" for team, r in c["reuse_by_team"].items()) for c in kv if c.get("reuse_by_team")]
     by_sources = [[c["pool"], f"{c['rate']:g}", n, str(b["requests"]), num(b["ttft_p50_s"], ".2f", " s"),
                    num(b["assembly_s"] * 1000, ".1f", " ms"), num(b["aligned"], ".0f"), num(b["recomputed"], ".0f")]
                   for c in kv for n, b in c["by_sources"].items()]
@@ -150,6 +152,7 @@ def render_agent_traffic(d: dict) -> str:
             + table(["arm", "pool (tokens)", "rate /min", "retention", "TTFT p50", "TTFT p99", "stock / arm p50 / p99",
                      "team p50", "teams/min done", "out tok/s", "reuse", "fallbacks", "answers = stock [95 %]",
                      "5xx / lost"], rows)
+            + "\n\nReuse per team, default arm: " + ("; ".join(by_team) or "none") + "."
             + "\n\nThe default arm by source agents a request reused (mean per request):\n\n"
             + table(["pool", "rate /min", "sources", "requests", "TTFT p50", "assembly", "aligned tok",
                      "recomputed tok"], by_sources)

@@ -91,14 +91,21 @@ def server_pool(model_path) -> Iterator[Callable[..., ServerProcess]]:
                 launch(name, **kwargs)
             deferred.clear()
 
-    get.launch, get.defer, get.start_deferred, get.release = launch, defer, start_deferred, release
-    try:
-        yield get
-    finally:
+    def stop_all() -> None:
+        """Stop every running server (none of the tests left needs one) and drop those not yet launched."""
         for server in running.values():
             server.terminate()
         for server in running.values():
             server.stop()
+        running.clear()
+        deferred.clear()
+
+    get.launch, get.defer, get.start_deferred, get.release, get.stop_all = launch, defer, start_deferred, release, \
+        stop_all
+    try:
+        yield get
+    finally:
+        stop_all()
 
 
 def _answers(server: ServerProcess) -> bool:
@@ -151,23 +158,39 @@ def _launch_common_servers_together(request, tmp_path_factory) -> Callable[[], N
 
 
 @pytest.fixture(autouse=True)
-def _start_deferred_servers(_launch_common_servers_together) -> None:
+def _start_deferred_servers(request, _launch_common_servers_together) -> None:
+    if _runs_its_own_servers(request.node):
+        # Sorted last (``pytest_collection_modifyitems``): no test after it needs the pool's servers, and its own
+        # start (the DP workers, a restart) then has the cores and the memory to itself.
+        request.getfixturevalue("server_pool").stop_all()
+        return
     _launch_common_servers_together()
 
 
+def _runs_its_own_servers(item) -> bool:
+    """A server test that starts its own servers rather than borrowing the pool's."""
+    return item.get_closest_marker("server") is not None and "server_pool" not in getattr(item, "fixturenames", ())
+
+
 def pytest_collection_modifyitems(session, config, items) -> None:
-    """Tests that need no server first, in their usual order, then the server tests in theirs.
+    """Tests that need no server first, in their usual order, then the tests of the pool's servers in theirs, then
+    the server tests that start servers of their own.
 
     Why: the common servers start up front and take about 85 s of mostly
     single-threaded imports, during which the first server test can only wait.
     The tests that need no server (kernels under the Triton interpreter, the
     cache's unit tests on fake pools, about 60 s alone) fill that wait instead.
+    A server of a test's own (two DP workers, a restart with saved pools) started
+    in that wait as well made it 14 processes importing on 2 cores, with every
+    pool server in memory beside them: it started last, or not within its timeout.
+    Last, the pool's servers are stopped first (``_start_deferred_servers``).
     Module-scoped server fixtures stay contiguous: the sort is stable.
     """
     for item in items:  # every test that starts or borrows a server carries the marker: -m "not server" skips it
         if "server_pool" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.server)
-    items.sort(key=lambda item: "server_pool" in getattr(item, "fixturenames", ()))
+    items.sort(key=lambda item: 2 if _runs_its_own_servers(item) else
+               int("server_pool" in getattr(item, "fixturenames", ())))
 
 
 @pytest.fixture

@@ -119,6 +119,18 @@ def test_a_cell_derives_percentiles_reuse_fallbacks_agreement_and_errors():
     assert at.derive({"rows": rows[:1], "spans": [], "wall_s": 1.0})["reuse_ratio"] == 0.0
 
 
+def test_the_quick_plan_runs_both_rates_on_the_large_pool_and_the_lru_order_beside_the_default_on_the_half():
+    args = at.parse(["--quick"])
+    teams = [t for t in agent_teams.load() if t["name"] in args.teams]
+    cells = {(s["arm"], s["pool"]): s["cells"] for s in at.plan(args, teams)["servers"]}
+    assert set(cells) == {(arm, pool) for arm in at.ARMS for pool in ("large", "half")}
+    assert all(cells[(arm, "large")] == [[4.0, None], [60.0, None]] for arm in at.ARMS)
+    assert cells[("stock", "half")] == cells[("off", "half")] == [[60.0, None]]
+    assert cells[("default", "half")] == [[60.0, None], [60.0, at.LRU]]  # the same server, SGLang's order alone
+    assert {s["flags"][-1] for s in at.plan(args, teams)["servers"] if s["pool"] == "half"} == {
+        str(at.pool_tokens("half", teams, args.max_tokens))}
+
+
 def test_the_wilson_interval():
     assert at.wilson(0, 0) is None
     lo, hi = at.wilson(10, 10)
@@ -153,12 +165,16 @@ def test_the_results_file_has_the_cells_the_issue_names_and_a_report_section():
         assert {"arm", "pool", "rate", "retention", "ttft_p50_s", "ttft_p99_s", "throughput_tok_s", "reuse_ratio",
                 "errors_5xx", "lost"} <= set(cell)
     entry = report.BY_NAME["agent_traffic"]
-    assert entry.optional and entry.name not in report.HEADLINE  # not a headline row yet
+    assert entry.optional and entry.name in report.HEADLINE
+    result, figure, fidelity = report.HEADLINE[entry.name](data)
+    assert "groupchat-8" in result and "half pool, 4 teams/min: TTFT p50 1.00x / p99 1.00x stock's" in figure
+    assert "reuse 0.80" in figure and "large pool, 4 teams/min: 4/4 [" in fidelity
     text = report.section(entry, data, report.RESULTS)
     assert "| `default` | half (16384) | 4 | lru |" in text and "1.00x / 1.00x" in text
     assert render_agent_traffic(data).count("\n| `") == len(data["cells"])
     assert "* `default` groupchat-8: 0.5 1.0 1.5 2.0" in text  # per position, a long team
     assert "top-1 per agent, default arm: large 4/min: 0.988 (n 4); half 4/min: 0.988 (n 4)." in text
+    assert "Reuse per team, default arm: large 4/min lru: groupchat-8 0.80;" in text
 
 
 def test_the_plot_draws_from_the_file(tmp_path):

@@ -258,7 +258,7 @@ def test_demo_totals_count_prompt_prefilled_and_reused_tokens():
 def test_the_headline_renders_optional_rows_whose_file_exists_and_skips_them_silently_otherwise(tmp_path):
     tree = "t"
     folder = _copy_of_results(tmp_path, without="demo.json")
-    for name in ("frontier_roles_heldout.json", "frontier_roles_dev.json"):
+    for name in ("frontier_roles_heldout.json", "frontier_roles_dev.json", "agent_traffic.json"):
         (folder / name).unlink(missing_ok=True)
     rows = report.headline_rows(folder, tree=tree)
     assert [r[-1] for r in rows] == ["[chain_ttft](#chain_ttft)"]

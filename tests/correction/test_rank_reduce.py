@@ -234,6 +234,10 @@ def _deadline(rank: int, _reducer) -> dict:
 
 
 DEADLINE_S = 3.0
+# The reducer the jobs share waits longer than ``DEADLINE_S``: on a loaded machine a rank may reach a collective
+# seconds after its peer, which is not what those jobs test. The jobs that test the deadline use reducers of their
+# own with ``DEADLINE_S``, and the shared jobs still assert that they returned within ``DEADLINE_S``.
+SHARED_TIMEOUT_S = 60.0
 JOBS = (("decide", None), ("decide", 4), ("drifted", None), ("pools_differ", None), ("learn_raises", None),
         ("gate_raises", None), ("assembly_raises", None), ("assembly_raises", "match"), ("mismatched_frames", None), ("skips_gate", None),
         ("deadline", None))
@@ -251,7 +255,7 @@ def _rank_main(rank: int, port: int, results) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        reducer = GroupReducer(lambda: dist.group.WORLD, 2, timeout_s=DEADLINE_S)
+        reducer = GroupReducer(lambda: dist.group.WORLD, 2, timeout_s=SHARED_TIMEOUT_S)
         out = {}
         for job, arg in JOBS:
             out[(job, arg)] = (_decide(rank, reducer, arg) if job == "decide"

@@ -29,7 +29,7 @@ def dp_server(model_path):
     core busy the whole time, which on 2 cores would slow every later test."""
     from devtools.server_process import ServerProcess
 
-    with ServerProcess(model_path=model_path, kvshare_args=KVSHARE, extra_args=DP2) as server:
+    with ServerProcess(model_path=model_path, kvshare_args=KVSHARE, extra_args=DP2, startup_timeout=600.0) as server:
         yield server
 
 
