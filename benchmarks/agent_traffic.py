@@ -5,8 +5,9 @@ minute); every request is a plain streamed greedy ``/v1/chat/completions`` call 
 server's earlier answers. Arms, the same server flags in each: ``stock`` (``sglang.launch_server``), ``off``
 (``--kvshare-mode off``, auto annotation on) and ``default`` (``--kvshare-auto true``), each with a ``large`` pool
 (the working set fits) and ``half`` of the working set; on the half pool the default arm also runs the top rate
-under SGLang's eviction order alone (``retention`` ``sglang``, set at runtime). ``--quick``: 3 teams of 4, rates 4 and
-60 on the large pool and 60 on the half one, under 20 minutes on 2 cores.
+under SGLang's eviction order alone (``retention`` ``sglang``, set at runtime). ``--quick``: 3 teams of 4; stock and
+the default at rates 4 and 60 on the large pool and at 60 on the half one, ``off`` at 60 on the large pool; under 20
+minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Optional, Sequence
 
 import requests
 
-from benchmarks.harness import RESULTS, percentile, run_meta, write_json
+from benchmarks.harness import RESULTS, percentile, run_meta, verifications_settled, write_json
 from benchmarks.report_sections import render_agent_traffic
 from benchmarks.workloads.agent_teams import load, messages_of
 
@@ -190,6 +191,20 @@ def call(url: str, key: str, method: str, path: str, body: Optional[dict] = None
         return None
 
 
+def settled_guard(url: str, key: str, deadline_s: float = 120.0) -> dict:
+    """``GET /kvshare/fidelity`` once every verification the cell queued has ended (two equal settled polls), or at
+    the deadline: the guard verifies after a request's answer is sent, so a read at once misses the cell's last."""
+    end, last = time.monotonic() + deadline_s, None
+    while True:
+        snap = call(url, key, "GET", "/kvshare/fidelity") or {}
+        if verifications_settled(snap) and last is not None and snap.get("counters") == last.get("counters"):
+            return snap
+        if time.monotonic() > end:
+            return snap
+        last = snap
+        time.sleep(1.0)
+
+
 def pool_sample(metrics: str) -> tuple[Optional[float], Optional[float]]:
     """(KV pool occupancy, evicted tokens so far) from SGLang's ``/metrics`` text (summed over its series)."""
     got: dict = {}
@@ -211,7 +226,7 @@ def poll_pool(url: str, key: str, stop: threading.Event, samples: list, every_s:
 
 def parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.agent_traffic", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="teams " + " ".join(QUICK_TEAMS) + ", rates 4 and 60 (the half pool: 60)")
+    ap.add_argument("--quick", action="store_true", help="teams " + " ".join(QUICK_TEAMS) + ", rates 4 and 60 (the half pool and off: 60)")
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     ap.add_argument("--pools", nargs="+", default=["large", "half"], choices=["large", "half"])
     ap.add_argument("--rates", type=float, nargs="+", default=None, help="teams per minute (default 2 6 20 60)")
@@ -244,8 +259,10 @@ def plan(args: argparse.Namespace, teams: list[dict]) -> dict:
     servers, top = [], max(args.rates)
     for pool in args.pools:
         flags = common + ["--max-total-tokens", str(pool_tokens(pool, teams, args.max_tokens))]
-        rates = [top] if args.quick and pool == "half" else args.rates
         for arm in args.arms:
+            if args.quick and arm == "off" and pool == "half":
+                continue  # the quick form: `off` once, beside stock on the large pool at the top rate
+            rates = [top] if args.quick and (pool == "half" or arm == "off") else args.rates
             cmd = ServerProcess(model_path=model, stock=arm == "stock", kvshare_args=ARMS[arm], extra_args=flags,
                                 port=0).command()
             cells = [[rate, None] for rate in rates]
@@ -287,8 +304,9 @@ def main(argv=None) -> int:
                 threading.Thread(target=poll_pool, args=(proc.url, key, stop, samples), daemon=True).start()
                 run = run_cell(proc.url, teams, rate, args.seed + args.rates.index(rate), args.max_tokens, bar)
                 stop.set()
+                guard = settled_guard(proc.url, key) if spec["arm"] != "stock" else {}
                 stats = call(proc.url, key, "GET", "/kvshare/stats")
-                scopes = (call(proc.url, key, "GET", "/kvshare/fidelity") or {}).get("per_scope") or {}
+                scopes = guard.get("per_scope") or {}
                 answers = stock_answers.setdefault((spec["pool"], rate), {})
                 if spec["arm"] == "stock":
                     answers.update({(r["team"], r["turn"]): r["text"] for r in run["rows"]})
@@ -297,6 +315,7 @@ def main(argv=None) -> int:
                     "max_total_tokens": int(spec["flags"][-1]),
                     **derive(run, None if spec["arm"] == "stock" else answers),
                     "guard_top1": {s: {"samples": v.get("samples"), "top1": v.get("top1")} for s, v in scopes.items()},
+                    "guard_verified": (guard.get("counters") or {}).get("verified", 0),
                     "phase_seconds": {k: v for k, v in ((stats or {}).get("counters") or {}).items()
                                       if k.endswith("_seconds")}})
                 result["pool_samples"][f"{spec['arm']}/{spec['pool']}/{rate}" + (f"/{order}" if order else "")] = samples
