@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator
 
 # NOTE: Triton reads TRITON_INTERPRET when it is first imported, and importing
 # SGLang (admin, frontend tests) imports Triton. Without a GPU the kernel tests
@@ -40,8 +40,9 @@ def server_pool(model_path) -> Iterator[Callable[..., ServerProcess]]:
     """``get(name, **kwargs)`` returns a running server, started on first use.
 
     ``get.launch(name, **kwargs)`` starts one without waiting for it (the next
-    ``get`` of those arguments waits until it answers); ``get.release(name, **kwargs)``
-    stops one; ``get.stop_all()`` stops them all.
+    ``get`` of those arguments waits until it answers); ``get.defer(name, **kwargs)``
+    launches one later, once every running server answers (``get.start_deferred``,
+    called before each test).
 
     Servers are keyed by their arguments, not by ``name`` (a label for the log):
     every test that asks for the same arguments shares one server, so tests must
@@ -49,6 +50,7 @@ def server_pool(model_path) -> Iterator[Callable[..., ServerProcess]]:
     last ``MAX_ALIVE_SERVERS`` servers used stay up; an idle one costs no CPU.
     """
     running: OrderedDict[tuple, ServerProcess] = OrderedDict()
+    deferred: list[tuple[str, dict]] = []
 
     def launch(name: str, *, kvshare_args=(), extra_args=(), stock: bool = False,
                fault_injection: bool = False, startup_timeout: float = 300.0) -> tuple:
@@ -79,92 +81,90 @@ def server_pool(model_path) -> Iterator[Callable[..., ServerProcess]]:
         if server is not None:
             server.stop()
 
+    def defer(name: str, **kwargs) -> None:
+        """Start this server once every running one answers (``start_deferred``)."""
+        deferred.append((name, kwargs))
+
+    def start_deferred() -> None:
+        if deferred and all(_answers(server) for server in running.values()):
+            for name, kwargs in deferred:
+                launch(name, **kwargs)
+            deferred.clear()
+
     def stop_all() -> None:
-        """Stop every running server (none of the tests left needs one)."""
+        """Stop every running server (none of the tests left needs one) and drop those not yet launched."""
         for server in running.values():
             server.terminate()
         for server in running.values():
             server.stop()
         running.clear()
+        deferred.clear()
 
-    get.launch, get.release, get.stop_all = launch, release, stop_all
+    get.launch, get.defer, get.start_deferred, get.release, get.stop_all = launch, defer, start_deferred, release, \
+        stop_all
     try:
         yield get
     finally:
         stop_all()
 
 
+def _answers(server: ServerProcess) -> bool:
+    """Whether ``server`` is up, without waiting for it."""
+    import requests
+
+    if server.ready:
+        return True
+    try:
+        return requests.get(server.url + "/health", timeout=2).status_code == 200
+    except requests.RequestException:
+        return False
+
+
 @pytest.fixture(scope="session", autouse=True)
-def _launch_common_servers_together(request, tmp_path_factory) -> Optional["_ModuleServers"]:
-    """When the run spans many server modules, launch the common servers at once, up front, and each server only one
-    module uses shortly before that module.
+def _launch_common_servers_together(request, tmp_path_factory) -> Callable[[], None]:
+    """When the run spans many server modules, launch their servers at once, up front.
 
     A server start is mostly single-threaded imports (about 45 s here alone).
     The tests that need no server run first (``pytest_collection_modifyitems``;
     mostly single-threaded too: the Triton interpreter, the cache's unit tests)
-    and fill the cores while the four common servers start: shared, off, stock and
+    and fill the cores while the four servers start: the three common ones and
     the soak's, whose start otherwise ran alone in the eviction test with one
     core idle. Before that order, three at once paid (the first server test
-    waited about 81 s, not 135 s) and five did not (154 s). A server of one
-    module (``tests.servers.MODULE_SERVERS``) starts in the background when a named
-    earlier module begins, so its start overlaps that module's tests, and stops when
-    its own module ends: all seven up at once held 22 of the machine's 23 GiB. A run
-    of one or two server modules starts its servers lazily (returns None).
+    waited about 81 s, not 135 s) and five did not (154 s). The adversary's
+    server starts once those four answer, while the tests that need no server
+    still run, so its start costs its module nothing; so do the plain launch's and the
+    tensor-parallel one's (``tests.servers.DEFERRED_MODULE_SERVERS``), whose starts
+    then overlap the first server tests instead of waiting alone. A run of one or two server
+    modules starts its servers lazily. Returns what each test calls first: the
+    deferred start, when it is due.
     """
     modules = {item.module.__name__ for item in request.session.items
                if "server_pool" in getattr(item, "fixturenames", ()) and getattr(item, "module", None)}
     if len(modules) < 3:
-        return None
-    from tests.servers import MODULE_SERVERS, OFF, SHARED_LAUNCH, adversary_launch, soak_pool
+        return lambda: None
+    from tests.servers import DEFERRED_MODULE_SERVERS, OFF, SHARED_LAUNCH, adversary_launch, soak_pool
 
     server_pool = request.getfixturevalue("server_pool")
     server_pool.launch("shared", **SHARED_LAUNCH)
     server_pool.launch("off", kvshare_args=OFF)
     server_pool.launch("stock", stock=True)
     server_pool.launch("soak", **soak_pool())
-    launches = {"tests.test_adversary": adversary_launch(tmp_path_factory.getbasetemp())}
-    schedule = [(module, name, launch if launch is not None else launches[module], start_with)
-                for module, name, launch, start_with in MODULE_SERVERS if module in modules]
-    return _ModuleServers(server_pool, schedule)
+    if "tests.test_adversary" in modules:
+        server_pool.defer("adversary", **adversary_launch(tmp_path_factory.getbasetemp()))
+    for module, name, launch in DEFERRED_MODULE_SERVERS:
+        if module in modules:
+            server_pool.defer(name, **launch)
+    return server_pool.start_deferred
 
 
-class _ModuleServers:
-    """Starts each server of ``schedule`` (``(module, name, launch, start_with)``) in the background when the module
-    ``start_with`` (or, if that one does not run, ``module`` itself) begins, and stops it when ``module`` ends."""
-
-    def __init__(self, server_pool, schedule: list[tuple[str, str, dict, str]]) -> None:
-        self.server_pool, self.schedule = server_pool, schedule
-
-    def begins(self, module: str) -> None:
-        for owner, name, launch, start_with in self.schedule:
-            if module in (owner, start_with):
-                self.server_pool.launch(name, **launch)
-
-    def ends(self, module: str) -> None:
-        for owner, name, launch, _ in self.schedule:
-            if owner == module:
-                self.server_pool.release(name, **launch)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _servers_around_each_module(request, _launch_common_servers_together) -> Iterator[None]:
-    """Module-scoped and autouse, so it runs before the module's own server fixtures and ends after them."""
-    module = request.module.__name__
-    if module in _modules_with_their_own_servers(request.session):
+@pytest.fixture(autouse=True)
+def _start_deferred_servers(request, _launch_common_servers_together) -> None:
+    if _runs_its_own_servers(request.node):
         # Sorted last (``pytest_collection_modifyitems``): no test after it needs the pool's servers, and its own
         # start (the DP workers, a restart) then has the cores and the memory to itself.
         request.getfixturevalue("server_pool").stop_all()
-        yield
         return
-    if _launch_common_servers_together is not None:
-        _launch_common_servers_together.begins(module)
-    yield
-    if _launch_common_servers_together is not None:
-        _launch_common_servers_together.ends(module)
-
-
-def _modules_with_their_own_servers(session) -> set[str]:
-    return {item.module.__name__ for item in session.items if _runs_its_own_servers(item)}
+    _launch_common_servers_together()
 
 
 def _runs_its_own_servers(item) -> bool:
@@ -183,7 +183,7 @@ def pytest_collection_modifyitems(session, config, items) -> None:
     A server of a test's own (two DP workers, a restart with saved pools) started
     in that wait as well made it 14 processes importing on 2 cores, with every
     pool server in memory beside them: it started last, or not within its timeout.
-    Last, the pool's servers are stopped first (``_servers_around_each_module``).
+    Last, the pool's servers are stopped first (``_start_deferred_servers``).
     Module-scoped server fixtures stay contiguous: the sort is stable.
     """
     for item in items:  # every test that starts or borrows a server carries the marker: -m "not server" skips it

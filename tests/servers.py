@@ -51,13 +51,9 @@ TP3_LAUNCH = {"kvshare_args": ("--kvshare-mode", "kvcmas", "--kvshare-verify-rat
                                "true", "--kvshare-edge-anchors", "2", "--kvshare-recompute-ratio", "0",
                                "--kvshare-min-reuse-tokens", "0"),
               "extra_args": ("--tp-size", "3", "--max-total-tokens", "4096"), "startup_timeout": 600.0}
-# (module, name, launch, start with): the servers only one module uses, each started in the background when the
-# module ``start with`` begins (so that the start overlaps its tests: the guard's take about 80 s, the
-# tensor-parallel ones about 70 s) and stopped when its own module ends (``tests.conftest._ModuleServers``). The
-# adversary's launch (None here) names a folder of the session's (``adversary_launch``).
-MODULE_SERVERS = (("tests.server.test_plain_launch_server", "plain-backend", PLAIN_LAUNCH, "tests.guard.test_guard_server"),
-                  ("tests.server.test_tp_kvcmas_server", "tp3", TP3_LAUNCH, "tests.guard.test_guard_server"),
-                  ("tests.test_adversary", "adversary", None, "tests.server.test_tp_kvcmas_server"))
+# (module, name, launch): servers one module needs, started in the background once the common ones answer.
+DEFERRED_MODULE_SERVERS = (("tests.server.test_plain_launch_server", "plain-backend", PLAIN_LAUNCH),
+                           ("tests.server.test_tp_kvcmas_server", "tp3", TP3_LAUNCH))
 
 
 def soak_pool() -> dict:

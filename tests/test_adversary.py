@@ -32,7 +32,7 @@ def test_a_guard_file_write_follows_no_planted_symlink_and_is_private(hostile):
 def short_run(tmp_path_factory, server_pool, model_path) -> dict:
     from transformers import AutoTokenizer
 
-    # The suite may have started this server already, while the module before ran (tests.servers.MODULE_SERVERS).
+    # The suite may have started this server already, while the tests that need none ran (tests/conftest.py).
     server = server_pool("adversary", **adversary_launch(tmp_path_factory.getbasetemp()))
     return adversary.run(server.url, ADVERSARY_KEY, AutoTokenizer.from_pretrained(model_path), form="short")
 

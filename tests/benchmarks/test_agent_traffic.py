@@ -167,8 +167,10 @@ def test_the_results_file_has_the_cells_the_issue_names_and_a_report_section():
     entry = report.BY_NAME["agent_traffic"]
     assert entry.optional and entry.name in report.HEADLINE
     result, figure, fidelity = report.HEADLINE[entry.name](data)
-    assert "groupchat-8" in result and "half pool, 4 teams/min: TTFT p50 1.00x / p99 1.00x stock's" in figure
-    assert "reuse 0.80" in figure and "large pool, 4 teams/min: 4/4 [" in fidelity
+    lru = ", SGLang's eviction order `lru`"  # every cell of this file names SGLang's order
+    assert "groupchat-8" in result and f"half pool, 4 teams/min{lru}: TTFT p50 1.00x / p99 1.00x stock's" in figure
+    assert "control `off` (large pool, 4 teams/min): TTFT p50 1.00x" in figure
+    assert "reuse 0.80" in figure and f"large pool, 4 teams/min{lru}: 4/4 [" in fidelity
     text = report.section(entry, data, report.RESULTS)
     assert "| `default` | half (16384) | 4 | lru |" in text and "1.00x / 1.00x" in text
     assert render_agent_traffic(data).count("\n| `") == len(data["cells"])

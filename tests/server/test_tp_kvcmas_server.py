@@ -24,8 +24,8 @@ AGENTS = ("solver", "analyst", "coder")
 
 @pytest.fixture(scope="module")
 def tp_server(server_pool):
-    """Started in the background when the guard's tests begin (``tests.servers.MODULE_SERVERS``), stopped after
-    this module: three scheduler ranks on two cores slow every other test."""
+    """Started in the background early (``tests.servers.TP3_LAUNCH``), stopped after this module: three scheduler
+    ranks on two cores slow every other test."""
     server = server_pool("tp3", **TP3_LAUNCH)
     try:
         yield server
