@@ -226,7 +226,8 @@ def poll_pool(url: str, key: str, stop: threading.Event, samples: list, every_s:
 
 def parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.agent_traffic", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="teams " + " ".join(QUICK_TEAMS) + ", rates 4 and 60 (the half pool and off: 60)")
+    ap.add_argument("--quick", action="store_true",
+                    help="teams " + " ".join(QUICK_TEAMS) + ", rates 4 and 60 (the half pool and off: 60)")
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     ap.add_argument("--pools", nargs="+", default=["large", "half"], choices=["large", "half"])
     ap.add_argument("--rates", type=float, nargs="+", default=None, help="teams per minute (default 2 6 20 60)")
@@ -318,7 +319,8 @@ def main(argv=None) -> int:
                     "guard_verified": (guard.get("counters") or {}).get("verified", 0),
                     "phase_seconds": {k: v for k, v in ((stats or {}).get("counters") or {}).items()
                                       if k.endswith("_seconds")}})
-                result["pool_samples"][f"{spec['arm']}/{spec['pool']}/{rate}" + (f"/{order}" if order else "")] = samples
+                cell_key = f"{spec['arm']}/{spec['pool']}/{rate}" + (f"/{order}" if order else "")
+                result["pool_samples"][cell_key] = samples
                 result["wall_s"] = round(time.perf_counter() - t_start, 1)
                 write_json(args.out, result)  # a stopped run keeps its finished cells
     bar.close()

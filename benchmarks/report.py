@@ -350,13 +350,15 @@ def _traffic_headline(d: dict) -> tuple[str, str, str]:
         base = stock.get((pool, rate))
         if arm == "off" and base is not None and c.get("ttft_p50_s"):  # the control: the same code, no reuse
             figs.append(f"control `off` ({pool} pool, {rate:g} teams/min): TTFT p50 "
-                        f"{base['ttft_p50_s'] / c['ttft_p50_s']:.2f}x / p99 {base['ttft_p99_s'] / c['ttft_p99_s']:.2f}x "
-                        f"stock's (arrival order alone)")
+                        f"{base['ttft_p50_s'] / c['ttft_p50_s']:.2f}x / p99 "
+                        f"{base['ttft_p99_s'] / c['ttft_p99_s']:.2f}x stock's (arrival order alone)")
         if arm != "default" or base is None or not c.get("ttft_p50_s"):
             continue
-        label = f"{pool} pool, {rate:g} teams/min" + (f", SGLang's eviction order `{order}`" if order != "workflow" else "")
+        label = f"{pool} pool, {rate:g} teams/min" + ("" if order == "workflow" else
+                                                      f", SGLang's eviction order `{order}`")
+        output = c["throughput_tok_s"] / base["throughput_tok_s"]
         figs.append(f"{label}: TTFT p50 {base['ttft_p50_s'] / c['ttft_p50_s']:.2f}x / p99 "
-                    f"{base['ttft_p99_s'] / c['ttft_p99_s']:.2f}x stock's, output {c['throughput_tok_s'] / base['throughput_tok_s']:.2f}x, "
+                    f"{base['ttft_p99_s'] / c['ttft_p99_s']:.2f}x stock's, output {output:.2f}x, "
                     f"reuse {c['reuse_ratio']:.2f}")
         a = c.get("agreement_with_stock") or {}
         if a.get("n"):
