@@ -8,6 +8,11 @@ server's earlier answers. Arms, the same server flags in each: ``stock`` (``sgla
 under SGLang's eviction order alone (``retention`` ``sglang``, set at runtime). ``--quick``: 3 teams of 4; stock and
 the default at rates 4 and 60 on the large pool and at 60 on the half one, ``off`` at 60 on the large pool; under 20
 minutes on 2 cores.
+
+Two replays on the large pool are not timed against arrivals (``EXTRAS``): ``idle`` sends the short-message teams one
+at a time to stock and the default, after a floor probe (the TTFT of a one-line request, which no reuse removes);
+``fidelity`` sends the retrieval teams one at a time to the default with every approximated request verified by the
+guard (``verify_rate`` 1, set at runtime), for its top-1 per agent.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import math
 import random
 import secrets
 import shlex
+import statistics
 import threading
 import time
 from collections import Counter, defaultdict
@@ -37,6 +43,9 @@ QUICK_TEAMS = ("groupchat-4", "supervisor-4", "retrieval-4")
 # The retention order of the extra cell the default arm runs on the half pool at the top rate: SGLang's eviction
 # policy alone (set at runtime), against the default's ``workflow`` on the same server.
 LRU = "sglang"
+# The replays each large-pool server runs after its timed cells (see the module docstring).
+EXTRAS = {"stock": ("idle",), "default": ("idle", "fidelity")}
+DOCUMENT_KIND = "retrieval"  # the teams whose requests carry >= 1K shared tokens: the guard's fidelity replay
 
 
 def arrivals(n: int, per_minute: float, seed: int) -> list[float]:
@@ -97,13 +106,15 @@ def compact_report(rep: Optional[dict]) -> dict:
     return {"shared": rep.get("shared_tokens", 0), "reused": rep.get("shared_tokens_reused", 0),
             "fallbacks": [f["reason"] for f in rep.get("fallbacks") or []], "sources": len(sources),
             "assembly_s": rep.get("assembly_seconds", 0.0), "aligned": rep.get("tokens_aligned", 0),
-            "recomputed": (rep.get("tokens_head_recomputed") or 0) + (rep.get("tokens_sparse_recomputed") or 0)}
+            "recomputed": (rep.get("tokens_head_recomputed") or 0) + (rep.get("tokens_sparse_recomputed") or 0),
+            "forwards": rep.get("prefill_forwards"), "agent": rep.get("agent")}
 
 
 def run_cell(url: str, teams: Sequence[dict], per_minute: float, seed: int, max_tokens: int, bar=None) -> dict:
-    """Replay ``teams`` arriving at ``per_minute``: every request's row and every team's start and end."""
-    times, rows, spans, lock = arrivals(len(teams), per_minute, seed), [], [], threading.Lock()
-    start = time.perf_counter()
+    """Replay ``teams`` arriving at ``per_minute``: every request's row and every team's start and end.
+    ``per_minute`` 0: one team at a time, in order, on an otherwise idle server."""
+    times = arrivals(len(teams), per_minute, seed) if per_minute > 0 else [0.0] * len(teams)
+    rows, spans, lock, start = [], [], threading.Lock(), time.perf_counter()
 
     def team_run(i: int) -> None:
         time.sleep(max(0.0, times[i] - (time.perf_counter() - start)))
@@ -117,7 +128,7 @@ def run_cell(url: str, teams: Sequence[dict], per_minute: float, seed: int, max_
                 bar.update()
         spans.append([t0, time.perf_counter() - start])
 
-    with ThreadPoolExecutor(max_workers=len(teams)) as pool:
+    with ThreadPoolExecutor(max_workers=max(1, len(teams) if per_minute > 0 else 1)) as pool:
         list(pool.map(team_run, range(len(teams))))
     return {"rows": rows, "spans": spans, "wall_s": time.perf_counter() - start}
 
@@ -170,6 +181,59 @@ def derive(run: dict, stock_answers: Optional[dict] = None) -> dict:
         agree = sum(a == b for a, b in pairs)
         cell["agreement_with_stock"] = {"equal": agree, "n": len(pairs), "ci95": wilson(agree, len(pairs))}
     return cell
+
+
+def floor_ttft(url: str, n: int = 5) -> Optional[float]:
+    """Median TTFT of ``n`` one-line chat requests on an idle server: HTTP, scheduling, one short forward and the
+    first decode step, the part of a turn's TTFT that no reuse can remove."""
+    got = [r["ttft_s"] for r in (chat_stream(url, [{"role": "user", "content": "Say hello."}], 4) for _ in range(n))
+           if r["status"] == 200 and r["ttft_s"] is not None]
+    return round(statistics.median(got), 4) if got else None
+
+
+def derive_idle(run: dict, floor: Optional[float]) -> dict:
+    """The idle replay: the floor, TTFT p50 of turns 2.. (all; with and without reused tokens), prefill forwards
+    per request, and every turn's TTFT (the report pairs them with stock's)."""
+    later = [r for r in run["rows"] if r["status"] == 200 and r["ttft_s"] is not None and r["turn"] > 1]
+    reused = [r["ttft_s"] for r in later if r.get("reused", 0) > 0]
+    return {"floor_ttft_s": floor, "ttft_p50_s": _p([r["ttft_s"] for r in later], 0.5),
+            "reused_ttft_p50_s": _p(reused, 0.5), "dense_ttft_p50_s": _p([r["ttft_s"] for r in later
+                                                                          if r.get("reused", 0) == 0], 0.5),
+            "requests": len(run["rows"]), "reused_requests": len(reused),
+            "prefill_forwards": dict(Counter(str(r["forwards"]) for r in later if r.get("forwards") is not None)),
+            "turns": [{"team": r["team"], "turn": r["turn"], "ttft_s": round(r["ttft_s"], 4),
+                       "reused": r.get("reused", 0)} for r in sorted(later, key=lambda r: (r["team"], r["turn"]))],
+            "errors_5xx": sum(r["status"] >= 500 for r in run["rows"]),
+            "lost": sum(r["status"] == 0 for r in run["rows"])}
+
+
+def per_agent(rows: Sequence[dict], scopes: dict) -> list[dict]:
+    """The guard's estimates per agent, named by team and position (the order in which an agent first speaks in
+    its team), never by the server's agent digest. ``scopes``: ``GET /kvshare/fidelity``'s ``per_scope``."""
+    out, seen = [], set()
+    for r in sorted(rows, key=lambda r: (r["team"], r["turn"])):
+        agent = r.get("agent")
+        if agent is None or (r["team"], agent) in seen:
+            continue
+        seen.add((r["team"], agent))
+        scope = scopes.get(agent) or {}
+        out.append({"team": r["team"], "position": sum(1 for t, _ in seen if t == r["team"]),
+                    "reused_requests": sum(1 for x in rows if x.get("agent") == agent and x.get("reused", 0) > 0),
+                    "samples": scope.get("samples", 0), "top1": scope.get("top1") or {"n": 0, "mean": None}})
+    return out
+
+
+def fidelity_replay(url: str, key: str, teams: Sequence[dict], max_tokens: int, bar=None) -> dict:
+    """The retrieval teams one at a time with every approximated request verified (``verify_rate`` 1): the guard's
+    top-1 per agent, once every verification has ended (a deadline of 600 s)."""
+    set_rate = call(url, key, "POST", "/kvshare/config", {"verify_rate": 1.0})
+    run = run_cell(url, teams, 0.0, 0, max_tokens, bar)
+    guard = settled_guard(url, key, deadline_s=600.0)
+    return {"teams": [t["name"] for t in teams], "verify_rate": 1.0 if set_rate is not None else None,
+            "verified": (guard.get("counters") or {}).get("verified", 0),
+            "per_agent": per_agent(run["rows"], guard.get("per_scope") or {}),
+            "errors_5xx": sum(r["status"] >= 500 for r in run["rows"]),
+            "lost": sum(r["status"] == 0 for r in run["rows"])}
 
 
 def retention(stats: Optional[dict]) -> str:
@@ -269,7 +333,8 @@ def plan(args: argparse.Namespace, teams: list[dict]) -> dict:
             cells = [[rate, None] for rate in rates]
             if arm == "default" and pool == "half":
                 cells.append([top, LRU])
-            servers.append({"arm": arm, "pool": pool, "flags": flags, "command": shlex.join(cmd), "cells": cells})
+            servers.append({"arm": arm, "pool": pool, "flags": flags, "command": shlex.join(cmd), "cells": cells,
+                            "extras": list(EXTRAS.get(arm, ())) if pool == "large" else []})
     return {"model": model, "teams": {t["name"]: t["agents"] for t in teams}, "rates": args.rates,
             "working_set_tokens": working_set(teams, args.max_tokens), "servers": servers}
 
@@ -289,7 +354,10 @@ def main(argv=None) -> int:
     result = {"meta": run_meta(), "settings": {k: str(v) for k, v in vars(args).items()}, "arms": ARMS,
               "plan": {k: v for k, v in the_plan.items() if k != "servers"}, "cells": [], "pool_samples": {}}
     stock_answers: dict = {}
-    bar = tqdm(total=sum(len(spec["cells"]) for spec in the_plan["servers"]) * sum(len(t["requests"]) for t in teams),
+    short, docs = ([t for t in teams if (t["kind"] == DOCUMENT_KIND) == want] for want in (False, True))
+    per_extra = {"idle": sum(len(t["requests"]) for t in short), "fidelity": sum(len(t["requests"]) for t in docs)}
+    bar = tqdm(total=sum(len(spec["cells"]) * sum(len(t["requests"]) for t in teams)
+                         + sum(per_extra[x] for x in spec["extras"]) for spec in the_plan["servers"]),
                desc="agent_traffic", unit="req")
     for spec in the_plan["servers"]:
         proc = ServerProcess(model_path=the_plan["model"], stock=spec["arm"] == "stock", kvshare_args=ARMS[spec["arm"]],
@@ -323,6 +391,17 @@ def main(argv=None) -> int:
                 result["pool_samples"][cell_key] = samples
                 result["wall_s"] = round(time.perf_counter() - t_start, 1)
                 write_json(args.out, result)  # a stopped run keeps its finished cells
+            for extra in spec["extras"]:
+                for path in ("/flush_cache", "/kvshare/reset", "/kvshare/fidelity/reset"):
+                    call(proc.url, key, "POST", path)
+                if extra == "idle" and short:
+                    floor = floor_ttft(proc.url)
+                    result.setdefault("idle", {})[spec["arm"]] = derive_idle(
+                        run_cell(proc.url, short, 0.0, args.seed, args.max_tokens, bar), floor)
+                elif extra == "fidelity" and docs:
+                    result["fidelity"] = fidelity_replay(proc.url, key, docs, args.max_tokens, bar)
+                result["wall_s"] = round(time.perf_counter() - t_start, 1)
+                write_json(args.out, result)
     bar.close()
     plot(result, args.out.with_suffix(".png"))
     print(render_agent_traffic(result))

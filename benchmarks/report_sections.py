@@ -7,6 +7,7 @@ naming the file when one cannot read what it expects.
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -158,7 +159,41 @@ def render_agent_traffic(d: dict) -> str:
                      "recomputed tok"], by_sources)
             + f"\n\nTTFT (s) per position in teams of 8 and more, large pool, {low:g} teams/min: "
             + ("\n\n" + "\n".join(turns) if turns else "none in this run.")
-            + "\n\nThe guard's top-1 per agent, default arm: " + ("; ".join(guard) or "none verified") + ".")
+            + "\n\nThe guard's top-1 per agent, default arm: " + ("; ".join(guard) or "none verified") + "."
+            + _idle_part(d.get("idle") or {}) + _fidelity_part(d.get("fidelity")))
+
+
+def _idle_part(idle: dict) -> str:
+    """The idle replay: each arm's floor and p50s, and the default's turns against stock's same turns."""
+    if not idle:
+        return ""
+    rows = [[f"`{arm}`", num(c["floor_ttft_s"], ".2f", " s"), num(c["ttft_p50_s"], ".2f", " s"),
+             f"{c['reused_requests']} / {num(c['reused_ttft_p50_s'], '.2f', ' s')}", num(c["dense_ttft_p50_s"], ".2f", " s"),
+             ", ".join(f"{k}: {v}" for k, v in sorted(c["prefill_forwards"].items())) or "-",
+             f"{c['errors_5xx']} / {c['lost']}"] for arm, c in idle.items()]
+    stock = {(t["team"], t["turn"]): t["ttft_s"] for t in (idle.get("stock") or {}).get("turns", [])}
+    paired = {kind: [stock[k] / t["ttft_s"] for t in (idle.get("default") or {}).get("turns", [])
+                     if (k := (t["team"], t["turn"])) in stock and t["ttft_s"] and (t["reused"] > 0) == reused]
+              for kind, reused in (("with reused tokens", True), ("without", False))}
+    ratios = "; ".join(f"{kind}: median {num(statistics.median(v), '.2f')}x over {len(v)} turns "
+                       f"({num(min(v), '.2f')}-{num(max(v), '.2f')}x)" for kind, v in paired.items() if v)
+    return ("\n\nThe short-message teams one at a time on an idle server (large pool; floor: the TTFT of a one-line "
+            "request, which no reuse removes):\n\n"
+            + table(["arm", "floor TTFT", "TTFT p50", "reused requests / their p50", "p50 without reuse",
+                     "prefill forwards: requests", "5xx / lost"], rows)
+            + "\n\nStock's TTFT over the default's, same team and turn: " + (ratios or "none paired") + ".")
+
+
+def _fidelity_part(f: Optional[dict]) -> str:
+    """The guard's top-1 per agent in the fidelity replay (every approximated request verified)."""
+    if not f:
+        return ""
+    agents = [f"{a['team']} agent {a['position']}: {num(a['top1'].get('mean'), '.3f')} "
+              f"{interval(a['top1'].get('ci95'), '.3f')} ({a['samples']} verified of {a['reused_requests']} reused)"
+              for a in f["per_agent"] if a["reused_requests"]]
+    return (f"\n\nThe guard's top-1 per agent, teams {', '.join(f['teams'])} one at a time, every approximated "
+            f"request verified (verify rate {num(f['verify_rate'], 'g')}; {f['verified']} verified; "
+            f"5xx / lost {f['errors_5xx']} / {f['lost']}): " + ("; ".join(agents) or "no request reused") + ".")
 
 
 def render_demo(d: dict) -> str:

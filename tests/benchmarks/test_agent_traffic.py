@@ -129,6 +129,52 @@ def test_the_quick_plan_runs_both_rates_on_the_large_pool_off_once_and_the_lru_o
     assert cells[("default", "half")] == [[60.0, None], [60.0, at.LRU]]  # the same server, SGLang's order alone
     assert {s["flags"][-1] for s in at.plan(args, teams)["servers"] if s["pool"] == "half"} == {
         str(at.pool_tokens("half", teams, args.max_tokens))}
+    extras = {(s["arm"], s["pool"]): s["extras"] for s in at.plan(args, teams)["servers"]}
+    assert extras == {("stock", "large"): ["idle"], ("default", "large"): ["idle", "fidelity"],
+                      ("off", "large"): [], ("stock", "half"): [], ("default", "half"): []}
+
+
+def test_rate_zero_replays_one_team_at_a_time_in_order(monkeypatch):
+    live, order, lock = [0], [], __import__("threading").Lock()
+
+    def chat(url, messages, max_tokens):
+        with lock:
+            live[0] += 1
+            order.append((messages[0]["content"], len(messages)))
+            assert live[0] == 1  # never two requests at once
+        __import__("time").sleep(0.01)
+        with lock:
+            live[0] -= 1
+        return {"status": 200, "ttft_s": 0.1, "e2e_s": 0.2, "text": "a", "output_tokens": 1, "report": None}
+
+    monkeypatch.setattr(at, "chat_stream", chat)
+    teams = [t for t in agent_teams.load() if t["name"] in ("groupchat-4", "supervisor-4")]
+    run = at.run_cell("http://unused", teams, 0.0, 0, 8)
+    assert len(run["rows"]) == sum(len(t["requests"]) for t in teams) == len(order)
+    assert [r["team"] for r in run["rows"]] == [t["name"] for t in teams for _ in t["requests"]]
+    assert all(a[1] <= b[0] for a, b in zip(run["spans"], run["spans"][1:]))  # each team starts after the last
+
+
+def test_the_idle_replay_keeps_turns_two_on_and_splits_reused_from_dense():
+    rows = [_row("g", 1, 5.0, reused=0, forwards=1), _row("g", 2, 0.4, reused=0, forwards=1),
+            _row("g", 3, 0.6, reused=0, forwards=1), _row("r", 2, 1.0, reused=300, forwards=2),
+            _row("r", 3, None, status=503)]
+    idle = at.derive_idle({"rows": rows}, 0.25)
+    assert idle["floor_ttft_s"] == 0.25 and idle["ttft_p50_s"] == 0.6
+    assert (idle["reused_requests"], idle["reused_ttft_p50_s"], idle["dense_ttft_p50_s"]) == (1, 1.0, 0.5)
+    assert idle["prefill_forwards"] == {"1": 2, "2": 1} and (idle["errors_5xx"], idle["requests"]) == (1, 5)
+    assert [(t["team"], t["turn"]) for t in idle["turns"]] == [("g", 2), ("g", 3), ("r", 2)]
+
+
+def test_the_guard_per_agent_is_named_by_team_and_position_never_by_digest():
+    rows = [_row("r", 1, 1.0, agent="auto-aa", reused=0), _row("r", 2, 1.0, agent="auto-bb", reused=10),
+            _row("r", 3, 1.0, agent="auto-aa", reused=10), _row("s", 1, 1.0, agent="auto-bb", reused=0),
+            _row("s", 2, 1.0, agent=None)]
+    scopes = {"auto-aa": {"samples": 1, "top1": {"n": 32, "mean": 0.97, "ci95": [0.9, 1.0]}}}
+    agents = at.per_agent(rows, scopes)
+    assert [(a["team"], a["position"], a["samples"]) for a in agents] == [("r", 1, 1), ("r", 2, 0), ("s", 1, 0)]
+    assert agents[0]["top1"]["mean"] == 0.97 and agents[1]["top1"] == {"n": 0, "mean": None}
+    assert agents[0]["reused_requests"] == 1 and "auto-aa" not in json.dumps(agents)
 
 
 def test_the_wilson_interval():
@@ -154,9 +200,17 @@ def results_file() -> dict:
             cells.append({"arm": arm, "pool": pool, "rate": 4.0, "retention": "lru", "max_total_tokens": 16384,
                           **at.derive(run, None if arm == "stock" else {("groupchat-8", k): "x" for k in range(1, 5)}),
                           "guard_top1": {"agent a": {"samples": 4, "top1": {"n": 4, "mean": 0.9875}}}})
+    idle_rows = [_row("groupchat-8", k, 0.4 + 0.1 * k, reused=300 if k == 3 else 0, forwards=1) for k in range(1, 5)]
+    idle = {"stock": at.derive_idle({"rows": [{**r, "ttft_s": 2 * r["ttft_s"]} for r in idle_rows]}, 0.3),
+            "default": at.derive_idle({"rows": idle_rows}, 0.31)}
+    fidelity = {"teams": ["retrieval-8"], "verify_rate": 1.0, "verified": 3, "errors_5xx": 0, "lost": 0,
+                "per_agent": [{"team": "retrieval-8", "position": 2, "reused_requests": 2, "samples": 2,
+                               "top1": {"n": 64, "mean": 0.96875, "ci95": [0.9, 1.0]}},
+                              {"team": "retrieval-8", "position": 1, "reused_requests": 0, "samples": 0,
+                               "top1": {"n": 0, "mean": None}}]}
     return {"meta": run_meta("python -m benchmarks.agent_traffic --quick"), "plan": {
         "teams": {"groupchat-8": 8}, "working_set_tokens": 1000, "rates": [4.0]}, "cells": cells, "wall_s": 10.0,
-        "pool_samples": {"default/half/4.0": [[1.0, 0.5, 0], [2.0, 0.9, 100]]}}
+        "pool_samples": {"default/half/4.0": [[1.0, 0.5, 0], [2.0, 0.9, 100]]}, "idle": idle, "fidelity": fidelity}
 
 
 def test_the_results_file_has_the_cells_the_issue_names_and_a_report_section():
@@ -173,10 +227,17 @@ def test_the_results_file_has_the_cells_the_issue_names_and_a_report_section():
     assert "reuse 0.80" in figure and f"large pool, 4 teams/min{lru}: 4/4 [" in fidelity
     text = report.section(entry, data, report.RESULTS)
     assert "| `default` | half (16384) | 4 | lru |" in text and "1.00x / 1.00x" in text
-    assert render_agent_traffic(data).count("\n| `") == len(data["cells"])
+    assert render_agent_traffic(data).count("\n| `") == len(data["cells"]) + len(data["idle"])
     assert "* `default` groupchat-8: 0.5 1.0 1.5 2.0" in text  # per position, a long team
     assert "top-1 per agent, default arm: large 4/min: 0.988 (n 4); half 4/min: 0.988 (n 4)." in text
     assert "Reuse per team, default arm: large 4/min lru: groupchat-8 0.80;" in text
+    assert "| `default` | 0.31 s | 0.70 s | 1 / 0.70 s | 0.70 s | 1: 3 | 0 / 0 |" in text
+    assert "with reused tokens: median 2.00x over 1 turns (2.00-2.00x); without: median 2.00x over 2 turns" in text
+    assert "retrieval-8 agent 2: 0.969 [0.900, 1.000] (2 verified of 2 reused)." in text
+    assert "agent 1" not in text.split("every approximated request verified")[1]  # agents that reused nothing
+    assert "every reused request verified: 0.969-0.969 over 1 agents" in fidelity
+    old = {k: v for k, v in data.items() if k not in ("idle", "fidelity")}  # files written before both replays
+    assert "idle server" not in render_agent_traffic(old) and "verified:" not in report.HEADLINE[entry.name](old)[2]
 
 
 def test_the_plot_draws_from_the_file(tmp_path):
