@@ -198,7 +198,10 @@ REGISTRY: list[Benchmark] = [
         "One server per arm and pool (the working set, or half of it), the same flags in each; teams arrive by a "
         "Poisson process, each request a plain streamed chat call whose history holds this server's answers. `reuse` "
         "= shared tokens served from another agent's KV; fallbacks from the responses' reports; greedy answers "
-        "compared with stock's at the same pool and rate. The plot: pool occupancy and evicted tokens over time.",
+        "compared with stock's at the same pool and rate. Then, on the large pool, one team at a time: the "
+        "short-message teams on stock and the default (after a floor probe, a one-line request), and the retrieval "
+        "teams on the default with the guard verifying every reused request. The plot: pool occupancy and evicted "
+        "tokens over time.",
         render_agent_traffic, plot_from("benchmarks.agent_traffic", "plot"), results_png=True, optional=True),
     Benchmark(
         "agent_traffic_long", "agent_traffic_long.json",
