@@ -209,7 +209,9 @@ def derive_idle(run: dict, floor: Optional[float]) -> dict:
 
 def per_agent(rows: Sequence[dict], scopes: dict) -> list[dict]:
     """The guard's estimates per agent, named by team and position (the order in which an agent first speaks in
-    its team), never by the server's agent digest. ``scopes``: ``GET /kvshare/fidelity``'s ``per_scope``."""
+    its team), never by the server's agent digest. ``scopes``: ``GET /kvshare/fidelity``'s ``per_scope``. Auto
+    mode names an agent by its system prompt, so the same prompt in two teams is one guard scope: both rows show
+    its estimate, and ``reused_requests`` counts the team's own."""
     out, seen = [], set()
     for r in sorted(rows, key=lambda r: (r["team"], r["turn"])):
         agent = r.get("agent")
@@ -218,7 +220,8 @@ def per_agent(rows: Sequence[dict], scopes: dict) -> list[dict]:
         seen.add((r["team"], agent))
         scope = scopes.get(agent) or {}
         out.append({"team": r["team"], "position": sum(1 for t, _ in seen if t == r["team"]),
-                    "reused_requests": sum(1 for x in rows if x.get("agent") == agent and x.get("reused", 0) > 0),
+                    "reused_requests": sum(1 for x in rows if x["team"] == r["team"] and x.get("agent") == agent
+                                           and x.get("reused", 0) > 0),
                     "samples": scope.get("samples", 0), "top1": scope.get("top1") or {"n": 0, "mean": None}})
     return out
 

@@ -175,6 +175,7 @@ def test_the_guard_per_agent_is_named_by_team_and_position_never_by_digest():
     assert [(a["team"], a["position"], a["samples"]) for a in agents] == [("r", 1, 1), ("r", 2, 0), ("s", 1, 0)]
     assert agents[0]["top1"]["mean"] == 0.97 and agents[1]["top1"] == {"n": 0, "mean": None}
     assert agents[0]["reused_requests"] == 1 and "auto-aa" not in json.dumps(agents)
+    assert [a["reused_requests"] for a in agents] == [1, 1, 0]  # each team's own requests, one scope or not
 
 
 def test_the_wilson_interval():
