@@ -3,7 +3,8 @@
 Teams (``benchmarks/workloads/agent_teams.py``) arrive by a seeded Poisson process at each rate (teams per
 minute); every request is a plain streamed greedy ``/v1/chat/completions`` call whose history holds this
 server's earlier answers. Arms, the same server flags in each: ``stock`` (``sglang.launch_server``), ``off``
-(``--kvshare-mode off``, auto annotation on) and ``default`` (``--kvshare-auto true``), each with a ``large`` pool
+(``--kvshare-mode off``, auto annotation on) and ``default`` (``--kvshare-auto true``; the study arm ``any_length``
+adds ``--kvshare-min-reuse-tokens 0``), each with a ``large`` pool
 (the working set fits) and ``half`` of the working set; on the half pool the default arm also runs the top rate
 under SGLang's eviction order alone (``retention`` ``sglang``, set at runtime). ``--quick``: 3 teams of 4; stock and
 the default at rates 4 and 60 on the large pool and at 60 on the half one, ``off`` at 60 on the large pool; under 20
@@ -38,13 +39,15 @@ from benchmarks.harness import RESULTS, percentile, run_meta, verifications_sett
 from benchmarks.report_sections import render_agent_traffic
 from benchmarks.workloads.agent_teams import load, messages_of
 
-ARMS = {"stock": [], "off": ["--kvshare-mode", "off", "--kvshare-auto", "true"], "default": ["--kvshare-auto", "true"]}
+ARMS = {"stock": [], "off": ["--kvshare-mode", "off", "--kvshare-auto", "true"], "default": ["--kvshare-auto", "true"],
+        "any_length": ["--kvshare-auto", "true", "--kvshare-min-reuse-tokens", "0"]}
+DEFAULT_ARMS = ("stock", "off", "default")  # any_length: what the default's short-segment rule keeps dense, reused
 QUICK_TEAMS = ("groupchat-4", "supervisor-4", "retrieval-4")
 # The retention order of the extra cell the default arm runs on the half pool at the top rate: SGLang's eviction
 # policy alone (set at runtime), against the default's ``workflow`` on the same server.
 LRU = "sglang"
 # The replays each large-pool server runs after its timed cells (see the module docstring).
-EXTRAS = {"stock": ("idle",), "default": ("idle", "fidelity")}
+EXTRAS = {"stock": ("idle",), "default": ("idle", "fidelity"), "any_length": ("idle",)}
 DOCUMENT_KIND = "retrieval"  # the teams whose requests carry >= 1K shared tokens: the guard's fidelity replay
 
 
@@ -177,10 +180,15 @@ def derive(run: dict, stock_answers: Optional[dict] = None) -> dict:
             "requests": len(rows), "errors_5xx": sum(r["status"] >= 500 for r in rows),
             "lost": sum(r["status"] == 0 for r in rows)}
     if stock_answers:
-        pairs = [(r["text"], stock_answers[k]) for r in ok if (k := (r["team"], r["turn"])) in stock_answers]
-        agree = sum(a == b for a, b in pairs)
-        cell["agreement_with_stock"] = {"equal": agree, "n": len(pairs), "ci95": wilson(agree, len(pairs))}
+        cell["agreement_with_stock"] = agreement(ok, stock_answers)
     return cell
+
+
+def agreement(rows: Sequence[dict], stock_answers: dict) -> dict:
+    """How many of ``rows`` gave stock's answer to the same team and turn, with the 95 % Wilson interval."""
+    pairs = [(r["text"], stock_answers[k]) for r in rows if (k := (r["team"], r["turn"])) in stock_answers]
+    agree = sum(a == b for a, b in pairs)
+    return {"equal": agree, "n": len(pairs), "ci95": wilson(agree, len(pairs))}
 
 
 def floor_ttft(url: str, n: int = 5) -> Optional[float]:
@@ -191,9 +199,10 @@ def floor_ttft(url: str, n: int = 5) -> Optional[float]:
     return round(statistics.median(got), 4) if got else None
 
 
-def derive_idle(run: dict, floor: Optional[float]) -> dict:
+def derive_idle(run: dict, floor: Optional[float], stock_answers: Optional[dict] = None) -> dict:
     """The idle replay: the floor, TTFT p50 of turns 2.. (all; with and without reused tokens), prefill forwards
-    per request, and every turn's TTFT (the report pairs them with stock's)."""
+    per request, every turn's TTFT (the report pairs them with stock's), and with stock's idle answers
+    (``{(team, turn): text}``) the agreement of turns 2.. with them."""
     later = [r for r in run["rows"] if r["status"] == 200 and r["ttft_s"] is not None and r["turn"] > 1]
     reused = [r["ttft_s"] for r in later if r.get("reused", 0) > 0]
     return {"floor_ttft_s": floor, "ttft_p50_s": _p([r["ttft_s"] for r in later], 0.5),
@@ -204,7 +213,8 @@ def derive_idle(run: dict, floor: Optional[float]) -> dict:
             "turns": [{"team": r["team"], "turn": r["turn"], "ttft_s": round(r["ttft_s"], 4),
                        "reused": r.get("reused", 0)} for r in sorted(later, key=lambda r: (r["team"], r["turn"]))],
             "errors_5xx": sum(r["status"] >= 500 for r in run["rows"]),
-            "lost": sum(r["status"] == 0 for r in run["rows"])}
+            "lost": sum(r["status"] == 0 for r in run["rows"]),
+            **({"agreement_with_stock": agreement(later, stock_answers)} if stock_answers else {})}
 
 
 def per_agent(rows: Sequence[dict], scopes: dict) -> list[dict]:
@@ -295,7 +305,8 @@ def parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.agent_traffic", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true",
                     help="teams " + " ".join(QUICK_TEAMS) + ", rates 4 and 60 (the half pool and off: 60)")
-    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    ap.add_argument("--arms", nargs="+", default=list(DEFAULT_ARMS), choices=list(ARMS),
+                    help="any_length: the default with min_reuse_tokens 0, a study arm (default: %(default)s)")
     ap.add_argument("--pools", nargs="+", default=["large", "half"], choices=["large", "half"])
     ap.add_argument("--rates", type=float, nargs="+", default=None, help="teams per minute (default 2 6 20 60)")
     ap.add_argument("--teams", nargs="+", default=None, help="trace team names (default: every team)")
@@ -357,6 +368,7 @@ def main(argv=None) -> int:
     result = {"meta": run_meta(), "settings": {k: str(v) for k, v in vars(args).items()}, "arms": ARMS,
               "plan": {k: v for k, v in the_plan.items() if k != "servers"}, "cells": [], "pool_samples": {}}
     stock_answers: dict = {}
+    idle_answers: dict = {}
     short, docs = ([t for t in teams if (t["kind"] == DOCUMENT_KIND) == want] for want in (False, True))
     per_extra = {"idle": sum(len(t["requests"]) for t in short), "fidelity": sum(len(t["requests"]) for t in docs)}
     bar = tqdm(total=sum(len(spec["cells"]) * sum(len(t["requests"]) for t in teams)
@@ -399,8 +411,11 @@ def main(argv=None) -> int:
                     call(proc.url, key, "POST", path)
                 if extra == "idle" and short:
                     floor = floor_ttft(proc.url)
+                    idle = run_cell(proc.url, short, 0.0, args.seed, args.max_tokens, bar)
+                    if spec["arm"] == "stock":
+                        idle_answers = {(r["team"], r["turn"]): r["text"] for r in idle["rows"]}
                     result.setdefault("idle", {})[spec["arm"]] = derive_idle(
-                        run_cell(proc.url, short, 0.0, args.seed, args.max_tokens, bar), floor)
+                        idle, floor, None if spec["arm"] == "stock" else idle_answers)
                 elif extra == "fidelity" and docs:
                     result["fidelity"] = fidelity_replay(proc.url, key, docs, args.max_tokens, bar)
                 result["wall_s"] = round(time.perf_counter() - t_start, 1)

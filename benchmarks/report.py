@@ -213,6 +213,16 @@ REGISTRY: list[Benchmark] = [
         "each team's turns in order (2 rounds: position 9 of a team of 8 is agent 1's second turn).",
         render_agent_traffic, plot_from("benchmarks.agent_traffic", "plot"), results_png=True, optional=True),
     Benchmark(
+        "agent_traffic_short", "agent_traffic_short.json",
+        "python -m benchmarks.agent_traffic --teams groupchat-4 supervisor-4 groupchat-8 supervisor-8 --arms stock "
+        "any_length --pools large --rates 4 --out benchmarks/results/agent_traffic_short.json",
+        "Group chats and supervisor teams exchange short messages, which the default prefills (`short_segment`). "
+        "What would reusing them give: how much sooner the first token, and do the answers stay stock's?",
+        "As the agent-traffic run above, at one rate stock is not saturated at, then one team at a time on an idle "
+        "server. `any_length` is the default with `--kvshare-min-reuse-tokens 0`, a study arm, never the served "
+        "default.",
+        render_agent_traffic, plot_from("benchmarks.agent_traffic", "plot"), results_png=True, optional=True),
+    Benchmark(
         "frontier_retrieval", "frontier_retrieval.json",
         "python -m benchmarks.frontier --task retrieval --limit 100 --warmup 8 --heads 0 8 32 --mix 0.5 "
         "--arms off,fullshared_k0,mix_p0.5,kvcmas_k0,kvcmas_k8,fullshared_k8,kvcmas_k32,fullshared_k32",

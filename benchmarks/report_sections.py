@@ -135,31 +135,31 @@ def render_agent_traffic(d: dict) -> str:
                      num(c["throughput_tok_s"], ".1f"), num(c["reuse_ratio"]), fallbacks(c["fallbacks"]),
                      f"{agree['equal']}/{agree['n']} {interval(agree.get('ci95'), '.2f')}" if agree else "-",
                      f"{c['errors_5xx']} / {c['lost']}"])
-    kv = [c for c in d["cells"] if c["arm"] == "default"]
-    by_team = [f"{c['pool']} {c['rate']:g}/min {c['retention']}: " + ", ".join(
+    kv = [c for c in d["cells"] if c["arm"] not in ("stock", "off")]  # the arms that reuse
+    by_team = [f"{c['arm']} {c['pool']} {c['rate']:g}/min {c['retention']}: " + ", ".join(
         f"{team} {num(r)}" for team, r in c["reuse_by_team"].items()) for c in kv if c.get("reuse_by_team")]
-    by_sources = [[c["pool"], f"{c['rate']:g}", n, str(b["requests"]), num(b["ttft_p50_s"], ".2f", " s"),
+    by_sources = [[f"`{c['arm']}`", c["pool"], f"{c['rate']:g}", n, str(b["requests"]), num(b["ttft_p50_s"], ".2f", " s"),
                    num(b["assembly_s"] * 1000, ".1f", " ms"), num(b["aligned"], ".0f"), num(b["recomputed"], ".0f")]
                   for c in kv for n, b in c["by_sources"].items()]
-    guard = [f"{c['pool']} {c['rate']:g}/min: " + ", ".join(
+    guard = [f"{c['arm']} {c['pool']} {c['rate']:g}/min: " + ", ".join(
         f"{num(v['top1'].get('mean'), '.3f')} (n {v['top1'].get('n')})" for v in c["guard_top1"].values()
         if v.get("top1")) for c in kv if c.get("guard_top1")]
     low, p = min(c["rate"] for c in d["cells"]), d["plan"]
     turns = [f"* `{c['arm']}` {team}: " + " ".join(num(t, ".1f") for t in ttft) for c in d["cells"]
-             if c["pool"] == "large" and c["rate"] == low and c["arm"] in ("stock", "default")
+             if c["pool"] == "large" and c["rate"] == low and c["arm"] != "off"
              for team, ttft in sorted(c["ttft_s_per_turn"].items()) if p["teams"].get(team, 0) >= 8]
     return (f"Teams {', '.join(p['teams'])}; working set {p['working_set_tokens']} tokens; run "
             f"{num(d.get('wall_s'), '.0f')} s. TTFT: turns 2.. of every team (a team's first has nothing to reuse).\n\n"
             + table(["arm", "pool (tokens)", "rate /min", "retention", "TTFT p50", "TTFT p99", "stock / arm p50 / p99",
                      "team p50", "teams/min done", "out tok/s", "reuse", "fallbacks", "answers = stock [95 %]",
                      "5xx / lost"], rows)
-            + "\n\nReuse per team, default arm: " + ("; ".join(by_team) or "none") + "."
-            + "\n\nThe default arm by source agents a request reused (mean per request):\n\n"
-            + table(["pool", "rate /min", "sources", "requests", "TTFT p50", "assembly", "aligned tok",
+            + "\n\nReuse per team: " + ("; ".join(by_team) or "none") + "."
+            + "\n\nBy source agents a request reused (mean per request):\n\n"
+            + table(["arm", "pool", "rate /min", "sources", "requests", "TTFT p50", "assembly", "aligned tok",
                      "recomputed tok"], by_sources)
             + f"\n\nTTFT (s) per position in teams of 8 and more, large pool, {low:g} teams/min: "
             + ("\n\n" + "\n".join(turns) if turns else "none in this run.")
-            + "\n\nThe guard's top-1 per agent, default arm: " + ("; ".join(guard) or "none verified") + "."
+            + "\n\nThe guard's top-1 per agent: " + ("; ".join(guard) or "none verified") + "."
             + _idle_part(d.get("idle") or {}) + _fidelity_part(d.get("fidelity")))
 
 
@@ -170,18 +170,21 @@ def _idle_part(idle: dict) -> str:
     rows = [[f"`{arm}`", num(c["floor_ttft_s"], ".2f", " s"), num(c["ttft_p50_s"], ".2f", " s"),
              f"{c['reused_requests']} / {num(c['reused_ttft_p50_s'], '.2f', ' s')}", num(c["dense_ttft_p50_s"], ".2f", " s"),
              ", ".join(f"{k}: {v}" for k, v in sorted(c["prefill_forwards"].items())) or "-",
+             f"{a['equal']}/{a['n']} {interval(a.get('ci95'), '.2f')}" if (a := c.get("agreement_with_stock")) else "-",
              f"{c['errors_5xx']} / {c['lost']}"] for arm, c in idle.items()]
     stock = {(t["team"], t["turn"]): t["ttft_s"] for t in (idle.get("stock") or {}).get("turns", [])}
-    paired = {kind: [stock[k] / t["ttft_s"] for t in (idle.get("default") or {}).get("turns", [])
-                     if (k := (t["team"], t["turn"])) in stock and t["ttft_s"] and (t["reused"] > 0) == reused]
-              for kind, reused in (("with reused tokens", True), ("without", False))}
-    ratios = "; ".join(f"{kind}: median {num(statistics.median(v), '.2f')}x over {len(v)} turns "
-                       f"({num(min(v), '.2f')}-{num(max(v), '.2f')}x)" for kind, v in paired.items() if v)
+    ratios = []
+    for arm, c in idle.items():
+        paired = {kind: [stock[k] / t["ttft_s"] for t in c["turns"] if arm != "stock"
+                         and (k := (t["team"], t["turn"])) in stock and t["ttft_s"] and (t["reused"] > 0) == reused]
+                  for kind, reused in (("with reused tokens", True), ("without", False))}
+        ratios += [f"`{arm}` {kind}: median {num(statistics.median(v), '.2f')}x over {len(v)} turns "
+                   f"({num(min(v), '.2f')}-{num(max(v), '.2f')}x)" for kind, v in paired.items() if v]
     return ("\n\nThe short-message teams one at a time on an idle server (large pool; floor: the TTFT of a one-line "
             "request, which no reuse removes):\n\n"
             + table(["arm", "floor TTFT", "TTFT p50", "reused requests / their p50", "p50 without reuse",
-                     "prefill forwards: requests", "5xx / lost"], rows)
-            + "\n\nStock's TTFT over the default's, same team and turn: " + (ratios or "none paired") + ".")
+                     "prefill forwards: requests", "answers = stock [95 %]", "5xx / lost"], rows)
+            + "\n\nStock's TTFT over the arm's, same team and turn: " + ("; ".join(ratios) or "none paired") + ".")
 
 
 def _fidelity_part(f: Optional[dict]) -> str:

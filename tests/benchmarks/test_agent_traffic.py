@@ -123,7 +123,7 @@ def test_the_quick_plan_runs_both_rates_on_the_large_pool_off_once_and_the_lru_o
     args = at.parse(["--quick"])
     teams = [t for t in agent_teams.load() if t["name"] in args.teams]
     cells = {(s["arm"], s["pool"]): s["cells"] for s in at.plan(args, teams)["servers"]}
-    assert set(cells) == {(arm, pool) for arm in at.ARMS for pool in ("large", "half")} - {("off", "half")}
+    assert set(cells) == {(arm, pool) for arm in at.DEFAULT_ARMS for pool in ("large", "half")} - {("off", "half")}
     assert cells[("stock", "large")] == cells[("default", "large")] == [[4.0, None], [60.0, None]]
     assert cells[("stock", "half")] == cells[("off", "large")] == [[60.0, None]]
     assert cells[("default", "half")] == [[60.0, None], [60.0, at.LRU]]  # the same server, SGLang's order alone
@@ -132,6 +132,14 @@ def test_the_quick_plan_runs_both_rates_on_the_large_pool_off_once_and_the_lru_o
     extras = {(s["arm"], s["pool"]): s["extras"] for s in at.plan(args, teams)["servers"]}
     assert extras == {("stock", "large"): ["idle"], ("default", "large"): ["idle", "fidelity"],
                       ("off", "large"): [], ("stock", "half"): [], ("default", "half"): []}
+
+
+def test_the_any_length_study_arm_runs_only_when_named_and_reuses_short_segments():
+    teams = [t for t in agent_teams.load() if t["name"] == "groupchat-4"]
+    servers = at.plan(at.parse(["--arms", "stock", "any_length", "--pools", "large", "--rates", "4"]), teams)["servers"]
+    study = [s for s in servers if s["arm"] == "any_length"][0]
+    assert "--kvshare-min-reuse-tokens 0" in study["command"] and study["extras"] == ["idle"]
+    assert "any_length" not in at.parse([]).arms and "any_length" not in at.parse(["--quick"]).arms
 
 
 def test_rate_zero_replays_one_team_at_a_time_in_order(monkeypatch):
@@ -196,14 +204,14 @@ def results_file() -> dict:
     rows = [_row("groupchat-8", k, 0.5 * k, shared=100, reused=80, sources=1) for k in range(1, 5)]
     run = {"rows": rows, "spans": [[0.0, 10.0]], "wall_s": 10.0}
     cells = []
-    for arm in at.ARMS:
+    for arm in at.DEFAULT_ARMS:
         for pool in ("large", "half"):
             cells.append({"arm": arm, "pool": pool, "rate": 4.0, "retention": "lru", "max_total_tokens": 16384,
                           **at.derive(run, None if arm == "stock" else {("groupchat-8", k): "x" for k in range(1, 5)}),
                           "guard_top1": {"agent a": {"samples": 4, "top1": {"n": 4, "mean": 0.9875}}}})
     idle_rows = [_row("groupchat-8", k, 0.4 + 0.1 * k, reused=300 if k == 3 else 0, forwards=1) for k in range(1, 5)]
     idle = {"stock": at.derive_idle({"rows": [{**r, "ttft_s": 2 * r["ttft_s"]} for r in idle_rows]}, 0.3),
-            "default": at.derive_idle({"rows": idle_rows}, 0.31)}
+            "default": at.derive_idle({"rows": idle_rows}, 0.31, {("groupchat-8", k): "x" for k in range(1, 5)})}
     fidelity = {"teams": ["retrieval-8"], "verify_rate": 1.0, "verified": 3, "errors_5xx": 0, "lost": 0,
                 "per_agent": [{"team": "retrieval-8", "position": 2, "reused_requests": 2, "samples": 2,
                                "top1": {"n": 64, "mean": 0.96875, "ci95": [0.9, 1.0]}},
@@ -228,12 +236,15 @@ def test_the_results_file_has_the_cells_the_issue_names_and_a_report_section():
     assert "reuse 0.80" in figure and f"large pool, 4 teams/min{lru}: 4/4 [" in fidelity
     text = report.section(entry, data, report.RESULTS)
     assert "| `default` | half (16384) | 4 | lru |" in text and "1.00x / 1.00x" in text
-    assert render_agent_traffic(data).count("\n| `") == len(data["cells"]) + len(data["idle"])
+    by_sources = sum(len(c["by_sources"]) for c in data["cells"] if c["arm"] == "default")
+    assert render_agent_traffic(data).count("\n| `") == len(data["cells"]) + len(data["idle"]) + by_sources
     assert "* `default` groupchat-8: 0.5 1.0 1.5 2.0" in text  # per position, a long team
-    assert "top-1 per agent, default arm: large 4/min: 0.988 (n 4); half 4/min: 0.988 (n 4)." in text
-    assert "Reuse per team, default arm: large 4/min lru: groupchat-8 0.80;" in text
-    assert "| `default` | 0.31 s | 0.70 s | 1 / 0.70 s | 0.70 s | 1: 3 | 0 / 0 |" in text
-    assert "with reused tokens: median 2.00x over 1 turns (2.00-2.00x); without: median 2.00x over 2 turns" in text
+    assert "top-1 per agent: default large 4/min: 0.988 (n 4); default half 4/min: 0.988 (n 4)." in text
+    assert "Reuse per team: default large 4/min lru: groupchat-8 0.80;" in text
+    assert "| `default` | 0.31 s | 0.70 s | 1 / 0.70 s | 0.70 s | 1: 3 | 3/3 [0.44, 1.00] | 0 / 0 |" in text
+    assert "| `stock` | 0.30 s | 1.40 s |" in text and "| - | 0 / 0 |" in text  # stock: no agreement with itself
+    assert ("`default` with reused tokens: median 2.00x over 1 turns (2.00-2.00x); `default` without: median 2.00x "
+            "over 2 turns") in text
     assert "retrieval-8 agent 2: 0.969 [0.900, 1.000] (2 verified of 2 reused)." in text
     assert "agent 1" not in text.split("every approximated request verified")[1]  # agents that reused nothing
     assert "every reused request verified: 0.969-0.969 over 1 agents" in fidelity
