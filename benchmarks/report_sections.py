@@ -164,12 +164,13 @@ def render_agent_traffic(d: dict) -> str:
 
 
 def _idle_part(idle: dict) -> str:
-    """The idle replay: each arm's floor and p50s, and the default's turns against stock's same turns."""
+    """The idle replay: each arm's floor, p50s, prefill forwards and answers, and its turns against stock's."""
     if not idle:
         return ""
     rows = [[f"`{arm}`", num(c["floor_ttft_s"], ".2f", " s"), num(c["ttft_p50_s"], ".2f", " s"),
              f"{c['reused_requests']} / {num(c['reused_ttft_p50_s'], '.2f', ' s')}", num(c["dense_ttft_p50_s"], ".2f", " s"),
-             ", ".join(f"{k}: {v}" for k, v in sorted(c["prefill_forwards"].items())) or "-",
+             ", ".join(f"{k}: {v}" for k, v in sorted(c["prefill_forwards"].items(), key=lambda kv: int(kv[0])))
+             or "-",
              f"{a['equal']}/{a['n']} {interval(a.get('ci95'), '.2f')}" if (a := c.get("agreement_with_stock")) else "-",
              f"{c['errors_5xx']} / {c['lost']}"] for arm, c in idle.items()]
     stock = {(t["team"], t["turn"]): t["ttft_s"] for t in (idle.get("stock") or {}).get("turns", [])}
