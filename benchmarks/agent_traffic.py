@@ -126,7 +126,8 @@ def run_cell(url: str, teams: Sequence[dict], per_minute: float, seed: int, max_
             out = chat_stream(url, messages_of(team, k, answers), max_tokens)
             answers.append(out["text"] if out["status"] == 200 else req["answer"])
             with lock:
-                rows.append({"team": team["name"], "turn": k + 1, **compact_report(out.pop("report")), **out})
+                rows.append({"team": team["name"], "turn": k + 1, "speaker": json.dumps(req["messages"][0]),
+                             **compact_report(out.pop("report")), **out})
             if bar is not None:
                 bar.update()
         spans.append([t0, time.perf_counter() - start])
@@ -219,20 +220,20 @@ def derive_idle(run: dict, floor: Optional[float], stock_answers: Optional[dict]
 
 def per_agent(rows: Sequence[dict], scopes: dict) -> list[dict]:
     """The guard's estimates per agent, named by team and position (the order in which an agent first speaks in
-    its team), never by the server's agent digest. ``scopes``: ``GET /kvshare/fidelity``'s ``per_scope``. Auto
-    mode names an agent by its system prompt, so the same prompt in two teams is one guard scope: both rows show
-    its estimate, and ``reused_requests`` counts the team's own."""
-    out, seen = [], set()
-    for r in sorted(rows, key=lambda r: (r["team"], r["turn"])):
-        agent = r.get("agent")
-        if agent is None or (r["team"], agent) in seen:
-            continue
-        seen.add((r["team"], agent))
-        scope = scopes.get(agent) or {}
-        out.append({"team": r["team"], "position": sum(1 for t, _ in seen if t == r["team"]),
-                    "reused_requests": sum(1 for x in rows if x["team"] == r["team"] and x.get("agent") == agent
-                                           and x.get("reused", 0) > 0),
-                    "samples": scope.get("samples", 0), "top1": scope.get("top1") or {"n": 0, "mean": None}})
+    its team, from the trace, so a failed request shifts no one), never by the server's agent digest. ``scopes``:
+    ``GET /kvshare/fidelity``'s ``per_scope``, found by the agent a response's report names. Auto mode names an
+    agent by its system prompt, so the same prompt in two teams is one guard scope: both rows show its estimate,
+    and ``reused_requests`` counts the team's own."""
+    out = []
+    for team in sorted({r["team"] for r in rows}):
+        mine = sorted((r for r in rows if r["team"] == team), key=lambda r: r["turn"])
+        for position, speaker in enumerate(dict.fromkeys(r["speaker"] for r in mine), 1):
+            theirs = [r for r in mine if r["speaker"] == speaker]
+            agent = next((r["agent"] for r in theirs if r.get("agent")), None)
+            scope = scopes.get(agent) or {} if agent is not None else {}
+            out.append({"team": team, "position": position,
+                        "reused_requests": sum(1 for r in theirs if r.get("reused", 0) > 0),
+                        "samples": scope.get("samples", 0), "top1": scope.get("top1") or {"n": 0, "mean": None}})
     return out
 
 
@@ -338,7 +339,7 @@ def plan(args: argparse.Namespace, teams: list[dict]) -> dict:
     servers, top = [], max(args.rates)
     for pool in args.pools:
         flags = common + ["--max-total-tokens", str(pool_tokens(pool, teams, args.max_tokens))]
-        for arm in args.arms:
+        for arm in sorted(args.arms, key=list(ARMS).index):  # stock first: the others are compared with its answers
             if args.quick and arm == "off" and pool == "half":
                 continue  # the quick form: `off` once, beside stock on the large pool at the top rate
             rates = [top] if args.quick and (pool == "half" or arm == "off") else args.rates

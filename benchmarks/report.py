@@ -376,10 +376,11 @@ def _traffic_headline(d: dict) -> tuple[str, str, str]:
         a = c.get("agreement_with_stock") or {}
         if a.get("n"):
             agree.append(f"{label}: {a['equal']}/{a['n']} {interval(a.get('ci95'), '.2f')}")
-    verified = [a["top1"]["mean"] for a in (d.get("fidelity") or {}).get("per_agent", [])
-                if a["samples"] and a["top1"].get("mean") is not None]
-    guard = (f"; the guard's top-1 per agent, every reused request verified: {min(verified):.3f}-{max(verified):.3f} "
-             f"over {len(verified)} agents" if verified else "")
+    agents = [a for a in (d.get("fidelity") or {}).get("per_agent", []) if a["reused_requests"]]
+    verified = [a["top1"]["mean"] for a in agents if a["samples"] and a["top1"].get("mean") is not None]
+    guard = (f"; the guard's top-1 per agent ({sum(min(a['samples'], a['reused_requests']) for a in agents)} of "
+             f"{sum(a['reused_requests'] for a in agents)} reused requests verified): "
+             f"{min(verified):.3f}-{max(verified):.3f} over {len(verified)} agents" if verified else "")
     return (f"Agent traffic: teams {', '.join(d['plan']['teams'])} through the chat API, auto mode against stock "
             f"SGLang, turns 2..", "; ".join(figs) or "-",
             "greedy answers equal to stock's: " + ("; ".join(agree) or "-") + guard)

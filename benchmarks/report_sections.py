@@ -138,10 +138,10 @@ def render_agent_traffic(d: dict) -> str:
     kv = [c for c in d["cells"] if c["arm"] not in ("stock", "off")]  # the arms that reuse
     by_team = [f"{c['arm']} {c['pool']} {c['rate']:g}/min {c['retention']}: " + ", ".join(
         f"{team} {num(r)}" for team, r in c["reuse_by_team"].items()) for c in kv if c.get("reuse_by_team")]
-    by_sources = [[f"`{c['arm']}`", c["pool"], f"{c['rate']:g}", n, str(b["requests"]), num(b["ttft_p50_s"], ".2f", " s"),
+    by_sources = [[f"`{c['arm']}`", c["pool"], f"{c['rate']:g}", c["retention"], n, str(b["requests"]), num(b["ttft_p50_s"], ".2f", " s"),
                    num(b["assembly_s"] * 1000, ".1f", " ms"), num(b["aligned"], ".0f"), num(b["recomputed"], ".0f")]
                   for c in kv for n, b in c["by_sources"].items()]
-    guard = [f"{c['arm']} {c['pool']} {c['rate']:g}/min: " + ", ".join(
+    guard = [f"{c['arm']} {c['pool']} {c['rate']:g}/min {c['retention']}: " + ", ".join(
         f"{num(v['top1'].get('mean'), '.3f')} (n {v['top1'].get('n')})" for v in c["guard_top1"].values()
         if v.get("top1")) for c in kv if c.get("guard_top1")]
     low, p = min(c["rate"] for c in d["cells"]), d["plan"]
@@ -155,7 +155,7 @@ def render_agent_traffic(d: dict) -> str:
                      "5xx / lost"], rows)
             + "\n\nReuse per team: " + ("; ".join(by_team) or "none") + "."
             + "\n\nBy source agents a request reused (mean per request):\n\n"
-            + table(["arm", "pool", "rate /min", "sources", "requests", "TTFT p50", "assembly", "aligned tok",
+            + table(["arm", "pool", "rate /min", "retention", "sources", "requests", "TTFT p50", "assembly", "aligned tok",
                      "recomputed tok"], by_sources)
             + f"\n\nTTFT (s) per position in teams of 8 and more, large pool, {low:g} teams/min: "
             + ("\n\n" + "\n".join(turns) if turns else "none in this run.")
@@ -184,7 +184,7 @@ def _idle_part(idle: dict) -> str:
     return ("\n\nThe short-message teams one at a time on an idle server (large pool; floor: the TTFT of a one-line "
             "request, which no reuse removes):\n\n"
             + table(["arm", "floor TTFT", "TTFT p50", "reused requests / their p50", "p50 without reuse",
-                     "prefill forwards: requests", "answers = stock [95 %]", "5xx / lost"], rows)
+                     "prefill forwards: requests", "answers = stock, turns 2.. [95 %]", "5xx / lost"], rows)
             + "\n\nStock's TTFT over the arm's, same team and turn: " + ("; ".join(ratios) or "none paired") + ".")
 
 
@@ -195,9 +195,10 @@ def _fidelity_part(f: Optional[dict]) -> str:
     agents = [f"{a['team']} agent {a['position']}: {num(a['top1'].get('mean'), '.3f')} "
               f"{interval(a['top1'].get('ci95'), '.3f')} ({a['samples']} verified of {a['reused_requests']} reused)"
               for a in f["per_agent"] if a["reused_requests"]]
-    return (f"\n\nThe guard's top-1 per agent, teams {', '.join(f['teams'])} one at a time, every approximated "
-            f"request verified (verify rate {num(f['verify_rate'], 'g')}; {f['verified']} verified; "
-            f"5xx / lost {f['errors_5xx']} / {f['lost']}): " + ("; ".join(agents) or "no request reused") + ".")
+    rate = "could not be set: the server's own rate" if f["verify_rate"] is None else num(f["verify_rate"], "g")
+    return (f"\n\nThe guard's top-1 per agent, teams {', '.join(f['teams'])} one at a time (verify rate {rate}; "
+            f"{f['verified']} verified; 5xx / lost {f['errors_5xx']} / {f['lost']}): "
+            + ("; ".join(agents) or "no request reused") + ".")
 
 
 def render_demo(d: dict) -> str:

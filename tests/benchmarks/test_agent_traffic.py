@@ -175,15 +175,26 @@ def test_the_idle_replay_keeps_turns_two_on_and_splits_reused_from_dense():
 
 
 def test_the_guard_per_agent_is_named_by_team_and_position_never_by_digest():
-    rows = [_row("r", 1, 1.0, agent="auto-aa", reused=0), _row("r", 2, 1.0, agent="auto-bb", reused=10),
-            _row("r", 3, 1.0, agent="auto-aa", reused=10), _row("s", 1, 1.0, agent="auto-bb", reused=0),
-            _row("s", 2, 1.0, agent=None)]
+    rows = [_row("r", 1, 1.0, speaker="A", agent="auto-aa", reused=0),
+            _row("r", 2, None, status=503, speaker="B"),  # a failed request: its report names no agent
+            _row("r", 3, 1.0, speaker="C", agent="auto-cc", reused=10),
+            _row("r", 4, 1.0, speaker="A", agent="auto-aa", reused=10),
+            _row("r", 5, 1.0, speaker="B", agent="auto-bb", reused=10),
+            _row("s", 1, 1.0, speaker="A", agent="auto-aa", reused=0)]
     scopes = {"auto-aa": {"samples": 1, "top1": {"n": 32, "mean": 0.97, "ci95": [0.9, 1.0]}}}
     agents = at.per_agent(rows, scopes)
-    assert [(a["team"], a["position"], a["samples"]) for a in agents] == [("r", 1, 1), ("r", 2, 0), ("s", 1, 0)]
+    # Positions follow the trace's speakers: the failed request shifts no one.
+    assert [(a["team"], a["position"], a["samples"]) for a in agents] == [("r", 1, 1), ("r", 2, 0), ("r", 3, 0),
+                                                                            ("s", 1, 1)]
     assert agents[0]["top1"]["mean"] == 0.97 and agents[1]["top1"] == {"n": 0, "mean": None}
-    assert agents[0]["reused_requests"] == 1 and "auto-aa" not in json.dumps(agents)
-    assert [a["reused_requests"] for a in agents] == [1, 1, 0]  # each team's own requests, one scope or not
+    assert [a["reused_requests"] for a in agents] == [1, 1, 1, 0]  # each team's own requests, one scope or not
+    assert "auto-" not in json.dumps(agents)
+
+
+def test_stock_runs_first_whatever_the_order_of_arms():
+    teams = [t for t in agent_teams.load() if t["name"] == "groupchat-4"]
+    servers = at.plan(at.parse(["--arms", "any_length", "default", "stock", "--pools", "large"]), teams)["servers"]
+    assert [s["arm"] for s in servers] == ["stock", "default", "any_length"]
 
 
 def test_the_wilson_interval():
@@ -239,15 +250,18 @@ def test_the_results_file_has_the_cells_the_issue_names_and_a_report_section():
     by_sources = sum(len(c["by_sources"]) for c in data["cells"] if c["arm"] == "default")
     assert render_agent_traffic(data).count("\n| `") == len(data["cells"]) + len(data["idle"]) + by_sources
     assert "* `default` groupchat-8: 0.5 1.0 1.5 2.0" in text  # per position, a long team
-    assert "top-1 per agent: default large 4/min: 0.988 (n 4); default half 4/min: 0.988 (n 4)." in text
+    assert "top-1 per agent: default large 4/min lru: 0.988 (n 4); default half 4/min lru: 0.988 (n 4)." in text
     assert "Reuse per team: default large 4/min lru: groupchat-8 0.80;" in text
     assert "| `default` | 0.31 s | 0.70 s | 1 / 0.70 s | 0.70 s | 1: 3 | 3/3 [0.44, 1.00] | 0 / 0 |" in text
     assert "| `stock` | 0.30 s | 1.40 s |" in text and "| - | 0 / 0 |" in text  # stock: no agreement with itself
     assert ("`default` with reused tokens: median 2.00x over 1 turns (2.00-2.00x); `default` without: median 2.00x "
             "over 2 turns") in text
     assert "retrieval-8 agent 2: 0.969 [0.900, 1.000] (2 verified of 2 reused)." in text
-    assert "agent 1" not in text.split("every approximated request verified")[1]  # agents that reused nothing
-    assert "every reused request verified: 0.969-0.969 over 1 agents" in fidelity
+    assert "agent 1" not in text.split("one at a time (verify rate")[1]  # agents that reused nothing
+    assert "the guard's top-1 per agent (2 of 2 reused requests verified): 0.969-0.969 over 1 agents" in fidelity
+    assert "(verify rate 1; 3 verified; 5xx / lost 0 / 0): retrieval-8 agent 2: 0.969" in text
+    unset = {**data, "fidelity": {**data["fidelity"], "verify_rate": None}}
+    assert "verify rate could not be set" in render_agent_traffic(unset)
     old = {k: v for k, v in data.items() if k not in ("idle", "fidelity")}  # files written before both replays
     assert "idle server" not in render_agent_traffic(old) and "verified:" not in report.HEADLINE[entry.name](old)[2]
 
