@@ -132,7 +132,7 @@ def run_cell(url: str, teams: Sequence[dict], per_minute: float, seed: int, max_
                 bar.update()
         spans.append([t0, time.perf_counter() - start])
 
-    with ThreadPoolExecutor(max_workers=max(1, len(teams) if per_minute > 0 else 1)) as pool:
+    with ThreadPoolExecutor(max_workers=max(1, len(teams)) if per_minute > 0 else 1) as pool:
         list(pool.map(team_run, range(len(teams))))
     return {"rows": rows, "spans": spans, "wall_s": time.perf_counter() - start}
 
@@ -178,11 +178,21 @@ def derive(run: dict, stock_answers: Optional[dict] = None) -> dict:
                                     **{k: round(sum(r.get(k, 0) for r in v) / len(v), 4)
                                        for k in ("assembly_s", "aligned", "recomputed")}}
                            for n, v in sorted(by_sources.items())},
-            "requests": len(rows), "errors_5xx": sum(r["status"] >= 500 for r in rows),
-            "lost": sum(r["status"] == 0 for r in rows)}
+            "requests": len(rows), **failures(rows)}
     if stock_answers:
         cell["agreement_with_stock"] = agreement(ok, stock_answers)
     return cell
+
+
+def failures(rows: Sequence[dict]) -> dict:
+    """Requests answered with a 5xx, and requests that got no answer at all (status 0)."""
+    return {"errors_5xx": sum(r["status"] >= 500 for r in rows), "lost": sum(r["status"] == 0 for r in rows)}
+
+
+def reset(url: str, key: str) -> None:
+    """Empty the tree, kvshare's records and the guard's estimates: each cell and replay starts from nothing."""
+    for path in ("/flush_cache", "/kvshare/reset", "/kvshare/fidelity/reset"):
+        call(url, key, "POST", path)
 
 
 def agreement(rows: Sequence[dict], stock_answers: dict) -> dict:
@@ -213,8 +223,7 @@ def derive_idle(run: dict, floor: Optional[float], stock_answers: Optional[dict]
             "prefill_forwards": dict(Counter(str(r["forwards"]) for r in later if r.get("forwards") is not None)),
             "turns": [{"team": r["team"], "turn": r["turn"], "ttft_s": round(r["ttft_s"], 4),
                        "reused": r.get("reused", 0)} for r in sorted(later, key=lambda r: (r["team"], r["turn"]))],
-            "errors_5xx": sum(r["status"] >= 500 for r in run["rows"]),
-            "lost": sum(r["status"] == 0 for r in run["rows"]),
+            **failures(run["rows"]),
             **({"agreement_with_stock": agreement(later, stock_answers)} if stock_answers else {})}
 
 
@@ -230,7 +239,7 @@ def per_agent(rows: Sequence[dict], scopes: dict) -> list[dict]:
         for position, speaker in enumerate(dict.fromkeys(r["speaker"] for r in mine), 1):
             theirs = [r for r in mine if r["speaker"] == speaker]
             agent = next((r["agent"] for r in theirs if r.get("agent")), None)
-            scope = scopes.get(agent) or {} if agent is not None else {}
+            scope = scopes.get(agent) or {}
             out.append({"team": team, "position": position,
                         "reused_requests": sum(1 for r in theirs if r.get("reused", 0) > 0),
                         "samples": scope.get("samples", 0), "top1": scope.get("top1") or {"n": 0, "mean": None}})
@@ -245,9 +254,7 @@ def fidelity_replay(url: str, key: str, teams: Sequence[dict], max_tokens: int, 
     guard = settled_guard(url, key, deadline_s=600.0)
     return {"teams": [t["name"] for t in teams], "verify_rate": 1.0 if set_rate is not None else None,
             "verified": (guard.get("counters") or {}).get("verified", 0),
-            "per_agent": per_agent(run["rows"], guard.get("per_scope") or {}),
-            "errors_5xx": sum(r["status"] >= 500 for r in run["rows"]),
-            "lost": sum(r["status"] == 0 for r in run["rows"])}
+            "per_agent": per_agent(run["rows"], guard.get("per_scope") or {}), **failures(run["rows"])}
 
 
 def retention(stats: Optional[dict]) -> str:
@@ -381,8 +388,7 @@ def main(argv=None) -> int:
         with proc:
             chat_stream(proc.url, [{"role": "user", "content": "Say hello."}], 8)  # first-request costs
             for rate, order in spec["cells"]:
-                for path in ("/flush_cache", "/kvshare/reset", "/kvshare/fidelity/reset"):  # each cell from empty
-                    call(proc.url, key, "POST", path)
+                reset(proc.url, key)
                 if order is not None:
                     call(proc.url, key, "POST", "/kvshare/config", {"retention": order})
                 samples, stop = [], threading.Event()
@@ -408,8 +414,7 @@ def main(argv=None) -> int:
                 result["wall_s"] = round(time.perf_counter() - t_start, 1)
                 write_json(args.out, result)  # a stopped run keeps its finished cells
             for extra in spec["extras"]:
-                for path in ("/flush_cache", "/kvshare/reset", "/kvshare/fidelity/reset"):
-                    call(proc.url, key, "POST", path)
+                reset(proc.url, key)
                 if extra == "idle" and short:
                     floor = floor_ttft(proc.url)
                     idle = run_cell(proc.url, short, 0.0, args.seed, args.max_tokens, bar)
